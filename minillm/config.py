@@ -1,0 +1,70 @@
+"""Every engine knob in one place, checked once at construction (chapters 02–07).
+
+Names follow vLLM's engine arguments so that what a learner tunes here carries over.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+BATCHING_MODES = ("static", "dynamic", "continuous")
+KV_LAYOUTS = ("slab",)
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    batching: str = "continuous"
+    max_num_seqs: int = 32  # most requests running at once (the batch size)
+    max_num_batched_tokens: int | None = None  # token budget per step; default max(2048, max_model_len)
+    max_model_len: int | None = None  # prompt + output; default the model's max_position_embeddings
+    max_queue_delay_ms: float = 10.0  # dynamic batching: fire when the oldest request waited this long
+    static_batch_timeout_ms: float = math.inf  # static batching: fire a partial batch after this wait
+    kv_layout: str = "slab"
+    seed: int = 0  # seeds requests that sample without their own seed
+
+    def __post_init__(self) -> None:
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching={self.batching!r}; choose one of {BATCHING_MODES}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout={self.kv_layout!r}; choose one of {KV_LAYOUTS}")
+        _require_int("max_num_seqs", self.max_num_seqs, 1)
+        if self.max_model_len is not None:
+            _require_int("max_model_len", self.max_model_len, 2)
+        if self.max_num_batched_tokens is not None:
+            _require_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if not self.max_queue_delay_ms >= 0:
+            raise ValueError(f"max_queue_delay_ms must be >= 0, got {self.max_queue_delay_ms!r}")
+        if not self.static_batch_timeout_ms >= 0:
+            raise ValueError(f"static_batch_timeout_ms must be >= 0, got {self.static_batch_timeout_ms!r}")
+
+    def resolve(self, model_max_len: int) -> EngineConfig:
+        """Fill the defaults that depend on the model, and check the knobs against each other."""
+        if self.max_model_len is None:
+            self.max_model_len = model_max_len
+        elif self.max_model_len > model_max_len:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={model_max_len}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(2048, self.max_model_len)
+        elif self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than max_model_len="
+                f"{self.max_model_len}: a long prompt could never be scheduled without chunked prefill; "
+                f"use max_num_batched_tokens >= {self.max_model_len}")
+        return self
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known options: {sorted(known)}")
+        return cls(**kwargs)
+
+
+def _require_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

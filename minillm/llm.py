@@ -1,0 +1,129 @@
+"""`LLM`: the offline entry point, shaped like vLLM's (chapter 00 onwards).
+
+    from minillm import LLM, SamplingParams
+    llm = LLM()                                   # the bundled model, on CPU
+    outs = llm.generate(["Once upon a time"], SamplingParams(max_tokens=16, temperature=0.0))
+    outs[0].outputs[0].text
+
+Engine knobs are keyword arguments with vLLM's names (`max_num_seqs`, `batching`, …).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minillm.config import EngineConfig
+from minillm.engine import LLMEngine
+from minillm.model.config import ModelConfig
+from minillm.model.loader import load_hf_model, load_model_dir
+from minillm.model.tokenizer import generation_eos_ids, load_tokenizer
+from minillm.request import CompletionOutput, Request, RequestOutput, SamplingParams
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUNDLED_TARGET = REPO_ROOT / "models" / "minillm-target"
+BUNDLED_DRAFT = REPO_ROOT / "models" / "minillm-draft"
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+           "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r}; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class LLM:
+    def __init__(self, model: str | Path | Any | None = None, *, tokenizer: Any | None = None,
+                 dtype: str | torch.dtype = "float32", device: str | None = None, **engine_knobs: Any) -> None:
+        """`model`: an HF directory, an in-memory transformers model, or None for the bundled target."""
+        config = EngineConfig.from_kwargs(engine_knobs)
+        torch_dtype = resolve_dtype(dtype)
+        device = device or default_device()
+        if device == "cpu" and torch_dtype in (torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype={dtype} on CPU runs at ~0.3 GFLOP/s; use float32 (or float64) on CPU")
+        if model is None or isinstance(model, (str, Path)):
+            model_dir = Path(model) if model is not None else BUNDLED_TARGET
+            if not model_dir.is_dir():
+                raise FileNotFoundError(f"model directory {model_dir} does not exist")
+            self.model = load_model_dir(model_dir, torch_dtype, device, config.max_model_len)
+            eos = generation_eos_ids(model_dir)
+            if eos:
+                self.model.config = dataclasses.replace(
+                    self.model.config, eos_token_ids=tuple(dict.fromkeys(self.model.config.eos_token_ids + eos)))
+            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
+        else:
+            self.model = load_hf_model(model, torch_dtype, device, config.max_model_len)
+            self.tokenizer = tokenizer
+        self.engine = LLMEngine(self.model, self.tokenizer, config)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model.config
+
+    def generate(self, prompts: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+                 arrival_times: list[float] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of `prompts`.
+
+        `arrival_times` (seconds from now) replays a trace: each request is only visible to the
+        scheduler once its time has come.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
+            params_list = sampling_params
+        else:
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        if arrival_times is not None and len(arrival_times) != len(prompts):
+            raise ValueError(f"got {len(arrival_times)} arrival times for {len(prompts)} prompts")
+
+        engine = self.engine
+        start = engine.clock.now()
+        requests: list[Request] = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                arrival = None if arrival_times is None else start + arrival_times[i]
+                requests.append(engine.add_request(prompt, params, arrival_time=arrival))
+        except ValueError:
+            for req in requests:  # leave the engine as it was: nothing half-submitted
+                engine.abort_request(req.request_id)
+            raise
+        self._run(len(requests), use_tqdm)
+        return [to_request_output(req, engine.metrics.requests.get(req.request_id)) for req in requests]
+
+    def _run(self, total: int, use_tqdm: bool) -> None:
+        engine = self.engine
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, desc="generate", unit="req", leave=False)
+        try:
+            while engine.has_unfinished():
+                progressed = engine.step()
+                if not progressed:
+                    engine.wait_for_work()
+                elif bar is not None:
+                    bar.update(sum(1 for r in progressed if r.status.finished))
+        finally:
+            if bar is not None:
+                bar.close()
+
+
+def to_request_output(req: Request, metrics: Any = None) -> RequestOutput:
+    completion = CompletionOutput(0, req.output_text, list(req.output_token_ids), req.finish_reason)
+    return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion],
+                         req.status.finished, metrics)

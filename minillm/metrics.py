@@ -1,0 +1,330 @@
+"""Serving metrics: per-request timestamps, per-step records, and a `vllm bench serve`-style summary.
+
+Chapter 03 defines the latency metrics, chapter 04 adds goodput; later chapters read the
+per-step fields (padding, KV occupancy, preemptions, prefix-cache hits). Names and definitions
+follow `vllm bench serve`:
+
+- TTFT  = first token − arrival (queueing + prefill).
+- TPOT  = (finish − first token) / (output tokens − 1): the decode pace, EXCLUDING the first token;
+          undefined for single-token outputs.
+- ITL   = gaps between consecutive tokens, pooled over all requests (so long outputs weigh more).
+          Tokens emitted in the same step (speculative decoding) share a timestamp: a 0 gap here,
+          where a streaming client would see one chunk.
+- E2EL  = finish − arrival.
+- goodput = completed requests per second that met EVERY given SLO (Zhong et al., DistServe).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class RequestMetrics:
+    request_id: str
+    arrival_time: float
+    num_prompt_tokens: int
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one per output token, first included
+    finished_time: float | None = None
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_times)
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        n = self.num_output_tokens
+        if n <= 1 or self.finished_time is None or self.first_token_time is None:
+            return None
+        return (self.finished_time - self.first_token_time) / (n - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+@dataclass
+class StepRecord:
+    step: int
+    start_time: float
+    duration_s: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_padding_tokens: int  # slots computed for pads or already-finished rows (static/dynamic batching)
+    num_seqs: int  # rows in the batch
+    num_waiting: int
+    kv_used_tokens: int  # KV slots holding real tokens
+    kv_reserved_tokens: int  # KV slots reserved / allocated (≥ used)
+    kv_total_tokens: int  # KV capacity
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens + self.num_padding_tokens
+
+
+@dataclass
+class SLO:
+    """Service-level objectives in ms; None means "not checked"."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+
+@dataclass
+class LatencyStats:
+    mean_ms: float
+    median_ms: float
+    std_ms: float
+    percentiles_ms: dict[float, float]
+
+    @classmethod
+    def of(cls, values_s: Sequence[float], percentiles: Sequence[float]) -> LatencyStats:
+        if len(values_s) == 0:
+            nan = float("nan")
+            return cls(nan, nan, nan, {p: nan for p in percentiles})
+        ms = np.asarray(values_s, dtype=np.float64) * 1000.0
+        return cls(float(ms.mean()), float(np.median(ms)), float(ms.std()),
+                   {p: float(np.percentile(ms, p)) for p in percentiles})
+
+
+def _pword(p: float) -> str:
+    return str(int(p)) if int(p) == p else str(p)
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den > 0 else float("nan")
+
+
+@dataclass
+class Summary:
+    completed: int
+    total_input_tokens: int
+    total_output_tokens: int
+    duration_s: float
+    request_throughput: float  # req/s
+    output_throughput: float  # output tok/s
+    total_token_throughput: float  # (input + output) tok/s
+    request_goodput: float | None  # req/s meeting every SLO; None without an SLO
+    ttft: LatencyStats
+    tpot: LatencyStats
+    itl: LatencyStats
+    e2el: LatencyStats
+    padding_waste: float  # padding tokens / all computed tokens, over steps
+    mean_kv_occupancy: float  # mean over steps of kv_used / kv_total
+    kv_reservation_waste: float  # 1 − Σ kv_used / Σ kv_reserved, over steps
+    num_preemptions: int
+    prefix_cache_hit_rate: float  # cached prompt tokens / prompt tokens
+    num_steps: int = 0
+
+    def to_dict(self) -> dict:
+        """Flat dict; latency keys as in vllm's result JSON (mean_ttft_ms, p99_tpot_ms, …)."""
+        d = {k: v for k, v in asdict(self).items() if k not in ("ttft", "tpot", "itl", "e2el")}
+        for name in ("ttft", "tpot", "itl", "e2el"):
+            s: LatencyStats = getattr(self, name)
+            d[f"mean_{name}_ms"], d[f"median_{name}_ms"], d[f"std_{name}_ms"] = s.mean_ms, s.median_ms, s.std_ms
+            for p, v in s.percentiles_ms.items():
+                d[f"p{_pword(p)}_{name}_ms"] = v
+        return d
+
+    def table(self, title: str = "Serving Benchmark Result") -> str:
+        """An aligned text block laid out like `vllm bench serve`'s."""
+        lines = [f"{' ' + title + ' ':=^50}"]
+
+        def row(label: str, value: float | int | None) -> None:
+            text = "-" if value is None else (f"{value}" if isinstance(value, int) else f"{value:.2f}")
+            lines.append(f"{label:<40} {text}")
+
+        row("Successful requests:", self.completed)
+        row("Benchmark duration (s):", self.duration_s)
+        row("Total input tokens:", self.total_input_tokens)
+        row("Total generated tokens:", self.total_output_tokens)
+        row("Request throughput (req/s):", self.request_throughput)
+        if self.request_goodput is not None:
+            row("Request goodput (req/s):", self.request_goodput)
+        row("Output token throughput (tok/s):", self.output_throughput)
+        row("Total token throughput (tok/s):", self.total_token_throughput)
+        for name, header in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                             ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+            s: LatencyStats = getattr(self, name)
+            lines.append(f"{header:-^50}")
+            row(f"Mean {name.upper()} (ms):", s.mean_ms)
+            row(f"Median {name.upper()} (ms):", s.median_ms)
+            for p, v in s.percentiles_ms.items():
+                if p != 50:
+                    row(f"P{_pword(p)} {name.upper()} (ms):", v)
+        lines.append(f"{'Engine':-^50}")
+        row("Steps:", self.num_steps)
+        row("Padding waste (%):", 100 * self.padding_waste)
+        row("Mean KV occupancy (%):", 100 * self.mean_kv_occupancy)
+        row("KV reservation waste (%):", 100 * self.kv_reservation_waste)
+        row("Preemptions:", self.num_preemptions)
+        row("Prefix cache hit rate (%):", 100 * self.prefix_cache_hit_rate)
+        lines.append("=" * 50)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def summarize(
+    requests: Sequence[RequestMetrics],
+    steps: Sequence[StepRecord] = (),
+    *,
+    duration_s: float | None = None,
+    slo: SLO | None = None,
+    percentiles: Sequence[float] = (50, 99),
+) -> Summary:
+    """Aggregate finished requests and engine steps into a Summary.
+
+    Only finished requests count (as vllm counts only successful ones). `duration_s` defaults to
+    last finish − first arrival. Preemptions are counted by both requests and steps; the summary
+    takes whichever source recorded more, so an engine that fills only one is still counted.
+    """
+    done = [r for r in requests if r.finished_time is not None]
+    if duration_s is None:
+        duration_s = max(r.finished_time for r in done) - min(r.arrival_time for r in requests) if done else 0.0
+    ttfts = [r.ttft for r in done if r.ttft is not None]
+    tpots = [r.tpot for r in done if r.tpot is not None]
+    itls = [gap for r in done for gap in r.itls]
+    e2els = [r.e2e_latency for r in done]
+    total_in = sum(r.num_prompt_tokens for r in done)
+    total_out = sum(r.num_output_tokens for r in done)
+
+    goodput = None
+    if slo is not None:
+        def good(r: RequestMetrics) -> bool:
+            # vllm treats a single-token output's TPOT as 0 for goodput.
+            checks = ((slo.ttft_ms, r.ttft), (slo.tpot_ms, r.tpot or 0.0), (slo.e2el_ms, r.e2e_latency))
+            return all(limit is None or (v is not None and v <= limit / 1000) for limit, v in checks)
+        goodput = _ratio(sum(good(r) for r in done), duration_s)
+
+    computed = sum(s.num_computed_tokens for s in steps)
+    occupancy = [s.kv_used_tokens / s.kv_total_tokens for s in steps if s.kv_total_tokens > 0]
+    reserved = sum(s.kv_reserved_tokens for s in steps)
+    return Summary(
+        completed=len(done),
+        total_input_tokens=total_in,
+        total_output_tokens=total_out,
+        duration_s=float(duration_s),
+        request_throughput=_ratio(len(done), duration_s),
+        output_throughput=_ratio(total_out, duration_s),
+        total_token_throughput=_ratio(total_in + total_out, duration_s),
+        request_goodput=goodput,
+        ttft=LatencyStats.of(ttfts, percentiles),
+        tpot=LatencyStats.of(tpots, percentiles),
+        itl=LatencyStats.of(itls, percentiles),
+        e2el=LatencyStats.of(e2els, percentiles),
+        padding_waste=_ratio(sum(s.num_padding_tokens for s in steps), computed),
+        mean_kv_occupancy=float(np.mean(occupancy)) if occupancy else float("nan"),
+        kv_reservation_waste=1.0 - _ratio(sum(s.kv_used_tokens for s in steps), reserved),
+        num_preemptions=max(sum(r.num_preemptions for r in requests), sum(s.num_preemptions for s in steps)),
+        prefix_cache_hit_rate=_ratio(sum(r.num_cached_prompt_tokens for r in done), total_in),
+        num_steps=len(steps),
+    )
+
+
+# (label, getter) pairs shown by compare(); ratios > 1 mean "more than the baseline".
+_COMPARE_ROWS: list[tuple[str, Callable[[Summary], float | None]]] = [
+    ("request throughput (req/s)", lambda s: s.request_throughput),
+    ("output throughput (tok/s)", lambda s: s.output_throughput),
+    ("request goodput (req/s)", lambda s: s.request_goodput),
+    ("mean TTFT (ms)", lambda s: s.ttft.mean_ms),
+    ("P99 TTFT (ms)", lambda s: s.ttft.percentiles_ms.get(99)),
+    ("mean TPOT (ms)", lambda s: s.tpot.mean_ms),
+    ("P99 TPOT (ms)", lambda s: s.tpot.percentiles_ms.get(99)),
+    ("P99 ITL (ms)", lambda s: s.itl.percentiles_ms.get(99)),
+    ("mean E2EL (ms)", lambda s: s.e2el.mean_ms),
+    ("padding waste (%)", lambda s: 100 * s.padding_waste),
+    ("mean KV occupancy (%)", lambda s: 100 * s.mean_kv_occupancy),
+    ("preemptions", lambda s: s.num_preemptions),
+]
+
+
+def compare(summaries: dict[str, Summary], baseline: str) -> str:
+    """A text table of key metrics, one column per system, each value with its ratio to `baseline`."""
+    base = summaries[baseline]
+    names = list(summaries)
+    width = max(18, *(len(n) + 2 for n in names))
+    lines = [f"{'metric':<28}" + "".join(f"{n:>{width}}" for n in names)]
+    for label, get in _COMPARE_ROWS:
+        b = get(base)
+        if b is None or all(get(s) is None for s in summaries.values()):
+            continue
+        cells = []
+        for name in names:
+            v = get(summaries[name])
+            text = "-" if v is None else (f"{v}" if isinstance(v, int) else f"{v:.2f}")
+            if v is not None and name != baseline:
+                text += f" ({_ratio(v, b):.2f}x)"
+            cells.append(f"{text:>{width}}")
+        lines.append(f"{label:<28}" + "".join(cells))
+    return "\n".join(lines)
+
+
+class MetricsCollector:
+    """Collects timestamps from the engine's hot path; each call is a dict lookup and an append."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, RequestMetrics] = {}
+        self.steps: list[StepRecord] = []
+        self.observers: list[Callable[[StepRecord], None]] = []
+
+    def add_observer(self, fn: Callable[[StepRecord], None]) -> None:
+        """`fn(step_record)` is called after every step (live plots, Prometheus)."""
+        self.observers.append(fn)
+
+    def on_arrival(self, request_id: str, t: float, num_prompt_tokens: int) -> None:
+        self.requests[request_id] = RequestMetrics(request_id, t, num_prompt_tokens)
+
+    def on_scheduled(self, request_id: str, t: float) -> None:
+        r = self.requests[request_id]
+        if r.first_scheduled_time is None:
+            r.first_scheduled_time = t
+
+    def on_token(self, request_id: str, t: float, num_tokens: int = 1) -> None:
+        """`num_tokens` > 1 when one step emits several (speculative decoding)."""
+        r = self.requests[request_id]
+        if r.first_token_time is None:
+            r.first_token_time = t
+        r.token_times.extend([t] * num_tokens)
+
+    def on_cached(self, request_id: str, num_cached_prompt_tokens: int) -> None:
+        self.requests[request_id].num_cached_prompt_tokens += num_cached_prompt_tokens
+
+    def on_preempted(self, request_id: str) -> None:
+        self.requests[request_id].num_preemptions += 1
+
+    def on_finish(self, request_id: str, t: float) -> None:
+        self.requests[request_id].finished_time = t
+
+    def record_step(self, step: StepRecord) -> None:
+        self.steps.append(step)
+        for fn in self.observers:
+            fn(step)
+
+    def summary(self, **kwargs) -> Summary:
+        """`summarize()` over everything collected; kwargs as for summarize."""
+        return summarize(list(self.requests.values()), self.steps, **kwargs)

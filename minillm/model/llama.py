@@ -1,0 +1,110 @@
+"""The Llama-family decoder that minillm runs itself (chapter 00; KV cache in chapter 01).
+
+The forward pass takes a *flattened ragged batch*: the new tokens of every sequence in the step
+laid end to end (`input_ids[T]`, `positions[T]`), never padded. Token-wise work (norms,
+projections, MLP) runs once on the whole `[T, hidden]` matrix; only attention needs to know
+where one sequence ends and the next begins, so it is delegated to an `attention` object that
+owns the KV cache and the per-sequence layout. Swapping that object (contiguous slabs, pages,
+a CUDA kernel) is how later chapters change the engine without touching this file.
+This is Orca's "selective batching".
+
+Weights are stored fused (q|k|v in one matrix, gate|up in another) so that a decode step issues
+as few small operations as possible: on a tiny model the step time is mostly per-op overhead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from minillm.model.config import ModelConfig
+from minillm.model.rope import RotaryTable, apply_rotary
+
+
+class Attention(Protocol):
+    """What the model needs from the attention backend for one step."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store k, v [T, H_kv, D] in the cache and return attention output [T, H_q, D]."""
+        ...
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(H_q + 2·H_kv)·D, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [hidden, H_q·D]
+    o_bias: torch.Tensor | None
+    post_attention_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2·intermediate, hidden]
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # [hidden, intermediate]
+    down_bias: torch.Tensor | None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) · weight, computed in float32 as HF transformers does (even for float64 models)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class LlamaModel:
+    """A Llama / Mistral / Qwen2 decoder over flattened batches. Not an nn.Module: inference only."""
+
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
+                 final_norm: torch.Tensor, lm_head: torch.Tensor, max_positions: int) -> None:
+        self.config = config
+        self.embed = embed
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.dtype = embed.dtype
+        self.device = embed.device
+        self.rope = RotaryTable(config.head_dim, config.rope_theta, max_positions, self.dtype,
+                                self.device, config.rope_scaling)
+        c = config
+        self._q_heads, self._kv_heads, self._head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self._eps = c.rms_norm_eps
+
+    @property
+    def num_params(self) -> int:
+        tensors = [self.embed, self.final_norm]
+        if self.lm_head is not self.embed:
+            tensors.append(self.lm_head)
+        for lw in self.layers:
+            tensors += [t for t in vars(lw).values() if t is not None]
+        return sum(t.numel() for t in tensors)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of every weight a decode step reads (the embedding table is gathered, not read)."""
+        total = sum(t.numel() * t.element_size() for lw in self.layers for t in vars(lw).values() if t is not None)
+        return total + self.lm_head.numel() * self.lm_head.element_size() + self.final_norm.numel() * self.final_norm.element_size()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for every token in the flattened batch."""
+        num_tokens = input_ids.shape[0]
+        hq, hkv, d, eps = self._q_heads, self._kv_heads, self._head_dim, self._eps
+        cos, sin = self.rope.lookup(positions)
+        h = F.embedding(input_ids, self.embed)
+        for i, lw in enumerate(self.layers):
+            x = rms_norm(h, lw.input_norm, eps)
+            qkv = F.linear(x, lw.qkv, lw.qkv_bias).view(num_tokens, hq + 2 * hkv, d)
+            qk = apply_rotary(qkv[:, : hq + hkv], cos, sin)  # rotate q and k in one go
+            out = attention(i, qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :])
+            h = h + F.linear(out.reshape(num_tokens, hq * d), lw.o, lw.o_bias)
+            x = rms_norm(h, lw.post_attention_norm, eps)
+            gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, lw.down, lw.down_bias)
+        return rms_norm(h, self.final_norm, eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [N, vocab] for the rows of `hidden` that need sampling."""
+        return F.linear(hidden, self.lm_head)

@@ -1,0 +1,136 @@
+"""Requests, their sampling parameters, and what `LLM.generate` returns (chapters 00 and 03).
+
+A `Request` is one prompt's whole life in the engine: it waits, runs (its KV grows one token per
+step), may be preempted, and finishes with a reason. `num_computed_tokens` counts the tokens
+whose K/V are already in the cache; the scheduler hands a request `num_tokens -
+num_computed_tokens` new tokens at most, which is 1 in decode, the prompt in prefill, a chunk in
+chunked prefill, and 1+k when speculating.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next tokens. Names and meanings follow vLLM's `SamplingParams`."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no limit
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (no limit) or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"  # EOS, a stop token id, or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the model's context length reached
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """One prompt moving through the engine."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float, eos_token_ids: tuple[int, ...] = (), priority: int = 0,
+                 prompt: str | None = None, default_seed: int = 0) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)  # prompt + output, grown as tokens arrive
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_preemptions = 0
+        self.output_text = ""  # filled on finish (or earlier, when stop strings are watched)
+        self.stop_token_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            self.stop_token_ids.update(eos_token_ids)
+        self.generator: torch.Generator | None = None
+        if not params.greedy:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(params.seed if params.seed is not None else default_seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's result, shaped like vLLM's `RequestOutput`."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: Any = field(default=None, repr=False)

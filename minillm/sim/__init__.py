@@ -1,0 +1,60 @@
+"""The simulator's cost half: hardware presets, model shapes and a roofline step-time model.
+
+Chapter 00 draws rooflines with it, chapter 01 sizes KV caches, chapter 04 checks its predicted
+step times against measured ones. The simulated executor that drives the real scheduler on a
+simulated clock is built on top of these pieces.
+"""
+
+from minillm.sim.cost_model import (
+    StepCost,
+    decode_step_time,
+    max_batch_for_kv,
+    prefill_time,
+    step_time,
+    weight_bytes_read_per_step,
+)
+from minillm.sim.hardware import (
+    A100_80GB,
+    H100_SXM,
+    H200,
+    PRESETS,
+    Hardware,
+    get_hardware,
+    measure_this_cpu,
+    roofline,
+    roofline_points,
+)
+from minillm.sim.model_shapes import (
+    LLAMA_7B,
+    LLAMA_7B_GQA,
+    LLAMA_70B,
+    MODEL_PRESETS,
+    ModelShape,
+    from_hf_config,
+    get_model_shape,
+)
+
+__all__ = [
+    "A100_80GB",
+    "H100_SXM",
+    "H200",
+    "LLAMA_7B",
+    "LLAMA_7B_GQA",
+    "LLAMA_70B",
+    "MODEL_PRESETS",
+    "PRESETS",
+    "Hardware",
+    "ModelShape",
+    "StepCost",
+    "decode_step_time",
+    "from_hf_config",
+    "get_hardware",
+    "get_model_shape",
+    "max_batch_for_kv",
+    "measure_this_cpu",
+    "prefill_time",
+    "roofline",
+    "roofline_points",
+    "step_time",
+    "weight_bytes_read_per_step",
+]

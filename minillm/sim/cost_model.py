@@ -1,0 +1,176 @@
+"""A roofline cost model of one engine step: FLOPs and bytes in, predicted seconds out.
+
+Chapter 00 uses it to show why decode is memory-bound and prefill compute-bound; chapter 04
+compares its predictions with measured CPU steps, and the simulator (`minillm.sim`) advances its
+clock by it, so chapters can show 7B-on-A100 numbers on a laptop, deterministically.
+
+One step runs a batch of *query tokens* through the model: new prompt tokens of prefilling
+sequences (a whole prompt, or one chunk of it with chunked prefill) and one token per decoding
+sequence. Its time is
+
+    time = max(flops / peak_flops, bytes / mem_bandwidth) + step_overhead
+
+FLOPs (a multiply-add counts as 2):
+  * linear layers: 2 * num_layer_params per query token (every token meets every weight once);
+  * lm_head: 2 * hidden * vocab per row that needs logits: one per sequence in the step
+    (a prefill only samples after its last token, as vLLM computes logits for it alone);
+  * attention: per layer and head, q.k^T over `ctx` keys is 2 * ctx * head_dim, and the weighted
+    sum of values another 2 * ctx * head_dim, so 4 * ctx * head_dim * num_heads * num_layers
+    per query token. A causal prefill's i-th token sees only the tokens before it: about half of
+    a full square.
+Bytes:
+  * weights: every layer's weights and the lm_head are read from memory once per step, however
+    many tokens the batch holds (this is what batching amortizes); the embedding table is not
+    streamed, only the looked-up rows;
+  * KV read: attention reads each sequence's cached K and V once (per layer);
+  * KV write: each query token's new K and V are stored.
+Activations are left out: they are small next to weights at decode, and prefill is compute-bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from minillm.sim.hardware import Hardware
+from minillm.sim.model_shapes import ModelShape
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What one step costs, split so a chapter can show where the time goes."""
+
+    linear_flops: float
+    lm_head_flops: float
+    attention_flops: float
+    weight_bytes: float
+    kv_read_bytes: float
+    kv_write_bytes: float
+    compute_time_s: float
+    memory_time_s: float
+    overhead_s: float
+    num_tokens: int  # query tokens in the step, padding included
+
+    @property
+    def flops(self) -> float:
+        return self.linear_flops + self.lm_head_flops + self.attention_flops
+
+    @property
+    def bytes_moved(self) -> float:
+        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes
+
+    @property
+    def time_s(self) -> float:
+        # compute and memory traffic overlap; the slower of the two sets the pace
+        return max(self.compute_time_s, self.memory_time_s) + self.overhead_s
+
+    @property
+    def bound(self) -> str:
+        """Which roof limits this step: "compute" or "memory"."""
+        return "compute" if self.compute_time_s >= self.memory_time_s else "memory"
+
+    @property
+    def arithmetic_intensity(self) -> float:
+        """FLOP per byte moved: compare with `Hardware.ridge_point`."""
+        return self.flops / self.bytes_moved if self.bytes_moved else 0.0
+
+
+def weight_bytes_read_per_step(shape: ModelShape, dtype_bytes: int) -> int:
+    """Weights streamed from memory once per step: all layers, final norm and lm_head."""
+    return (shape.num_layer_params + shape.embedding_params) * dtype_bytes
+
+
+def _causal_keys_seen(new_tokens: int, cached_tokens: int) -> int:
+    """Sum over the new tokens of how many keys each attends to.
+
+    The i-th new token (i = 0 .. n-1) sees the `cached_tokens` before the chunk and i + 1 tokens
+    of the chunk itself (including itself): n * cached + n (n + 1) / 2.
+    """
+    n = new_tokens
+    return n * cached_tokens + n * (n + 1) // 2
+
+
+def step_time(
+    hw: Hardware,
+    shape: ModelShape,
+    *,
+    prefill_tokens: Sequence[int] = (),
+    prefill_context: Sequence[int] | None = None,
+    decode_context_lens: Sequence[int] = (),
+    padding_tokens: int = 0,
+) -> StepCost:
+    """Predicted cost of one step.
+
+    prefill_tokens: new prompt tokens of each prefilling sequence in this step.
+    prefill_context: tokens already in the KV cache before those (earlier chunks of a chunked
+        prefill, or a prefix-cache hit); default all zeros.
+    decode_context_lens: context length of each decoding sequence, including its new token.
+    padding_tokens: rows that fill a padded batch. They run through every linear layer and write
+        K/V like real tokens but yield nothing: the waste chapters 02-03 measure. (If attention
+        also runs over pads, pass the padded lengths as prefill_tokens/decode_context_lens.)
+    """
+    if prefill_context is None:
+        prefill_context = [0] * len(prefill_tokens)
+    if len(prefill_context) != len(prefill_tokens):
+        raise ValueError("prefill_context needs one entry per prefill_tokens entry")
+    if min(prefill_tokens, default=1) < 1 or min(decode_context_lens, default=1) < 1:
+        raise ValueError("every prefill chunk and decode context must hold at least one token")
+    if min(prefill_context, default=0) < 0 or padding_tokens < 0:
+        raise ValueError("prefill_context and padding_tokens must be >= 0")
+
+    num_tokens = sum(prefill_tokens) + len(decode_context_lens) + padding_tokens
+    if num_tokens == 0:  # nothing scheduled: the step does not run
+        return StepCost(0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0)
+    b = hw.dtype_bytes
+
+    # FLOPs -----------------------------------------------------------------------------------
+    linear_flops = 2 * shape.num_layer_params * num_tokens
+    rows_with_logits = len(prefill_tokens) + len(decode_context_lens)
+    lm_head_flops = 2 * shape.hidden_size * shape.vocab_size * rows_with_logits
+    # keys seen, summed over all query tokens: causal within a prefill chunk, full for a decode
+    keys_seen = sum(_causal_keys_seen(n, c) for n, c in zip(prefill_tokens, prefill_context))
+    keys_seen += sum(decode_context_lens)
+    attention_flops = 4 * shape.head_dim * shape.num_heads * shape.num_layers * keys_seen
+
+    # Bytes -----------------------------------------------------------------------------------
+    weight_bytes = weight_bytes_read_per_step(shape, b)
+    # each sequence's K/V (cached + new) is read once, whatever the number of its query tokens
+    kv_tokens_read = sum(n + c for n, c in zip(prefill_tokens, prefill_context)) + sum(decode_context_lens)
+    kv_read_bytes = shape.kv_bytes_per_token(b) * kv_tokens_read
+    kv_write_bytes = shape.kv_bytes_per_token(b) * num_tokens
+
+    flops = linear_flops + lm_head_flops + attention_flops
+    bytes_moved = weight_bytes + kv_read_bytes + kv_write_bytes
+    return StepCost(
+        linear_flops=linear_flops,
+        lm_head_flops=lm_head_flops,
+        attention_flops=attention_flops,
+        weight_bytes=weight_bytes,
+        kv_read_bytes=kv_read_bytes,
+        kv_write_bytes=kv_write_bytes,
+        compute_time_s=flops / hw.peak_flops,
+        memory_time_s=bytes_moved / hw.mem_bandwidth_bytes_per_s,
+        overhead_s=hw.step_overhead_s,
+        num_tokens=num_tokens,
+    )
+
+
+def decode_step_time(hw: Hardware, shape: ModelShape, batch: int, context_len: int) -> StepCost:
+    """One decode step of `batch` sequences, each `context_len` tokens long (new token included)."""
+    return step_time(hw, shape, decode_context_lens=[context_len] * batch)
+
+
+def prefill_time(hw: Hardware, shape: ModelShape, prompt_len: int) -> StepCost:
+    """Prefill of one `prompt_len`-token prompt in a single step (its TTFT on an idle engine)."""
+    return step_time(hw, shape, prefill_tokens=[prompt_len])
+
+
+def max_batch_for_kv(hw: Hardware, shape: ModelShape, seq_len: int, kv_fraction: float = 0.9) -> int:
+    """How many `seq_len`-token sequences fit in the KV cache.
+
+    The engine may use `kv_fraction` of device memory (vLLM's gpu_memory_utilization); the
+    weights take their share first and the KV cache gets the rest (activations ignored).
+    """
+    free_bytes = hw.mem_capacity_bytes * kv_fraction - shape.weight_bytes(hw.dtype_bytes)
+    per_seq_bytes = shape.kv_bytes(seq_len, 1, hw.dtype_bytes)
+    return max(0, int(free_bytes // per_seq_bytes))

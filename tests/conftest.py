@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny random HF models of each supported family, in float64."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+
+TINY_CONFIGS = {
+    "llama-mha": ("llama", dict(num_key_value_heads=4)),
+    "llama-gqa": ("llama", dict(num_key_value_heads=2)),
+    "llama3-rope": ("llama", dict(num_key_value_heads=2, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64))),
+    "qwen2-bias-tied": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "mistral-window": ("mistral", dict(num_key_value_heads=2, sliding_window=24)),
+}
+
+
+def make_tiny_hf_model(name: str, seed: int = 0):
+    """A random HF *ForCausalLM in float64 (near-ties in fp32 logits would make parity unfair)."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    family, extra = TINY_CONFIGS[name]
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                             "mistral": (MistralConfig, MistralForCausalLM)}[family]
+    torch.manual_seed(seed)
+    config = config_cls(**TINY, **extra)
+    config._attn_implementation = "sdpa"
+    model = model_cls(config).to(torch.float64).eval()
+    with torch.no_grad():  # random init is small; widen it so logits are not all near-equal
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(3.0)
+    return model
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_CONFIGS))
+def tiny_hf_model(request):
+    return request.param, make_tiny_hf_model(request.param)
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = False) -> list[int]:
+    """Reference: HF transformers `generate`, one prompt at a time (no padding involved)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=model.config.eos_token_id if stop_at_eos else None,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def varied_prompts(n: int, vocab: int, seed: int = 1, lo: int = 1, hi: int = 60) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.linspace(lo, hi, n).round().int().tolist()
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths]

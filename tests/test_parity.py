@@ -1,0 +1,50 @@
+"""minillm's own forward equals HF transformers: logits to 1e-6, greedy tokens exactly (float64)."""
+
+from __future__ import annotations
+
+import torch
+from conftest import hf_greedy, varied_prompts
+
+from minillm import LLM, SamplingParams
+from minillm.model.loader import load_hf_model
+from minillm.single_sequence import full_logits, incremental_logits
+
+NUM_TOKENS = 32
+
+
+def test_logits_match_hf_prefill_and_decode(tiny_hf_model):
+    name, hf = tiny_hf_model
+    model = load_hf_model(hf)
+    tokens = varied_prompts(1, hf.config.vocab_size, seed=5, lo=48, hi=48)[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    full = full_logits(model, tokens)
+    incremental = incremental_logits(model, tokens, prefill_len=7)
+    assert (full - ref).abs().max().item() < 1e-6, name
+    assert (incremental - ref).abs().max().item() < 1e-6, name
+    assert ref.abs().max().item() > 1.0  # the comparison is not trivially between near-zero logits
+
+
+def test_greedy_tokens_match_hf_generate(tiny_hf_model):
+    name, hf = tiny_hf_model
+    prompts = varied_prompts(8, hf.config.vocab_size, seed=2)
+    llm = LLM(hf, dtype="float64", device="cpu", max_num_seqs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.prompt_token_ids == prompt
+        assert len(out.outputs[0].token_ids) == NUM_TOKENS
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, NUM_TOKENS), (name, len(prompt))
+
+
+def test_stops_at_eos_like_hf(tiny_hf_model):
+    """Without ignore_eos both stop at the EOS token (kept in token_ids, as HF and vLLM do)."""
+    name, hf = tiny_hf_model
+    prompts = varied_prompts(8, hf.config.vocab_size, seed=3)
+    llm = LLM(hf, dtype="float64", device="cpu", max_num_seqs=8)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ref = hf_greedy(hf, prompt, NUM_TOKENS, stop_at_eos=True)
+        assert out.outputs[0].token_ids == ref, name
+        assert out.outputs[0].finish_reason == ("stop" if ref[-1] == 2 else "length")

@@ -1,0 +1,214 @@
+"""The simulator's cost model: hardware presets, model shapes, roofline step times (chapters 00, 01, 04)."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from minillm.sim import (
+    A100_80GB,
+    H100_SXM,
+    H200,
+    LLAMA_7B,
+    LLAMA_7B_GQA,
+    LLAMA_70B,
+    decode_step_time,
+    from_hf_config,
+    get_hardware,
+    get_model_shape,
+    max_batch_for_kv,
+    measure_this_cpu,
+    prefill_time,
+    roofline,
+    roofline_points,
+    step_time,
+)
+
+GiB = 2**30
+
+
+# --- hardware ---------------------------------------------------------------------------------
+
+
+def test_ridge_points_of_presets():
+    assert A100_80GB.ridge_point == pytest.approx(312e12 / 2.039e12)
+    assert A100_80GB.ridge_point == pytest.approx(153, abs=1)
+    assert H100_SXM.ridge_point == pytest.approx(295, abs=1)
+    assert H200.ridge_point == pytest.approx(206, abs=1)  # same compute as H100, faster HBM: lower ridge
+
+
+def test_get_hardware_by_name_and_error_lists_presets():
+    assert get_hardware("a100-80gb") is A100_80GB
+    with pytest.raises(ValueError, match="A100-80GB.*H100-SXM.*H200"):
+        get_hardware("tpu")
+    with pytest.raises(ValueError, match="llama-7b"):
+        get_model_shape("gpt-5")
+
+
+def test_roofline_is_the_lower_roof():
+    assert roofline(A100_80GB, 1.0) == pytest.approx(2.039e12)  # memory roof
+    assert roofline(A100_80GB, 1000.0) == 312e12  # compute roof
+    assert roofline(A100_80GB, A100_80GB.ridge_point) == pytest.approx(312e12)
+    intensities, flops = roofline_points(A100_80GB, 1.0, 1e4, num=50)
+    assert intensities.shape == flops.shape == (50,)
+    assert np.all(np.diff(flops) >= 0) and flops.max() == 312e12
+    assert flops[0] == pytest.approx(2.039e12)
+
+
+def test_measure_this_cpu_is_plausible():
+    hw = measure_this_cpu(seconds_budget=1.0)
+    assert 1e9 < hw.mem_bandwidth_bytes_per_s < 1e12
+    assert 1e9 < hw.peak_flops < 1e13
+    assert 0 < hw.step_overhead_s < 0.1
+    assert hw.dtype_bytes == 4 and hw.mem_capacity_bytes > 0
+
+
+# --- model shapes -----------------------------------------------------------------------------
+
+
+def test_parameter_counts_match_published_sizes():
+    assert LLAMA_7B.num_params == pytest.approx(6.74e9, rel=0.01)
+    assert LLAMA_70B.num_params == pytest.approx(68.98e9, rel=0.01)
+    assert LLAMA_7B.weight_bytes(2) == pytest.approx(13.5e9, rel=0.01)  # "7B in FP16 is about 14 GB"
+
+
+def test_kv_bytes_formula():
+    # 2 (K, V) * 32 layers * 32 heads * 128 dims * 2 bytes = 0.5 MiB per token
+    assert LLAMA_7B.kv_bytes_per_token(2) == GiB // 2048
+    assert LLAMA_7B.kv_bytes(4096, 1, 2) == 2 * GiB
+    # batch 16 x 2048 tokens is 16 GiB (not ~1 GB, as one seed text says)
+    assert LLAMA_7B.kv_bytes(2048, 16, 2) == 16 * GiB
+    assert LLAMA_7B.kv_bytes_per_token(2) == 4 * LLAMA_7B_GQA.kv_bytes_per_token(2)  # GQA: 32 -> 8 KV heads
+    assert LLAMA_70B.kv_bytes_per_token(2) == 2 * 80 * 8 * 128 * 2
+
+
+QWEN2_0_5B_CONFIG = {  # Qwen2.5-0.5B's config.json (the fields that matter)
+    "model_type": "qwen2",
+    "num_hidden_layers": 24,
+    "hidden_size": 896,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "intermediate_size": 4864,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+}
+
+
+def test_from_hf_config_dict_and_path(tmp_path):
+    shape = from_hf_config(QWEN2_0_5B_CONFIG)
+    assert (shape.head_dim, shape.num_kv_heads, shape.tied_embeddings, shape.qkv_bias) == (64, 2, True, True)
+    assert shape.num_params == 494_032_768  # the published count of Qwen2.5-0.5B
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2_0_5B_CONFIG))
+    assert dataclasses.replace(from_hf_config(tmp_path), name=shape.name) == shape
+    llama = {k: v for k, v in QWEN2_0_5B_CONFIG.items() if k not in ("model_type", "num_key_value_heads")}
+    assert from_hf_config(llama).num_kv_heads == 14  # no num_key_value_heads: plain MHA
+
+
+# --- step cost --------------------------------------------------------------------------------
+
+
+def test_7b_decode_batch1_on_a100_is_memory_bound_at_about_7ms():
+    cost = decode_step_time(A100_80GB, LLAMA_7B, batch=1, context_len=512)
+    assert cost.bound == "memory"
+    # ~13.2 GB of streamed weights (the embedding table is not streamed) + 256 MiB of KV
+    assert cost.bytes_moved == pytest.approx(13.5e9, rel=0.02)
+    assert cost.time_s == pytest.approx(13.5e9 / 2.039e12, rel=0.03)  # 6.6 ms
+    assert 6e-3 < cost.time_s < 7.5e-3
+
+
+def test_7b_prefill_2048_on_a100_is_compute_bound():
+    cost = prefill_time(A100_80GB, LLAMA_7B, 2048)
+    assert cost.bound == "compute"
+    # 2 * 6.48e9 layer params * 2048 tokens + causal attention 4 * (2048 * 2049 / 2) * 128 * 32 * 32
+    # + one lm_head row 2 * 4096 * 32000: about 27.6 TFLOP, 89 ms at 312 TFLOP/s
+    assert cost.flops == pytest.approx(2 * 6.48e9 * 2048 + 4 * 2048 * 2049 / 2 * 128 * 32 * 32, rel=0.01)
+    assert cost.time_s == pytest.approx(cost.flops / 312e12)
+    assert cost.time_s > 10 * cost.memory_time_s
+
+
+def test_doubling_decode_batch_barely_raises_time_while_memory_bound():
+    t8 = decode_step_time(A100_80GB, LLAMA_7B, 8, 512).time_s
+    t16 = decode_step_time(A100_80GB, LLAMA_7B, 16, 512).time_s
+    assert t16 / t8 < 1.2
+    # past the ridge, time grows in step with the batch
+    t512 = decode_step_time(A100_80GB, LLAMA_7B, 512, 1).time_s
+    t1024 = decode_step_time(A100_80GB, LLAMA_7B, 1024, 1).time_s
+    assert t1024 / t512 == pytest.approx(2, rel=0.05)
+
+
+def first_compute_bound(cost_of) -> int:
+    n = 1
+    while cost_of(n).bound == "memory":
+        n += 1
+    return n
+
+
+def test_compute_bound_crossover_is_near_the_ridge_point():
+    # fp16: a decode step does 2 FLOPs per weight per sequence and reads 2 bytes per weight,
+    # so its intensity is about the batch size; context 1 leaves the KV reads out of it
+    decode_batch = first_compute_bound(lambda b: decode_step_time(A100_80GB, LLAMA_7B, b, 1))
+    prefill_len = first_compute_bound(lambda n: prefill_time(A100_80GB, LLAMA_7B, n))
+    for crossover in (decode_batch, prefill_len):
+        assert crossover == pytest.approx(A100_80GB.ridge_point, rel=0.1)
+    assert first_compute_bound(lambda b: decode_step_time(H100_SXM, LLAMA_7B, b, 1)) > 270
+
+
+def test_long_context_decode_is_dominated_by_kv_reads():
+    cost = decode_step_time(A100_80GB, LLAMA_7B, 32, 4096)
+    assert cost.kv_read_bytes == 32 * 2 * GiB
+    assert cost.kv_read_bytes > 4 * cost.weight_bytes and cost.bound == "memory"
+    gqa = decode_step_time(A100_80GB, LLAMA_7B_GQA, 32, 4096)
+    assert gqa.time_s < cost.time_s / 2.5
+
+
+def test_padding_tokens_cost_like_real_tokens():
+    real = step_time(A100_80GB, LLAMA_7B, prefill_tokens=[1024])
+    padded = step_time(A100_80GB, LLAMA_7B, prefill_tokens=[1024], padding_tokens=1024)
+    assert padded.linear_flops == 2 * real.linear_flops
+    assert padded.kv_write_bytes == 2 * real.kv_write_bytes
+    assert 1.8 < padded.time_s / real.time_s < 2.0
+    assert padded.num_tokens == 2048
+
+
+def test_chunked_prefill_splits_flops_exactly_but_rereads_weights():
+    whole = prefill_time(A100_80GB, LLAMA_7B, 2048)
+    first = step_time(A100_80GB, LLAMA_7B, prefill_tokens=[1024])
+    second = step_time(A100_80GB, LLAMA_7B, prefill_tokens=[1024], prefill_context=[1024])
+    assert first.linear_flops + second.linear_flops == whole.linear_flops
+    assert first.attention_flops + second.attention_flops == whole.attention_flops
+    assert second.attention_flops > 2 * first.attention_flops  # the second chunk also sees the first
+    assert first.weight_bytes + second.weight_bytes == 2 * whole.weight_bytes
+
+
+def test_mixed_step_and_lm_head_rows():
+    mixed = step_time(A100_80GB, LLAMA_7B, prefill_tokens=[100, 50], decode_context_lens=[10, 20, 30])
+    assert mixed.num_tokens == 153
+    assert mixed.lm_head_flops == 2 * 4096 * 32000 * 5  # one sampled row per sequence
+    keys = (100 * 101 // 2) + (50 * 51 // 2) + 60
+    assert mixed.attention_flops == 4 * 128 * 32 * 32 * keys
+
+
+def test_empty_step_and_bad_arguments():
+    assert step_time(A100_80GB, LLAMA_7B).time_s == 0.0
+    with pytest.raises(ValueError):
+        step_time(A100_80GB, LLAMA_7B, prefill_tokens=[10], prefill_context=[0, 0])
+    with pytest.raises(ValueError):
+        step_time(A100_80GB, LLAMA_7B, decode_context_lens=[0])
+
+
+def test_step_overhead_is_added_once():
+    slow = dataclasses.replace(A100_80GB, step_overhead_s=1e-3)
+    base = decode_step_time(A100_80GB, LLAMA_7B, 4, 100)
+    assert decode_step_time(slow, LLAMA_7B, 4, 100).time_s == pytest.approx(base.time_s + 1e-3)
+
+
+def test_max_batch_for_kv():
+    # (0.9 * 80e9 - 13.48e9 weight bytes) / 2 GiB per 4096-token sequence = 27.25
+    assert max_batch_for_kv(A100_80GB, LLAMA_7B, 4096) == 27
+    assert max_batch_for_kv(A100_80GB, LLAMA_7B_GQA, 4096) == 112  # GQA: 4x smaller KV, 4x the batch
+    assert max_batch_for_kv(A100_80GB, LLAMA_70B, 4096) == 0  # 138 GB of weights: needs > 1 GPU
+    assert max_batch_for_kv(H200, LLAMA_70B, 4096) == 0
+    fp32_cpu = dataclasses.replace(A100_80GB, dtype_bytes=torch.float32.itemsize)
+    assert max_batch_for_kv(fp32_cpu, LLAMA_7B, 4096) == 10
