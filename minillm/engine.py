@@ -15,46 +15,63 @@ import torch
 
 from minillm.clock import WallClock
 from minillm.config import EngineConfig
+from minillm.kv.padded import PaddedKVManager
 from minillm.kv.slab import SlabKVManager
 from minillm.metrics import MetricsCollector, StepRecord
+from minillm.model.config import ModelConfig
 from minillm.model.llama import LlamaModel
 from minillm.request import Request, RequestStatus, SamplingParams
 from minillm.runner import ModelRunner
-from minillm.sampling import sample
 from minillm.scheduler.base import ScheduledBatch, Scheduler
 from minillm.scheduler.continuous import ContinuousScheduler
+from minillm.scheduler.dynamic import DynamicScheduler
+from minillm.scheduler.static import StaticScheduler
 
 
-def make_kv_manager(config: EngineConfig, model: LlamaModel):
-    c = model.config
+def make_kv_manager(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype = torch.float32,
+                    device: str = "cpu", allocate_pool: bool = True):
+    """The KV manager the config names: one rectangle per batch for static/dynamic, else slabs."""
+    c = model_config
+    if config.batching in ("static", "dynamic"):
+        return PaddedKVManager(c.num_layers, c.num_kv_heads, c.head_dim, config.max_num_seqs,
+                               config.max_model_len, dtype, device, allocate_pool)
     return SlabKVManager(c.num_layers, c.num_kv_heads, c.head_dim, num_slabs=config.max_num_seqs,
-                         slab_len=config.max_model_len, dtype=model.dtype, device=str(model.device))
+                         slab_len=config.max_model_len, dtype=dtype, device=device, allocate_pool=allocate_pool)
 
 
 def make_scheduler(config: EngineConfig, kv) -> Scheduler:
-    if config.batching == "continuous":
-        return ContinuousScheduler(config, kv)
-    raise NotImplementedError(f"batching={config.batching!r} is not implemented yet")
+    schedulers = {"static": StaticScheduler, "dynamic": DynamicScheduler, "continuous": ContinuousScheduler}
+    return schedulers[config.batching](config, kv)
 
 
 class LLMEngine:
-    def __init__(self, model: LlamaModel, tokenizer: Any, config: EngineConfig, *, kv=None,
-                 scheduler: Scheduler | None = None, clock=None) -> None:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, *, model: LlamaModel | None = None,
+                 tokenizer: Any = None, kv=None, scheduler: Scheduler | None = None, executor=None,
+                 clock=None) -> None:
+        """Every part can be injected (an exercise's scheduler, the simulator's executor and clock);
+        by default the real model runs with the KV layout and scheduler the config names."""
+        self.model_config = model_config
         self.model = model
         self.tokenizer = tokenizer
-        self.config = config.resolve(model.rope.max_positions)
-        self.kv = kv if kv is not None else make_kv_manager(self.config, model)
+        self.config = config.resolve(model_config.max_position_embeddings)
+        if model is None and (kv is None or executor is None):
+            raise ValueError("without a model, pass both kv= and executor= (the simulator does)")
+        self.kv = kv if kv is not None else make_kv_manager(self.config, model_config, model.dtype,
+                                                            str(model.device))
         self.scheduler = scheduler if scheduler is not None else make_scheduler(self.config, self.kv)
-        self.runner = ModelRunner(model, self.kv)
+        # The executor turns a plan into next tokens: the real model, or the simulator's stand-in.
+        self.executor = executor if executor is not None else ModelRunner(model, self.kv)
         self.clock = clock or WallClock()
         self.metrics = MetricsCollector()
-        self.eos_token_ids = tuple(model.config.eos_token_ids)
+        self.eos_token_ids = tuple(model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}  # every unfinished request, arrived or not
         self._pending: list[tuple[float, int, Request]] = []  # not yet arrived, a heap by arrival time
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
         self.num_steps = 0
-        self._preemptions_seen = 0
+        # Online (a server) more requests may always come; `LLM.generate` clears this while it
+        # replays a fixed set, so a static batcher need not wait for a batch that will never fill.
+        self.expect_more_requests = True
 
     # ---- requests in -------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None, *,
@@ -67,9 +84,10 @@ class LLMEngine:
         if len(token_ids) + params.max_tokens > max_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens and max_tokens={params.max_tokens}: together "
                              f"{len(token_ids) + params.max_tokens}, more than max_model_len={max_len}")
-        bad = [t for t in token_ids if not 0 <= t < self.model.config.vocab_size]
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model.config.vocab_size})")
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -125,15 +143,14 @@ class LLMEngine:
         now = self.clock.now()
         while self._pending and self._pending[0][0] <= now:
             self._arrive(heapq.heappop(self._pending)[2])
-        batch = self.scheduler.schedule(now)
+        batch = self.scheduler.schedule(now, bool(self._pending) or self.expect_more_requests)
         if batch is None:
             return []
         for req in batch.requests:
             if req.num_computed_tokens == 0:
                 self.metrics.on_scheduled(req.request_id, now)
-        logits, rows = self.runner.execute(batch)
-        tokens = sample(logits, rows)
-        self.clock.advance(0.0)
+        rows, tokens = self.executor.execute(batch)
+        self.clock.advance(self.executor.step_duration_s())
         done_time = self.clock.now()
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n

@@ -65,7 +65,7 @@ class LLM:
         else:
             self.model = load_hf_model(model, torch_dtype, device, config.max_model_len)
             self.tokenizer = tokenizer
-        self.engine = LLMEngine(self.model, self.tokenizer, config)
+        self.engine = LLMEngine(self.model.config, config, model=self.model, tokenizer=self.tokenizer)
 
     @property
     def model_config(self) -> ModelConfig:
@@ -106,6 +106,7 @@ class LLM:
 
     def _run(self, total: int, use_tqdm: bool) -> None:
         engine = self.engine
+        engine.expect_more_requests = False
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -119,6 +120,7 @@ class LLM:
                 elif bar is not None:
                     bar.update(sum(1 for r in progressed if r.status.finished))
         finally:
+            engine.expect_more_requests = True
             if bar is not None:
                 bar.close()
 

@@ -15,13 +15,14 @@ from minillm.request import Request
 
 class SlabKVManager:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slabs: int, slab_len: int,
-                 dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str = "cpu", allocate_pool: bool = True) -> None:
+        """`allocate_pool=False` keeps only the accounting (the simulator's 7B pools need no memory)."""
         if num_slabs < 1:
             raise ValueError(f"the KV pool must hold at least one slab of {slab_len} tokens, got {num_slabs}")
         self.num_slabs, self.slab_len = num_slabs, slab_len
         shape = (num_layers, num_slabs * slab_len, num_kv_heads, head_dim)
-        self.k_pool = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_pool = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_pool = torch.zeros(shape, dtype=dtype, device=device) if allocate_pool else None
+        self.v_pool = torch.zeros(shape, dtype=dtype, device=device) if allocate_pool else None
         self.free_slabs = list(range(num_slabs - 1, -1, -1))  # pop() hands out slab 0 first
         self.slab_of: dict[str, int] = {}
         self._tokens_of: dict[str, int] = {}  # tokens of each request that have (or will have) K/V here

@@ -8,7 +8,7 @@ come first, so the attention backend can batch them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from minillm.request import Request
 
@@ -19,6 +19,7 @@ class ScheduledBatch:
     num_new_tokens: list[int]
     num_padding_tokens: int = 0  # slots computed for nothing (static/dynamic batching only)
     preempted: list[Request] = field(default_factory=list)
+    padded: Any = None  # a static.PaddedStep when the step computes a padded rectangle
 
     @property
     def num_decode(self) -> int:
@@ -41,8 +42,9 @@ class ScheduledBatch:
 class Scheduler(Protocol):
     def add_request(self, request: Request) -> None: ...
 
-    def schedule(self, now: float) -> ScheduledBatch | None:
-        """The next step's plan, or None if nothing can run now."""
+    def schedule(self, now: float, more_arrivals: bool = True) -> ScheduledBatch | None:
+        """The next step's plan, or None if nothing can run now. `more_arrivals=False` tells a
+        batch-synchronous scheduler that waiting for a fuller batch is pointless."""
         ...
 
     def finish(self, request: Request) -> None:

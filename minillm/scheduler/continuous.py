@@ -41,7 +41,7 @@ class ContinuousScheduler:
     def next_wakeup(self, now: float) -> float | None:
         return None
 
-    def schedule(self, now: float) -> ScheduledBatch | None:
+    def schedule(self, now: float, more_arrivals: bool = True) -> ScheduledBatch | None:
         budget = self.config.max_num_batched_tokens
         scheduled: list[Request] = []
         counts: list[int] = []

@@ -1,8 +1,8 @@
-"""The simulator's cost half: hardware presets, model shapes and a roofline step-time model.
+"""The simulator: hardware presets, model shapes, a roofline step-time model, and the engine on top.
 
 Chapter 00 draws rooflines with it, chapter 01 sizes KV caches, chapter 04 checks its predicted
-step times against measured ones. The simulated executor that drives the real scheduler on a
-simulated clock is built on top of these pieces.
+step times against measured ones. `SimExecutor` and `simulate()` drive the real scheduler and KV
+manager on a simulated clock with these pieces (chapters 02-08).
 """
 
 from minillm.sim.cost_model import (
@@ -13,6 +13,7 @@ from minillm.sim.cost_model import (
     step_time,
     weight_bytes_read_per_step,
 )
+from minillm.sim.executor import SimExecutor
 from minillm.sim.hardware import (
     A100_80GB,
     H100_SXM,
@@ -33,6 +34,7 @@ from minillm.sim.model_shapes import (
     from_hf_config,
     get_model_shape,
 )
+from minillm.sim.simulate import SimResult, kv_capacity_tokens, simulate
 
 __all__ = [
     "A100_80GB",
@@ -45,16 +47,20 @@ __all__ = [
     "PRESETS",
     "Hardware",
     "ModelShape",
+    "SimExecutor",
+    "SimResult",
     "StepCost",
     "decode_step_time",
     "from_hf_config",
     "get_hardware",
     "get_model_shape",
+    "kv_capacity_tokens",
     "max_batch_for_kv",
     "measure_this_cpu",
     "prefill_time",
     "roofline",
     "roofline_points",
+    "simulate",
     "step_time",
     "weight_bytes_read_per_step",
 ]

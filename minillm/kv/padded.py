@@ -1,0 +1,43 @@
+"""KV for batch-synchronous batching: one rectangle per batch (chapters 02–03).
+
+Static and dynamic batching reserve `rows × (longest prompt + longest output)` slots when a batch
+starts and hold them until its last row finishes, as HF `generate` does. `usage()` reports how
+few of those slots ever hold a real token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minillm.attention.padded import PaddedBatchCache
+from minillm.kv.base import KVUsage
+from minillm.request import Request
+
+
+class PaddedKVManager:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_num_seqs: int, max_model_len: int,
+                 dtype: torch.dtype = torch.float32, device: str = "cpu", allocate_pool: bool = True) -> None:
+        self.shape = (num_layers, num_kv_heads, head_dim)
+        self.dtype, self.device, self.allocate_pool = dtype, device, allocate_pool
+        self.capacity_tokens = max_num_seqs * max_model_len
+        self.cache: PaddedBatchCache | None = None
+        self.rows: list[Request] = []
+        self.max_len = 0
+
+    def start_batch(self, rows: list[Request], max_len: int) -> None:
+        num_layers, num_kv_heads, head_dim = self.shape
+        self.rows, self.max_len = rows, max_len
+        if self.allocate_pool:
+            self.cache = PaddedBatchCache(num_layers, len(rows), max_len, num_kv_heads, head_dim,
+                                          self.dtype, self.device)
+
+    def end_batch(self) -> None:
+        self.cache, self.rows, self.max_len = None, [], 0
+
+    def free(self, request: Request) -> None:
+        """A finished row keeps its slots until the whole batch ends."""
+
+    def usage(self) -> KVUsage:
+        used = sum(r.num_computed_tokens for r in self.rows if not r.status.finished)
+        return KVUsage(used_tokens=used, reserved_tokens=len(self.rows) * self.max_len,
+                       total_tokens=self.capacity_tokens)

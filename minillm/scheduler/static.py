@@ -1,0 +1,95 @@
+"""Static batching: collect a batch, run it to the end, only then start the next (chapter 02).
+
+The batch is fixed when it starts. Prompts are left-padded to the longest; every step computes
+every row, including rows that already finished, until the slowest row is done. Requests that
+arrive meanwhile wait for the whole batch (head-of-line blocking). A batch starts when
+`max_num_seqs` requests wait, when the oldest waited `static_batch_timeout_ms`, or when no more
+requests are coming.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from minillm.config import EngineConfig
+from minillm.kv.padded import PaddedKVManager
+from minillm.request import Request, RequestStatus
+from minillm.scheduler.base import ScheduledBatch
+
+
+@dataclass
+class PaddedStep:
+    """What the padded runner needs: every row of the batch (finished ones too) and the width."""
+
+    rows: list[Request]
+    num_new: int  # the padded prompt length on the first step, then 1
+    is_prefill: bool
+
+
+class StaticScheduler:
+    def __init__(self, config: EngineConfig, kv: PaddedKVManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.rows: list[Request] = []  # the batch now running, fixed until it ends
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for r in self.rows if not r.status.finished)
+
+    @property
+    def timeout_s(self) -> float:
+        return self.config.static_batch_timeout_ms / 1000
+
+    def should_fire(self, now: float, more_arrivals: bool) -> bool:
+        if not self.waiting:
+            return False
+        full = len(self.waiting) >= self.config.max_num_seqs
+        return full or not more_arrivals or now - self.waiting[0].arrival_time >= self.timeout_s
+
+    def next_wakeup(self, now: float) -> float | None:
+        if self.rows or not self.waiting:
+            return None
+        return self.waiting[0].arrival_time + self.timeout_s
+
+    def schedule(self, now: float, more_arrivals: bool = True) -> ScheduledBatch | None:
+        if self.rows and all(r.status.finished for r in self.rows):
+            self.rows = []
+            self.kv.end_batch()
+        if not self.rows:
+            return self._start_batch() if self.should_fire(now, more_arrivals) else None
+        live = [r for r in self.rows if not r.status.finished]
+        return ScheduledBatch(live, [1] * len(live), num_padding_tokens=len(self.rows) - len(live),
+                              padded=PaddedStep(self.rows, 1, is_prefill=False))
+
+    def _start_batch(self) -> ScheduledBatch:
+        n = min(len(self.waiting), self.config.max_num_seqs)
+        rows = [self.waiting.popleft() for _ in range(n)]
+        width = max(r.num_prompt_tokens for r in rows)
+        self.kv.start_batch(rows, width + max(r.params.max_tokens for r in rows))
+        for r in rows:
+            r.status = RequestStatus.RUNNING
+        self.rows = rows
+        return ScheduledBatch(rows, [r.num_prompt_tokens for r in rows],
+                              num_padding_tokens=n * width - sum(r.num_prompt_tokens for r in rows),
+                              padded=PaddedStep(rows, width, is_prefill=True))
+
+    def finish(self, request: Request) -> None:
+        """The row stays in the batch (and keeps being computed) until the batch ends."""
+
+    def abort(self, request_id: str) -> Request | None:
+        for req in list(self.waiting) + self.rows:
+            if req.request_id == request_id and not req.status.finished:
+                if req in self.waiting:
+                    self.waiting.remove(req)
+                req.status = RequestStatus.FINISHED_ABORTED
+                return req
+        return None

@@ -1,0 +1,171 @@
+"""Run a trace through the real engine on simulated hardware: `simulate(trace, ...)` (chapters 02–08).
+
+    from minillm.sim import simulate
+    from minillm.workload import make_trace
+    trace = make_trace(200, seed=0, vocab_size=32000, rate_per_s=8)
+    res = simulate(trace, hardware="A100-80GB", model="llama-7b", engine_config={"max_num_seqs": 64})
+    print(res.summary)            # vllm-bench-serve-style table: TTFT, TPOT, throughput, ...
+
+The scheduler and the KV manager are the engine's own, so their decisions (who runs, who waits,
+who is preempted) are exactly what the real engine would decide. Only the model is replaced:
+`SimExecutor` emits dummy tokens and charges each step the roofline time of the batch, and a
+`SimClock` jumps from step to step and from idle gaps to the next arrival. No tensors are
+allocated (the KV manager keeps only its accounting), and no wall time is measured, so the
+same inputs always give the same numbers, on any machine.
+
+The KV pool is sized like vLLM's: a fraction (`kv_fraction`, vLLM's gpu_memory_utilization) of
+device memory, minus the weights, divided by the KV bytes of one token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from minillm.clock import SimClock
+from minillm.config import EngineConfig
+from minillm.engine import LLMEngine, make_scheduler
+from minillm.kv.slab import SlabKVManager
+from minillm.metrics import SLO, RequestMetrics, StepRecord, Summary
+from minillm.model.config import ModelConfig
+from minillm.request import SamplingParams
+from minillm.sim.cost_model import StepCost
+from minillm.sim.executor import SimExecutor
+from minillm.sim.hardware import Hardware, get_hardware
+from minillm.sim.model_shapes import ModelShape, from_hf_config, get_model_shape
+from minillm.workload import Trace
+
+
+@dataclass
+class SimResult:
+    summary: Summary
+    steps: list[StepRecord]  # one per engine step, as the real engine records them
+    requests: list[RequestMetrics]  # in trace order
+    costs: list[StepCost]  # the cost model's breakdown of each step (aligned with `steps`)
+    kv_capacity_tokens: int  # KV slots the pool holds after weights (before rounding to slabs)
+    engine: LLMEngine = field(repr=False)  # for inspection: its kv, scheduler, clock
+
+
+def simulate(
+    trace: Trace,
+    *,
+    hardware: str | Hardware = "A100-80GB",
+    model: str | Path | ModelShape | ModelConfig = "llama-7b",
+    engine_config: EngineConfig | dict[str, Any] | None = None,
+    dtype_bytes: int | None = None,
+    kv_fraction: float = 0.9,
+    slo: SLO | None = None,
+) -> SimResult:
+    """Replay `trace` through the engine on simulated `hardware` running `model`.
+
+    hardware: a preset name ("A100-80GB", "H100-SXM", "H200") or a `Hardware` (e.g. measure_this_cpu()).
+    model: a shape preset name ("llama-7b", "llama-7b-gqa", "llama-70b"), an HF model directory,
+        a `ModelShape`, or a `ModelConfig`.
+    engine_config: the engine's knobs (an `EngineConfig` or a dict of them); default `EngineConfig()`.
+        It is copied, never modified.
+    dtype_bytes: width of weights and KV entries; default the hardware's (2 for the presets).
+    kv_fraction: share of device memory the engine may use for weights + KV.
+    slo: passed to the summary to compute goodput.
+    """
+    if len(trace) == 0:
+        raise ValueError("the trace is empty: nothing to simulate")
+    hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+    if dtype_bytes is not None and dtype_bytes != hw.dtype_bytes:
+        hw = dataclasses.replace(hw, dtype_bytes=dtype_bytes)
+    if isinstance(engine_config, dict):
+        config = EngineConfig.from_kwargs(engine_config)
+    else:  # resolve() fills defaults in place: work on a copy so the caller's config can be reused
+        config = dataclasses.replace(engine_config if engine_config is not None else EngineConfig())
+    shape, model_config = _model(model, trace, config)
+    config.resolve(model_config.max_position_embeddings)
+
+    kv, capacity_tokens = _make_kv(config, shape, hw, kv_fraction)
+    executor = SimExecutor(hw, shape, token_id=_non_eos_token(model_config))
+    engine = LLMEngine(model_config, config, kv=kv, scheduler=make_scheduler(config, kv),
+                       executor=executor, clock=SimClock())
+    for r in trace:
+        params = SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
+        engine.add_request({"prompt_token_ids": r.prompt_token_ids}, params, request_id=r.request_id,
+                           arrival_time=r.arrival_time_s, priority=r.priority)
+    _run(engine)
+
+    metrics = engine.metrics
+    return SimResult(summary=metrics.summary(slo=slo), steps=metrics.steps,
+                     requests=[metrics.requests[r.request_id] for r in trace], costs=executor.costs,
+                     kv_capacity_tokens=capacity_tokens, engine=engine)
+
+
+def _run(engine: LLMEngine) -> None:
+    """Step until every request has finished; jump the clock over idle gaps."""
+    while engine.has_unfinished():
+        steps_before, now = engine.num_steps, engine.clock.now()
+        engine.step()
+        if engine.num_steps > steps_before:
+            continue  # something ran (a step may sample nothing: a prefill chunk)
+        engine.wait_for_work()
+        if engine.clock.now() == now:  # nothing ran, nothing will arrive, no timer: stuck for good
+            waiting = [r for r in engine.requests.values()]
+            raise RuntimeError(
+                f"the simulation is stuck at t={now:.6f}s with {len(waiting)} unfinished request(s) "
+                f"(e.g. {waiting[0]!r}): the scheduler cannot run them; is the KV pool "
+                f"({engine.kv.usage().total_tokens} tokens) or max_num_batched_tokens too small?")
+
+
+def _model(model: str | Path | ModelShape | ModelConfig, trace: Trace,
+           config: EngineConfig) -> tuple[ModelShape, ModelConfig]:
+    """The shape the cost model needs and the `ModelConfig` the engine needs."""
+    if isinstance(model, ModelConfig):
+        shape = ModelShape(model.model_type, model.num_layers, model.hidden_size, model.num_heads,
+                           model.num_kv_heads, model.head_dim, model.intermediate_size, model.vocab_size,
+                           tied_embeddings=model.tie_word_embeddings, qkv_bias=model.qkv_bias)
+        return shape, model  # a real model keeps its real context limit
+    if isinstance(model, ModelShape):
+        shape = model
+    elif Path(model).is_dir():
+        shape = from_hf_config(model)
+    else:
+        shape = get_model_shape(str(model))
+    # A shape has no context limit of its own: make room for the longest request of the trace.
+    longest = max(r.prompt_len + r.max_tokens for r in trace)
+    model_config = ModelConfig(
+        model_type="llama", vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size, num_layers=shape.num_layers, num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=max(longest, config.max_model_len or 0),
+        tie_word_embeddings=shape.tied_embeddings, qkv_bias=shape.qkv_bias)
+    return shape, model_config
+
+
+def kv_capacity_tokens(hw: Hardware, shape: ModelShape, kv_fraction: float = 0.9) -> int:
+    """KV slots left in `kv_fraction` of device memory once the weights are loaded (may be <= 0)."""
+    free_bytes = hw.mem_capacity_bytes * kv_fraction - shape.weight_bytes(hw.dtype_bytes)
+    return int(free_bytes // shape.kv_bytes_per_token(hw.dtype_bytes))
+
+
+def _make_kv(config: EngineConfig, shape: ModelShape, hw: Hardware, kv_fraction: float):
+    """An accounting-only KV manager of the layout the config names, sized from device memory."""
+    capacity = kv_capacity_tokens(hw, shape, kv_fraction)
+    if config.kv_layout == "slab":
+        slab_len = config.max_model_len
+        num_slabs = capacity // slab_len
+        if num_slabs < 1:
+            warnings.warn(
+                f"{shape.name} ({shape.weight_bytes(hw.dtype_bytes) / 1e9:.1f} GB of weights) leaves room for "
+                f"{max(capacity, 0)} KV tokens in {kv_fraction:.0%} of {hw.name}'s "
+                f"{hw.mem_capacity_bytes / 1e9:.0f} GB, less than one {slab_len}-token slab: simulating one slab anyway",
+                stacklevel=3)
+        # More slabs than max_num_seqs could never be used: a slab is one running request.
+        num_slabs = min(max(num_slabs, 1), config.max_num_seqs)
+        kv = SlabKVManager(shape.num_layers, shape.num_kv_heads, shape.head_dim, num_slabs=num_slabs,
+                           slab_len=slab_len, allocate_pool=False)
+        return kv, capacity
+    raise NotImplementedError(f"the simulator does not build kv_layout={config.kv_layout!r} yet")
+
+
+def _non_eos_token(model_config: ModelConfig) -> int:
+    """A token id the simulated model can emit without looking like end-of-sequence."""
+    eos = set(model_config.eos_token_ids)
+    return next(t for t in range(model_config.vocab_size) if t not in eos)

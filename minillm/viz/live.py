@@ -1,0 +1,205 @@
+"""A live view of the engine, redrawn while it runs, fed by a metrics observer (chapters 02–07).
+
+    from minillm.viz import LiveView
+    with LiveView(llm.engine, every=5):
+        llm.generate(prompts, params)
+
+The engine calls every observer of its `MetricsCollector` after each step (`add_observer`); the
+view counts steps and, every `every` of them, redraws one figure with the same functions as the
+static plots (`minillm.viz.plots`) and replaces its previous picture in the notebook output
+(`IPython.display` with a `display_id`: the last picture stays in the saved notebook). Outside a
+Jupyter kernel nothing is displayed and, unless `render=True`, nothing is drawn while the
+engine runs; `close()` draws the final figure and returns it either way.
+
+Redrawing costs a PNG render (~0.1 s), so redraws are also spaced in wall time: at least
+`min_interval_s` apart and at least 4× the last render's duration, which keeps the view's
+overhead under ~20 % of the run however fast the steps are.
+
+Layouts: `kind="batching"` shows the four panels of `dashboard`; `kind="kv"` shows KV used,
+reserved and total over steps. A layout is a `Layout(nrows, ncols, draw)` in `LAYOUTS`: the
+paged-KV chapter registers its block heatmap there (`register_layout`), reading the live
+allocator from `view.kv`.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from minillm.metrics import MetricsCollector, RequestMetrics, StepRecord
+from minillm.viz.plots import draw_dashboard, plot_batch_occupancy, plot_kv_occupancy
+
+
+@dataclass
+class Layout:
+    """How a LiveView kind arranges its panels: `draw(axes, view)` fills `nrows × ncols` cleared axes."""
+
+    nrows: int
+    ncols: int
+    draw: Callable[[Sequence[Axes], LiveView], None]
+    figsize: tuple[float, float] = (11.0, 6.5)
+
+
+def _draw_batching(axes: Sequence[Axes], view: LiveView) -> None:
+    draw_dashboard(axes, view.steps, view.requests, view.max_num_seqs)
+
+
+def _draw_kv(axes: Sequence[Axes], view: LiveView) -> None:
+    # Slabs (chapter 04) have no per-block owners to show, so the picture is occupancy over time.
+    # Chapter 05's paged allocator replaces this layout with one that adds a heatmap of physical
+    # blocks colored by owning request, read from `view.kv` at each redraw.
+    plot_kv_occupancy(view.steps, ax=axes[0])
+    plot_batch_occupancy(view.steps, view.max_num_seqs, ax=axes[1])
+
+
+LAYOUTS: dict[str, Layout] = {
+    "batching": Layout(2, 2, _draw_batching),
+    "kv": Layout(1, 2, _draw_kv, figsize=(11.0, 3.8)),
+}
+
+
+def register_layout(kind: str, layout: Layout) -> None:
+    """Add (or replace) a LiveView kind, e.g. a KV block heatmap once paging exists."""
+    LAYOUTS[kind] = layout
+
+
+def in_notebook() -> bool:
+    """True inside a Jupyter kernel (JupyterLab, notebook, VS Code); False in scripts, pytest, plain IPython."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def _collector_of(source: Any) -> tuple[MetricsCollector, Any]:
+    """Accept an LLM, an LLMEngine, or a bare MetricsCollector; return (collector, engine or None)."""
+    engine = getattr(source, "engine", source)  # LLM → its engine
+    if isinstance(engine, MetricsCollector):
+        return engine, None
+    metrics = getattr(engine, "metrics", None)
+    if not isinstance(metrics, MetricsCollector):
+        raise TypeError(f"LiveView needs an LLM, an LLMEngine or a MetricsCollector, got {type(source).__name__}")
+    return metrics, engine
+
+
+class LiveView:
+    def __init__(self, source: Any, every: int = 5, max_num_seqs: int | None = None, kind: str = "batching",
+                 min_interval_s: float = 0.2, render: bool | None = None, dpi: int = 72) -> None:
+        """`source`: an LLM, LLMEngine or MetricsCollector. `render`: draw while running (default: only
+        in a notebook). `max_num_seqs` defaults to the engine's."""
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be an integer >= 1, got {every!r}")
+        if kind not in LAYOUTS:
+            raise ValueError(f"kind={kind!r}; choose one of {sorted(LAYOUTS)}")
+        self.collector, self.engine = _collector_of(source)
+        self.kv = getattr(self.engine, "kv", None)  # the live KV manager, for layouts that draw its blocks
+        if max_num_seqs is None and self.engine is not None:
+            max_num_seqs = getattr(getattr(self.engine, "config", None), "max_num_seqs", None)
+        self.every, self.max_num_seqs, self.kind = every, max_num_seqs, kind
+        self.min_interval_s, self.dpi = min_interval_s, dpi
+        self.display = in_notebook()
+        self.render = self.display if render is None else (render or self.display)
+        self.num_redraws = 0  # figures drawn (including the final one from close())
+        self.num_displays = 0  # pictures sent to the notebook
+        self.figure: Figure | None = None
+        self._axes: list[Axes] = []
+        self._handle = None
+        self._attached = False
+        self._first_step = 0
+        self._first_request = 0
+        self._steps_since_draw = 0
+        self._next_draw_time = 0.0
+
+    # ---- the data shown: only what happened since attach() -------------------------------------
+    @property
+    def steps(self) -> list[StepRecord]:
+        return self.collector.steps[self._first_step:]
+
+    @property
+    def requests(self) -> list[RequestMetrics]:
+        return list(self.collector.requests.values())[self._first_request:]
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def attach(self) -> LiveView:
+        """Start observing: later steps (and requests arriving later) are shown."""
+        if not self._attached:
+            self._first_step = len(self.collector.steps)
+            self._first_request = len(self.collector.requests)
+            self.collector.add_observer(self._on_step)
+            self._attached = True
+        return self
+
+    def detach(self) -> None:
+        if self._attached:
+            self.collector.observers.remove(self._on_step)
+            self._attached = False
+
+    def close(self) -> Figure:
+        """Stop observing and draw the final picture (shown in a notebook); return its figure."""
+        self.detach()
+        self.redraw()
+        return self.figure
+
+    def __enter__(self) -> LiveView:
+        return self.attach()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ---- drawing -------------------------------------------------------------------------------
+    def _on_step(self, step: StepRecord) -> None:
+        # Called from the engine loop after every step: keep the common path to a counter and a compare.
+        self._steps_since_draw += 1
+        if not self.render or self._steps_since_draw < self.every:
+            return
+        if time.perf_counter() < self._next_draw_time:
+            return  # too soon: the pending steps are drawn at the next step that is due
+        self.redraw()
+
+    def redraw(self) -> None:
+        """Draw the current state into the (reused) figure; in a notebook, replace the shown picture."""
+        started = time.perf_counter()
+        layout = LAYOUTS[self.kind]
+        if self.figure is None:
+            # A bare Figure, not pyplot: pyplot would also show it at the end of the cell, a second time.
+            self.figure = Figure(figsize=layout.figsize, dpi=self.dpi)
+            self._axes = list(self.figure.subplots(layout.nrows, layout.ncols, squeeze=False).flat)
+        for ax in self._axes:
+            ax.clear()
+        layout.draw(self._axes, self)
+        self.figure.suptitle(self._headline())
+        self.figure.tight_layout()
+        if self.display:
+            self._show()
+        self.num_redraws += 1
+        self._steps_since_draw = 0
+        self._next_draw_time = time.perf_counter() + max(self.min_interval_s, 4 * (time.perf_counter() - started))
+
+    def _headline(self) -> str:
+        steps = self.steps
+        finished = sum(r.finished_time is not None for r in self.requests)
+        if not steps:
+            return "no steps yet"
+        last = steps[-1]
+        return (f"step {len(steps)} · running {last.num_seqs} · waiting {last.num_waiting} · "
+                f"finished {finished}/{len(self.requests)}")
+
+    def _show(self) -> None:
+        from IPython.display import Image, display
+
+        buf = io.BytesIO()
+        self.figure.savefig(buf, format="png", dpi=self.dpi)
+        image = Image(data=buf.getvalue(), format="png")
+        if self._handle is None:
+            self._handle = display(image, display_id=True)
+        else:
+            self._handle.update(image)
+        self.num_displays += 1
