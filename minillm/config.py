@@ -5,6 +5,7 @@ Names follow vLLM's engine arguments so that what a learner tunes here carries o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -41,7 +42,8 @@ class EngineConfig:
             raise ValueError(f"static_batch_timeout_ms must be >= 0, got {self.static_batch_timeout_ms!r}")
 
     def resolve(self, model_max_len: int) -> EngineConfig:
-        """Fill the defaults that depend on the model, and check the knobs against each other."""
+        """A copy with the defaults that depend on the model filled in, the knobs checked together."""
+        self = dataclasses.replace(self)
         if self.max_model_len is None:
             self.max_model_len = model_max_len
         elif self.max_model_len > model_max_len:

@@ -139,7 +139,8 @@ class LLMEngine:
         return bool(self.requests)
 
     def step(self) -> list[Request]:
-        """Run one iteration. Returns the requests that received a token (finished ones included)."""
+        """Run one iteration. Returns the requests that received a token (finished ones included);
+        `num_steps` tells whether a step ran at all (a prefill chunk runs but samples nothing)."""
         now = self.clock.now()
         while self._pending and self._pending[0][0] <= now:
             self._arrive(heapq.heappop(self._pending)[2])
@@ -149,6 +150,7 @@ class LLMEngine:
         for req in batch.requests:
             if req.num_computed_tokens == 0:
                 self.metrics.on_scheduled(req.request_id, now)
+        prefill_tokens, decode_tokens = batch.num_prefill_and_decode_tokens()
         rows, tokens = self.executor.execute(batch)
         self.clock.advance(self.executor.step_duration_s())
         done_time = self.clock.now()
@@ -156,7 +158,7 @@ class LLMEngine:
             req.num_computed_tokens += n
         for req, token in zip(rows, tokens):
             self._append(req, token, done_time)
-        self._record(batch, now, done_time)
+        self._record(batch, prefill_tokens, decode_tokens, now, done_time)
         return rows
 
     def wait_for_work(self) -> None:
@@ -198,8 +200,7 @@ class LLMEngine:
         self.metrics.on_finish(req.request_id, t)
         del self.requests[req.request_id]
 
-    def _record(self, batch: ScheduledBatch, start: float, end: float) -> None:
-        prefill, decode = batch.num_prefill_and_decode_tokens()
+    def _record(self, batch: ScheduledBatch, prefill: int, decode: int, start: float, end: float) -> None:
         usage = self.kv.usage()
         for req in batch.preempted:
             self.metrics.on_preempted(req.request_id)

@@ -114,8 +114,9 @@ class LLM:
             bar = tqdm(total=total, desc="generate", unit="req", leave=False)
         try:
             while engine.has_unfinished():
+                steps_before = engine.num_steps
                 progressed = engine.step()
-                if not progressed:
+                if engine.num_steps == steps_before:
                     engine.wait_for_work()
                 elif bar is not None:
                     bar.update(sum(1 for r in progressed if r.status.finished))

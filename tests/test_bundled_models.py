@@ -47,8 +47,8 @@ def _num_params(model: torch.nn.Module) -> int:
 @pytest.mark.parametrize("model_dir", [TARGET_DIR, DRAFT_DIR], ids=["target", "draft"])
 def test_model_dir_has_the_hf_files(model_dir: Path) -> None:
     names = {p.name for p in model_dir.iterdir()}
-    expected = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
-    assert expected <= names
+    hf_files = {"config.json", "generation_config.json", "model.safetensors"}
+    assert hf_files | {"tokenizer.json", "tokenizer_config.json"} <= names
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     assert config.model_type == "llama"
     assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (0, 1, 2)
@@ -62,10 +62,18 @@ def test_both_load_offline_as_float32_llama(target, draft) -> None:
 
 
 def test_architectures(target, draft) -> None:
+    def shape(config) -> tuple[int, int, int, int]:
+        return (
+            config.hidden_size,
+            config.num_hidden_layers,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+        )
+
     t, d = target[0].config, draft[0].config
     # GQA in both: fewer KV heads than query heads.
-    assert (t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads) == (256, 4, 8, 4)
-    assert (d.hidden_size, d.num_hidden_layers, d.num_attention_heads, d.num_key_value_heads) == (64, 2, 4, 2)
+    assert shape(t) == (256, 4, 8, 4)
+    assert shape(d) == (64, 2, 4, 2)
     assert not t.tie_word_embeddings and d.tie_word_embeddings
     assert t.max_position_embeddings == d.max_position_embeddings == 2048
 

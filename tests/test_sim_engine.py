@@ -156,21 +156,24 @@ def test_kv_pool_is_sized_from_memory_and_bounded_by_max_num_seqs():
     trace = make_trace(4, seed=2, vocab_size=32000, prompt_len=64, output_len=8)
     res = simulate(trace, engine_config={"max_num_seqs": 256, "max_model_len": 2048})
     assert res.kv_capacity_tokens == capacity
-    assert res.engine.kv.num_slabs == capacity // 2048 == 54
+    assert res.engine.kv.num_slabs == res.engine.config.max_num_seqs == capacity // 2048 == 54
     small = simulate(trace, engine_config={"max_num_seqs": 2, "max_model_len": 2048})
     assert small.engine.kv.num_slabs == 2
 
 
-def test_slabs_bound_the_batch_when_memory_is_short():
-    # 40 requests of 1024-token slabs on an A100 cut to 40 GB: (36 - 13.5) GB / 0.5 MiB = 42.9k tokens = 41 slabs
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_memory_bounds_the_batch(batching):
+    # 1024-token rows on an A100 cut to 40 GB: (36 - 13.5) GB / 0.5 MiB = 42.9k tokens = 41 rows
     hw = dataclasses.replace(A100_80GB, mem_capacity_bytes=40e9)
     trace = make_trace(60, seed=3, vocab_size=32000, prompt_len=64, output_len=16)
-    res = simulate(trace, hardware=hw, engine_config={"max_num_seqs": 64, "max_model_len": 1024})
-    assert res.engine.kv.num_slabs == 41
+    res = simulate(trace, hardware=hw, engine_config={"batching": batching, "max_num_seqs": 64,
+                                                       "max_model_len": 1024})
+    assert res.engine.config.max_num_seqs == 41
     assert max(st.num_seqs for st in res.steps) == 41
+    assert res.summary.completed == 60
 
 
-def test_model_too_big_for_the_device_warns_and_runs_on_one_slab():
+def test_model_too_big_for_the_device_warns_and_runs_one_request_at_a_time():
     trace = make_trace(3, seed=4, vocab_size=32000, prompt_len=16, output_len=4)
     with pytest.warns(UserWarning, match="less than one"):
         res = simulate(trace, model=LLAMA_70B)  # 138 GB of weights on an 80 GB card
@@ -220,3 +223,42 @@ def test_every_batching_mode_finishes_the_trace(batching, trace64):
     assert res.summary.total_output_tokens == trace64.total_output_tokens
     assert res.engine.kv.usage().used_tokens == 0
     assert max(st.num_seqs for st in res.steps) <= 8
+
+
+def test_static_batch_is_costed_as_its_padded_rectangle():
+    # Both arrive at t=0; the batch is [100 pads + 100 tokens, 200 tokens], then decodes together
+    # until A's third token; B finished after its second but its row is still computed.
+    trace = trace_from_prompts([[5] * 100, [6] * 200], max_tokens=[3, 2])
+    res = simulate(trace, engine_config={"batching": "static", "max_num_seqs": 2})
+    a, b = res.requests
+    prefill = step_time(A100_80GB, LLAMA_7B, prefill_tokens=[200, 200]).time_s
+    assert a.ttft == b.ttft == pytest.approx(prefill, rel=1e-12)
+    assert b.e2e_latency == pytest.approx(prefill + decode_cost(201, batch=2), rel=1e-12)
+    assert a.e2e_latency == pytest.approx(prefill + decode_cost(201, batch=2) + decode_cost(202, batch=2), rel=1e-12)
+    assert [st.num_padding_tokens for st in res.steps] == [100, 0, 1]
+    assert res.summary.padding_waste == pytest.approx(101 / 404)
+
+
+def test_static_batching_loses_to_continuous_on_mixed_lengths(trace64):
+    summaries = {mode: simulate(trace64, engine_config={"batching": mode, "max_num_seqs": 16}).summary
+                 for mode in ("static", "dynamic", "continuous")}
+    assert summaries["static"].padding_waste > 0.2
+    assert summaries["continuous"].padding_waste == 0
+    assert summaries["continuous"].output_throughput > 1.3 * summaries["static"].output_throughput
+
+
+def test_dynamic_batch_fires_when_the_oldest_has_waited_max_queue_delay():
+    trace = trace_from_prompts([[5] * 100, [6] * 200], max_tokens=[2, 2], arrivals=[0.0, 0.004])
+    res = simulate(trace, engine_config={"batching": "dynamic", "max_num_seqs": 4, "max_queue_delay_ms": 10.0})
+    a, b = res.requests
+    prefill = step_time(A100_80GB, LLAMA_7B, prefill_tokens=[200, 200]).time_s
+    assert a.queue_time == pytest.approx(0.010) and b.queue_time == pytest.approx(0.006)
+    assert a.ttft == pytest.approx(0.010 + prefill, rel=1e-12)
+    assert len(res.steps) == 2  # one batch of both: prefill, then one decode
+
+
+def test_dynamic_batching_on_a_poisson_trace_finishes():
+    trace = make_trace(200, seed=0, vocab_size=32000, rate_per_s=8, prompt_len=("uniform", 32, 256),
+                       output_len=("uniform", 8, 32))
+    res = simulate(trace, engine_config={"batching": "dynamic", "max_num_seqs": 64, "max_queue_delay_ms": 10.0})
+    assert res.summary.total_output_tokens == trace.total_output_tokens

@@ -19,4 +19,4 @@ class DynamicScheduler(StaticScheduler):
         if not self.waiting:
             return False
         full = len(self.waiting) >= self.config.max_num_seqs
-        return full or now - self.waiting[0].arrival_time >= self.timeout_s
+        return full or now >= self.waiting[0].arrival_time + self.timeout_s

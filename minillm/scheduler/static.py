@@ -53,7 +53,9 @@ class StaticScheduler:
         if not self.waiting:
             return False
         full = len(self.waiting) >= self.config.max_num_seqs
-        return full or not more_arrivals or now - self.waiting[0].arrival_time >= self.timeout_s
+        # Compared as `now >= arrival + timeout`, the very sum next_wakeup() returns, so a clock
+        # that jumps to the wakeup time always fires (a difference can round just below the timeout).
+        return full or not more_arrivals or now >= self.waiting[0].arrival_time + self.timeout_s
 
     def next_wakeup(self, now: float) -> float | None:
         if self.rows or not self.waiting:

@@ -31,24 +31,47 @@ class SimExecutor:
         Rows are classified as the real runner does: one new token after a computed context is a
         decode (it reads `start + 1` keys); anything else is a prefill of `n` tokens after `start`
         cached ones (a whole prompt, a chunk, a recompute after preemption, or 1+k speculated).
+        A padded batch (static/dynamic batching) is costed as the full rectangle it computes.
         """
-        rows: list[Request] = []
-        prefill_tokens: list[int] = []
-        prefill_context: list[int] = []
-        decode_context_lens: list[int] = []
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            start = req.num_computed_tokens  # the engine increments it after execute()
-            if n == 1 and start > 0:
-                decode_context_lens.append(start + 1)
-            else:
-                prefill_tokens.append(n)
-                prefill_context.append(start)
-            if start + n == req.num_tokens:  # caught up with its known tokens: sample one more
-                rows.append(req)
-        cost = step_time(self.hw, self.shape, prefill_tokens=prefill_tokens, prefill_context=prefill_context,
-                         decode_context_lens=decode_context_lens, padding_tokens=batch.num_padding_tokens)
+        # The engine increments num_computed_tokens after execute(): here it is each row's start.
+        rows = [req for req, n in zip(batch.requests, batch.num_new_tokens)
+                if req.num_computed_tokens + n == req.num_tokens]  # caught up: sample one more
+        if batch.padded is not None:
+            cost = self._padded_cost(batch)
+        else:
+            prefill_tokens: list[int] = []
+            prefill_context: list[int] = []
+            decode_context_lens: list[int] = []
+            for req, n in zip(batch.requests, batch.num_new_tokens):
+                start = req.num_computed_tokens
+                if n == 1 and start > 0:
+                    decode_context_lens.append(start + 1)
+                else:
+                    prefill_tokens.append(n)
+                    prefill_context.append(start)
+            cost = step_time(self.hw, self.shape, prefill_tokens=prefill_tokens, prefill_context=prefill_context,
+                             decode_context_lens=decode_context_lens, padding_tokens=batch.num_padding_tokens)
         self.costs.append(cost)
         return rows, [self.token_id] * len(rows)
+
+    def _padded_cost(self, batch: ScheduledBatch) -> StepCost:
+        """A static/dynamic step computes the whole rectangle, as the padded runner does.
+
+        Every row of the batch, finished ones included, runs `width` query tokens (the padded prompt
+        on the first step, then 1), and attention covers the padded keys too: the mask hides pads
+        but does not skip their work. Pads thus cost linear FLOPs, attention FLOPs and KV traffic,
+        which `padding_tokens` alone would undercount (it charges only the linear layers and KV write).
+        """
+        step = batch.padded
+        num_rows = len(step.rows)
+        if step.is_prefill:
+            return step_time(self.hw, self.shape, prefill_tokens=[step.num_new] * num_rows)
+        # All rows advance together: the padded length is the prompt width plus the decode steps so
+        # far, which any live row tells (its outputs so far, minus the one this step consumes).
+        prompt_width = max(r.num_prompt_tokens for r in step.rows)
+        live = batch.requests[0]
+        decodes_done = live.num_computed_tokens - live.num_prompt_tokens
+        return step_time(self.hw, self.shape, decode_context_lens=[prompt_width + decodes_done + 1] * num_rows)
 
     def step_duration_s(self) -> float:
         """Predicted time of the last executed step: the simulated clock advances by it."""

@@ -14,12 +14,15 @@ allocated (the KV manager keeps only its accounting), and no wall time is measur
 same inputs always give the same numbers, on any machine.
 
 The KV pool is sized like vLLM's: a fraction (`kv_fraction`, vLLM's gpu_memory_utilization) of
-device memory, minus the weights, divided by the KV bytes of one token.
+device memory, minus the weights, divided by the KV bytes of one token. Slabs and padded batches
+reserve `max_model_len` slots per request, so that pool caps how many requests run at once
+(`result.engine.config.max_num_seqs` shows the cap in force).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +30,7 @@ from typing import Any
 
 from minillm.clock import SimClock
 from minillm.config import EngineConfig
-from minillm.engine import LLMEngine, make_scheduler
-from minillm.kv.slab import SlabKVManager
+from minillm.engine import LLMEngine, make_kv_manager, make_scheduler
 from minillm.metrics import SLO, RequestMetrics, StepRecord, Summary
 from minillm.model.config import ModelConfig
 from minillm.request import SamplingParams
@@ -45,8 +47,8 @@ class SimResult:
     steps: list[StepRecord]  # one per engine step, as the real engine records them
     requests: list[RequestMetrics]  # in trace order
     costs: list[StepCost]  # the cost model's breakdown of each step (aligned with `steps`)
-    kv_capacity_tokens: int  # KV slots the pool holds after weights (before rounding to slabs)
-    engine: LLMEngine = field(repr=False)  # for inspection: its kv, scheduler, clock
+    kv_capacity_tokens: int  # KV slots device memory holds after the weights (before rounding to rows)
+    engine: LLMEngine = field(repr=False)  # for inspection: its config (max_num_seqs as memory allows), kv, clock
 
 
 def simulate(
@@ -77,15 +79,18 @@ def simulate(
         hw = dataclasses.replace(hw, dtype_bytes=dtype_bytes)
     if isinstance(engine_config, dict):
         config = EngineConfig.from_kwargs(engine_config)
-    else:  # resolve() fills defaults in place: work on a copy so the caller's config can be reused
-        config = dataclasses.replace(engine_config if engine_config is not None else EngineConfig())
+    else:
+        config = engine_config if engine_config is not None else EngineConfig()
     shape, model_config = _model(model, trace, config)
-    config.resolve(model_config.max_position_embeddings)
+    config = config.resolve(model_config.max_position_embeddings)  # a filled-in copy
 
-    kv, capacity_tokens = _make_kv(config, shape, hw, kv_fraction)
+    capacity_tokens = kv_capacity_tokens(hw, shape, kv_fraction)
+    config = _fit_to_memory(config, shape, hw, capacity_tokens, kv_fraction)
+    kv = make_kv_manager(config, model_config, allocate_pool=False)  # accounting only: no tensors
     executor = SimExecutor(hw, shape, token_id=_non_eos_token(model_config))
     engine = LLMEngine(model_config, config, kv=kv, scheduler=make_scheduler(config, kv),
                        executor=executor, clock=SimClock())
+    engine.expect_more_requests = False  # the trace is all there is: a static batch need not wait to fill
     for r in trace:
         params = SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
         engine.add_request({"prompt_token_ids": r.prompt_token_ids}, params, request_id=r.request_id,
@@ -106,12 +111,13 @@ def _run(engine: LLMEngine) -> None:
         if engine.num_steps > steps_before:
             continue  # something ran (a step may sample nothing: a prefill chunk)
         engine.wait_for_work()
-        if engine.clock.now() == now:  # nothing ran, nothing will arrive, no timer: stuck for good
-            waiting = [r for r in engine.requests.values()]
+        if engine.clock.now() == now or math.isinf(engine.clock.now()):  # nothing will ever run
+            stuck = list(engine.requests.values())
             raise RuntimeError(
-                f"the simulation is stuck at t={now:.6f}s with {len(waiting)} unfinished request(s) "
-                f"(e.g. {waiting[0]!r}): the scheduler cannot run them; is the KV pool "
-                f"({engine.kv.usage().total_tokens} tokens) or max_num_batched_tokens too small?")
+                f"the simulation is stuck at t={now!r}s with {len(stuck)} unfinished request(s) "
+                f"(e.g. {stuck[0]!r}): the scheduler plans nothing and its next wakeup is "
+                f"{engine.scheduler.next_wakeup(now)!r}; is the KV pool ({engine.kv.usage().total_tokens} "
+                f"tokens) or max_num_batched_tokens too small, or does the scheduler's timer fire late?")
 
 
 def _model(model: str | Path | ModelShape | ModelConfig, trace: Trace,
@@ -145,24 +151,22 @@ def kv_capacity_tokens(hw: Hardware, shape: ModelShape, kv_fraction: float = 0.9
     return int(free_bytes // shape.kv_bytes_per_token(hw.dtype_bytes))
 
 
-def _make_kv(config: EngineConfig, shape: ModelShape, hw: Hardware, kv_fraction: float):
-    """An accounting-only KV manager of the layout the config names, sized from device memory."""
-    capacity = kv_capacity_tokens(hw, shape, kv_fraction)
-    if config.kv_layout == "slab":
-        slab_len = config.max_model_len
-        num_slabs = capacity // slab_len
-        if num_slabs < 1:
-            warnings.warn(
-                f"{shape.name} ({shape.weight_bytes(hw.dtype_bytes) / 1e9:.1f} GB of weights) leaves room for "
-                f"{max(capacity, 0)} KV tokens in {kv_fraction:.0%} of {hw.name}'s "
-                f"{hw.mem_capacity_bytes / 1e9:.0f} GB, less than one {slab_len}-token slab: simulating one slab anyway",
-                stacklevel=3)
-        # More slabs than max_num_seqs could never be used: a slab is one running request.
-        num_slabs = min(max(num_slabs, 1), config.max_num_seqs)
-        kv = SlabKVManager(shape.num_layers, shape.num_kv_heads, shape.head_dim, num_slabs=num_slabs,
-                           slab_len=slab_len, allocate_pool=False)
-        return kv, capacity
-    raise NotImplementedError(f"the simulator does not build kv_layout={config.kv_layout!r} yet")
+def _fit_to_memory(config: EngineConfig, shape: ModelShape, hw: Hardware, capacity_tokens: int,
+                   kv_fraction: float) -> EngineConfig:
+    """The config with as many rows as device memory holds.
+
+    Slabs (continuous batching) and padded rectangles (static/dynamic) both reserve up to
+    `max_model_len` slots per running request, so memory allows `capacity // max_model_len`
+    requests at once; `max_num_seqs` bounds it further. A slab pool is one slab per row.
+    """
+    rows = capacity_tokens // config.max_model_len
+    if rows < 1:
+        warnings.warn(
+            f"{shape.name} ({shape.weight_bytes(hw.dtype_bytes) / 1e9:.1f} GB of weights) leaves room for "
+            f"{max(capacity_tokens, 0)} KV tokens in {kv_fraction:.0%} of {hw.name}'s "
+            f"{hw.mem_capacity_bytes / 1e9:.0f} GB, less than one {config.max_model_len}-token request: "
+            f"simulating one anyway", stacklevel=3)
+    return dataclasses.replace(config, max_num_seqs=min(config.max_num_seqs, max(rows, 1)))
 
 
 def _non_eos_token(model_config: ModelConfig) -> int:

@@ -11,9 +11,11 @@ static plots (`minillm.viz.plots`) and replaces its previous picture in the note
 Jupyter kernel nothing is displayed and, unless `render=True`, nothing is drawn while the
 engine runs; `close()` draws the final figure and returns it either way.
 
-Redrawing costs a PNG render (~0.1 s), so redraws are also spaced in wall time: at least
-`min_interval_s` apart and at least 4× the last render's duration, which keeps the view's
-overhead under ~20 % of the run however fast the steps are.
+Redrawing blocks the engine loop (~0.3 s for a PNG on a laptop CPU), and a blocked loop is
+latency every running request pays: a live view changes what it measures. So redraws are also
+spaced in wall time, at least `min_interval_s` apart and far enough that drawing takes at most
+`max_overhead` of the run's wall time however fast the steps are. Take the numbers a chapter
+reports from a run without a live view, or compare runs that had the same one.
 
 Layouts: `kind="batching"` shows the four panels of `dashboard`; `kind="kv"` shows KV used,
 reserved and total over steps. A layout is a `Layout(nrows, ncols, draw)` in `LAYOUTS`: the
@@ -92,11 +94,15 @@ def _collector_of(source: Any) -> tuple[MetricsCollector, Any]:
 
 class LiveView:
     def __init__(self, source: Any, every: int = 5, max_num_seqs: int | None = None, kind: str = "batching",
-                 min_interval_s: float = 0.2, render: bool | None = None, dpi: int = 72) -> None:
+                 min_interval_s: float = 0.2, max_overhead: float | None = 0.2, render: bool | None = None,
+                 dpi: int = 72) -> None:
         """`source`: an LLM, LLMEngine or MetricsCollector. `render`: draw while running (default: only
-        in a notebook). `max_num_seqs` defaults to the engine's."""
+        in a notebook). `max_num_seqs` defaults to the engine's. `max_overhead=None` and
+        `min_interval_s=0` redraw exactly every `every` steps (tests do)."""
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be an integer >= 1, got {every!r}")
+        if max_overhead is not None and not 0 < max_overhead < 1:
+            raise ValueError(f"max_overhead must be in (0, 1) or None, got {max_overhead!r}")
         if kind not in LAYOUTS:
             raise ValueError(f"kind={kind!r}; choose one of {sorted(LAYOUTS)}")
         self.collector, self.engine = _collector_of(source)
@@ -104,7 +110,7 @@ class LiveView:
         if max_num_seqs is None and self.engine is not None:
             max_num_seqs = getattr(getattr(self.engine, "config", None), "max_num_seqs", None)
         self.every, self.max_num_seqs, self.kind = every, max_num_seqs, kind
-        self.min_interval_s, self.dpi = min_interval_s, dpi
+        self.min_interval_s, self.max_overhead, self.dpi = min_interval_s, max_overhead, dpi
         self.display = in_notebook()
         self.render = self.display if render is None else (render or self.display)
         self.num_redraws = 0  # figures drawn (including the final one from close())
@@ -145,7 +151,7 @@ class LiveView:
     def close(self) -> Figure:
         """Stop observing and draw the final picture (shown in a notebook); return its figure."""
         self.detach()
-        self.redraw()
+        self.redraw(final=True)
         return self.figure
 
     def __enter__(self) -> LiveView:
@@ -164,11 +170,12 @@ class LiveView:
             return  # too soon: the pending steps are drawn at the next step that is due
         self.redraw()
 
-    def redraw(self) -> None:
+    def redraw(self, final: bool = False) -> None:
         """Draw the current state into the (reused) figure; in a notebook, replace the shown picture."""
         started = time.perf_counter()
         layout = LAYOUTS[self.kind]
-        if self.figure is None:
+        first = self.figure is None
+        if first:
             # A bare Figure, not pyplot: pyplot would also show it at the end of the cell, a second time.
             self.figure = Figure(figsize=layout.figsize, dpi=self.dpi)
             self._axes = list(self.figure.subplots(layout.nrows, layout.ncols, squeeze=False).flat)
@@ -176,12 +183,18 @@ class LiveView:
             ax.clear()
         layout.draw(self._axes, self)
         self.figure.suptitle(self._headline())
-        self.figure.tight_layout()
+        # tight_layout measures every label, which costs more than the drawing itself: only for the
+        # first picture shown and for the final figure.
+        if final or (first and self.display):
+            self.figure.tight_layout()
         if self.display:
             self._show()
         self.num_redraws += 1
         self._steps_since_draw = 0
-        self._next_draw_time = time.perf_counter() + max(self.min_interval_s, 4 * (time.perf_counter() - started))
+        spent = time.perf_counter() - started
+        # Drawing for `spent` then running for `wait` spends spent / (spent + wait) = max_overhead on drawing.
+        wait = 0.0 if self.max_overhead is None else spent * (1 - self.max_overhead) / self.max_overhead
+        self._next_draw_time = time.perf_counter() + max(self.min_interval_s, wait)
 
     def _headline(self) -> str:
         steps = self.steps

@@ -34,6 +34,11 @@ def _axes(ax: Axes | None) -> Axes:
     return plt.subplots(figsize=(6, 3.5))[1]
 
 
+def _legend(ax: Axes, loc: str, ncols: int = 1) -> None:
+    if ax.get_legend_handles_labels()[0]:  # an empty plot has nothing to explain (and matplotlib warns)
+        ax.legend(loc=loc, fontsize="small", ncols=ncols)
+
+
 def _column(steps: Sequence[StepRecord], name: str) -> np.ndarray:
     return np.fromiter((getattr(s, name) for s in steps), dtype=np.float64, count=len(steps))
 
@@ -68,7 +73,7 @@ def plot_tokens_per_step(steps: Sequence[StepRecord], ax: Axes | None = None, st
     ax.set_ylabel("tokens computed")
     ax.set_title("Tokens per step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(loc="upper right", fontsize="small")
+    _legend(ax, "upper right")
     return ax
 
 
@@ -80,17 +85,19 @@ def plot_batch_occupancy(steps: Sequence[StepRecord], max_num_seqs: int | None =
     """
     ax = _axes(ax)
     x = _step_axis(steps)
-    ax.step(x, _column(steps, "num_seqs"), where="mid", color=COLORS["running"], label="running")
-    ax.step(x, _column(steps, "num_waiting"), where="mid", color=COLORS["waiting"], label="waiting")
+    running, waiting = _column(steps, "num_seqs"), _column(steps, "num_waiting")
+    ax.step(x, running, where="mid", color=COLORS["running"], label="running")
+    ax.step(x, waiting, where="mid", color=COLORS["waiting"], label="waiting")
     if max_num_seqs is not None:
         ax.axhline(max_num_seqs, color=COLORS["limit"], linestyle="--", linewidth=1, label="max_num_seqs")
     ax.set_xlabel("engine step")
     ax.set_ylabel("requests")
     ax.set_title("Batch occupancy")
-    ax.set_ylim(bottom=0)
+    top = max(running.max(initial=1), waiting.max(initial=1), max_num_seqs or 1)
+    ax.set_ylim(0, top * 1.35 + 0.5)  # headroom: the limit line under the frame, the legend above the lines
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(loc="upper right", fontsize="small")
+    _legend(ax, "upper center", ncols=3)
     return ax
 
 
@@ -142,9 +149,11 @@ def plot_kv_occupancy(steps: Sequence[StepRecord], ax: Axes | None = None, x: st
     ax.step(xs, total, where="mid", color=COLORS["kv_total"], linestyle="--", linewidth=1, label="total")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("KV slots (tokens)")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, max(total.max(initial=1), reserved.max(initial=1)) * 1.3)  # room for the legend
     ax.set_title("KV cache occupancy")
-    ax.legend(loc="upper right", fontsize="small")
+    if x == "step":
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    _legend(ax, "upper center", ncols=3)
     return ax
 
 
@@ -184,7 +193,7 @@ def _finish_cdf_axes(ax: Axes, all_values: list[np.ndarray], xlabel: str, log_x:
     ax.set_ylabel("fraction of requests ≤ x")
     ax.set_ylim(0, 1.02)
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="lower right", fontsize="small")
+    _legend(ax, "lower right")
 
 
 def plot_latency_cdfs(requests_by_label: dict[str, Sequence[RequestMetrics]], metric: str = "ttft",
@@ -236,7 +245,7 @@ def summary_metric(summary: Summary, metric: str) -> float:
 def _metric_title(metric: str) -> str:
     lower_better = metric.endswith("_ms") or metric in ("padding_waste", "kv_reservation_waste", "num_preemptions")
     unit = "%" if metric in _FRACTIONS else ("ms" if metric.endswith("_ms") else _UNITS.get(metric, ""))
-    name = metric.removesuffix("_ms").replace("_", " ")
+    name = " ".join(_LATENCY_NAMES.get(word, word) for word in metric.removesuffix("_ms").split("_"))
     return f"{name} ({unit})\n{'lower' if lower_better else 'higher'} is better"
 
 

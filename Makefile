@@ -1,0 +1,61 @@
+# Everything a learner, a teacher or CI needs, from a fresh clone. `make help` lists the targets.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+EX     ?=
+export HF_HUB_OFFLINE := 1
+export HF_HUB_DISABLE_PROGRESS_BARS := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: help install test test-fast lab generate grade exercises check-exercises bench lint clean
+
+help:
+	@echo "make lab        JupyterLab on chapters/ with the bundled model (the main job)"
+	@echo "make test       install everything pinned into $(VENV) and run every test (what CI runs)"
+	@echo "make test-fast  the tests without notebooks"
+	@echo "make generate   one greedy generation from the bundled model on the command line"
+	@echo "make grade      grade the exercises with nbval (EX=05 for one)"
+	@echo "make exercises  regenerate exercises/ from solutions/"
+	@echo "make bench      run the benchmarks in bench/"
+	@echo "make lint       ruff"
+
+$(STAMP): requirements.lock pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.lock
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(PY) -m pytest -n 2 --dist loadgroup tests
+
+test-fast: install
+	$(PY) -m pytest -n 2 -m "not notebook" tests
+
+lab: install
+	$(VENV)/bin/jupyter lab chapters/
+
+generate: install
+	$(VENV)/bin/minillm generate "Once upon a time" --max-tokens 32
+
+exercises: install
+	$(PY) tools/build_exercises.py
+
+check-exercises: install
+	$(PY) tools/build_exercises.py --check
+
+grade: install
+	$(PY) -m pytest --nbval-lax --nbval-current-env --nbval-sanitize-with tools/nbval_sanitize.cfg \
+		-p no:cacheprovider exercises/$(if $(EX),ex$(EX)_*.ipynb,)
+
+bench: install
+	$(PY) bench/forward.py
+
+lint: install
+	$(VENV)/bin/ruff check minillm kernels tests tools bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,96 @@
+"""`minillm` on the command line: generate text, or simulate a trace on chosen hardware.
+
+    minillm generate "Once upon a time" --max-tokens 32
+    minillm generate "What is a KV cache?" --chat --temperature 0.8 --seed 1
+    minillm simulate --hardware A100-80GB --model llama-7b --batching continuous --num-requests 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from minillm import LLM, SamplingParams
+
+    knobs = {"max_num_seqs": 1} if args.max_model_len is None else {"max_num_seqs": 1, "max_model_len": args.max_model_len}
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, **knobs)
+    prompt = args.prompt
+    if args.chat:
+        if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
+            raise ValueError(f"--chat needs a tokenizer with a chat template; {args.model or 'the bundled model'} has none")
+        prompt = {"prompt_token_ids": llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True, return_dict=False)}
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop or None)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    completion = out.outputs[0]
+    if args.show_ids:
+        print(f"prompt ids: {out.prompt_token_ids}")
+        print(f"output ids: {completion.token_ids}")
+    print(completion.text if args.chat else (args.prompt + completion.text))
+    print(f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from minillm.sim import simulate
+    from minillm.workload import make_trace
+
+    trace = make_trace(args.num_requests, seed=args.seed, vocab_size=32000, rate_per_s=args.rate,
+                       burstiness=args.burstiness, max_prompt_len=2048, max_output_len=2048)
+    result = simulate(trace, hardware=args.hardware, model=args.model,
+                      engine_config={"batching": args.batching, "max_num_seqs": args.max_num_seqs})
+    print(f"{args.model} on {args.hardware}, {args.batching} batching, max_num_seqs={args.max_num_seqs}, "
+          f"{args.num_requests} ShareGPT-like requests at {args.rate} req/s (simulated clock)")
+    print(result.summary.table())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minillm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a continuation of a prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default=None, help="HF model directory (default: the bundled target)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--dtype", default="float32")
+    gen.add_argument("--device", default=None)
+    gen.add_argument("--max-model-len", type=int, default=None)
+    gen.add_argument("--show-ids", action="store_true", help="also print prompt and output token ids")
+    gen.set_defaults(func=_generate)
+
+    sim = sub.add_parser("simulate", help="run a seeded trace through the scheduler on a simulated GPU")
+    sim.add_argument("--hardware", default="A100-80GB")
+    sim.add_argument("--model", default="llama-7b")
+    sim.add_argument("--batching", default="continuous", choices=["static", "dynamic", "continuous"])
+    sim.add_argument("--max-num-seqs", type=int, default=64)
+    sim.add_argument("--num-requests", type=int, default=200)
+    sim.add_argument("--rate", type=float, default=float("inf"), help="requests per second (default: all at once)")
+    sim.add_argument("--burstiness", type=float, default=1.0)
+    sim.add_argument("--seed", type=int, default=0)
+    sim.set_defaults(func=_simulate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"minillm {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
