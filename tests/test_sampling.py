@@ -1,0 +1,76 @@
+"""Sampling: greedy, temperature, top-k, top-p, per-request seeds, stop conditions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_hf_model
+
+from minillm import LLM, SamplingParams
+from minillm.request import Request
+from minillm.sampling import filtered_probs, sample
+
+
+def _req(**kw) -> Request:
+    return Request("r", [1], SamplingParams(**kw), 0.0, default_seed=kw.get("seed") or 0)
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs, order = filtered_probs(logits, [_req(temperature=1.0, top_k=2)])
+    assert torch.allclose(probs[0][order[0].argsort()], torch.tensor([0.625, 0.375, 0, 0]))
+    probs, order = filtered_probs(logits, [_req(temperature=1.0, top_p=0.8)])
+    # 0.5 + 0.3 reaches 0.8: the smallest such set is the first two tokens.
+    assert torch.allclose(probs[0][order[0].argsort()], torch.tensor([0.625, 0.375, 0, 0]))
+    probs, order = filtered_probs(logits, [_req(temperature=1.0, top_p=0.81)])
+    assert (probs[0] > 0).sum() == 3
+
+
+def test_temperature_sampling_follows_softmax():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    req = _req(temperature=0.7, seed=3)
+    counts = torch.zeros(4)
+    for _ in range(4000):
+        counts[sample(logits, [req])[0]] += 1
+    expected = torch.softmax(logits[0] / 0.7, -1)
+    assert torch.allclose(counts / 4000, expected, atol=0.025)
+
+
+def test_greedy_is_argmax_and_ignores_seed():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    reqs = [_req(temperature=0.0) for _ in range(5)]
+    assert sample(logits, reqs) == logits.argmax(-1).tolist()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(make_tiny_hf_model("llama-gqa"), dtype="float64", device="cpu", max_num_seqs=8)
+
+
+def test_seeded_output_does_not_depend_on_the_batch(llm):
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=40, seed=1234, ignore_eos=True)
+    alone = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(max_tokens=m, temperature=1.3, seed=s, ignore_eos=True) for s, m in [(1, 5), (2, 20)]]
+    crowd = llm.generate([[9] * 20, [5, 6, 7], [11, 12]], [others[0], params, others[1]], use_tqdm=False)
+    assert crowd[1].outputs[0].token_ids == alone
+    other_seed = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=40, seed=99, ignore_eos=True)
+    assert llm.generate([[5, 6, 7]], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_unseeded_sampling_is_reproducible_per_engine_seed():
+    hf = make_tiny_hf_model("llama-gqa")
+    params = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
+    runs = [LLM(hf, dtype="float64", device="cpu", seed=s).generate([[5, 6]], params, use_tqdm=False)
+            for s in (0, 0, 1)]
+    ids = [r[0].outputs[0].token_ids for r in runs]
+    assert ids[0] == ids[1] and ids[0] != ids[2]
+
+
+def test_stop_token_ids_and_eos(llm):
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    stop_at = greedy[4]
+    first = greedy.index(stop_at)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[stop_at]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == greedy[: first + 1] and out.finish_reason == "stop"
