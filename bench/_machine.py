@@ -1,0 +1,21 @@
+"""Describe the machine a benchmark ran on, so its ratios can be read in context."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+
+def describe_machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"{cpu}; {os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads; "
+            f"{gpu}; load average {load:.1f}")
