@@ -11,13 +11,14 @@ Engine knobs are keyword arguments with vLLM's names (`max_num_seqs`, `batching`
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from minillm.config import EngineConfig
-from minillm.engine import LLMEngine
+from minillm.engine import LLMEngine, make_kv_manager
 from minillm.model.config import ModelConfig
 from minillm.model.loader import load_hf_model, load_model_dir
 from minillm.model.tokenizer import generation_eos_ids, load_tokenizer
@@ -45,8 +46,12 @@ def default_device() -> str:
 
 class LLM:
     def __init__(self, model: str | Path | Any | None = None, *, tokenizer: Any | None = None,
-                 dtype: str | torch.dtype = "float32", device: str | None = None, **engine_knobs: Any) -> None:
-        """`model`: an HF directory, an in-memory transformers model, or None for the bundled target."""
+                 dtype: str | torch.dtype = "float32", device: str | None = None,
+                 scheduler_factory: Callable[[EngineConfig, Any], Any] | None = None, **engine_knobs: Any) -> None:
+        """`model`: an HF directory, an in-memory transformers model, or None for the bundled target.
+
+        `scheduler_factory(config, kv_manager)` plugs in your own scheduler (the exercises do).
+        """
         config = EngineConfig.from_kwargs(engine_knobs)
         torch_dtype = resolve_dtype(dtype)
         device = device or default_device()
@@ -65,7 +70,13 @@ class LLM:
         else:
             self.model = load_hf_model(model, torch_dtype, device, config.max_model_len)
             self.tokenizer = tokenizer
-        self.engine = LLMEngine(self.model.config, config, model=self.model, tokenizer=self.tokenizer)
+        scheduler = None
+        if scheduler_factory is not None:
+            resolved = config.resolve(self.model.config.max_position_embeddings)
+            kv = make_kv_manager(resolved, self.model.config, self.model.dtype, str(self.model.device))
+            scheduler = scheduler_factory(resolved, kv)
+        self.engine = LLMEngine(self.model.config, config, model=self.model, tokenizer=self.tokenizer,
+                                kv=None if scheduler is None else kv, scheduler=scheduler)
 
     @property
     def model_config(self) -> ModelConfig:

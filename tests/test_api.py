@@ -113,3 +113,21 @@ def test_abort_frees_the_request(llm):
     engine.abort_request(req.request_id)
     assert req.finish_reason == "abort" and not engine.has_unfinished()
     assert engine.kv.usage().used_tokens == 0
+
+
+def test_a_custom_scheduler_runs_inside_the_real_engine():
+    """The hook the exercises use: a learner's scheduler, built from the engine's config and KV."""
+    from minillm.scheduler.continuous import ContinuousScheduler
+
+    built = []
+
+    def factory(config, kv):
+        built.append((config.max_num_seqs, kv))
+        return ContinuousScheduler(config, kv)
+
+    llm = LLM(make_tiny_hf_model("llama-gqa"), dtype="float64", device="cpu", max_num_seqs=3,
+              scheduler_factory=factory)
+    assert built and built[0][0] == 3 and llm.engine.kv is built[0][1]
+    outs = llm.generate([[5, 6], [7, 8, 9]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
