@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 BATCHING_MODES = ("static", "dynamic", "continuous")
-KV_LAYOUTS = ("slab",)
+KV_LAYOUTS = ("paged", "slab")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
@@ -23,7 +23,11 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output; default the model's max_position_embeddings
     max_queue_delay_ms: float = 10.0  # dynamic batching: fire when the oldest request waited this long
     static_batch_timeout_ms: float = math.inf  # static batching: fire a partial batch after this wait
-    kv_layout: str = "slab"
+    kv_layout: str = "paged"  # continuous batching only: "paged" blocks, or one "slab" per request
+    block_size: int = 16  # token slots per KV block
+    num_kv_blocks: int | None = None  # pool size; default: as much KV as max_num_seqs slabs would hold
+    enable_prefix_caching: bool = False
+    kv_watermark: float = 0.01  # fraction of blocks kept free when admitting new requests
     seed: int = 0  # seeds requests that sample without their own seed
 
     def __post_init__(self) -> None:
@@ -32,6 +36,14 @@ class EngineConfig:
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout={self.kv_layout!r}; choose one of {KV_LAYOUTS}")
         _require_int("max_num_seqs", self.max_num_seqs, 1)
+        _require_int("block_size", self.block_size, 1)
+        if self.num_kv_blocks is not None:
+            _require_int("num_kv_blocks", self.num_kv_blocks, 1)
+        if not 0 <= self.kv_watermark < 1:
+            raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark!r}")
+        if self.enable_prefix_caching and (self.batching != "continuous" or self.kv_layout != "paged"):
+            raise ValueError("enable_prefix_caching=True needs batching='continuous' and kv_layout='paged' "
+                             f"(got batching={self.batching!r}, kv_layout={self.kv_layout!r})")
         if self.max_model_len is not None:
             _require_int("max_model_len", self.max_model_len, 2)
         if self.max_num_batched_tokens is not None:
@@ -56,6 +68,8 @@ class EngineConfig:
                 f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than max_model_len="
                 f"{self.max_model_len}: a long prompt could never be scheduled without chunked prefill; "
                 f"use max_num_batched_tokens >= {self.max_model_len}")
+        if self.num_kv_blocks is None:
+            self.num_kv_blocks = -(-self.max_num_seqs * self.max_model_len // self.block_size)
         return self
 
     @classmethod

@@ -15,6 +15,7 @@ import torch
 
 from minillm.clock import WallClock
 from minillm.config import EngineConfig
+from minillm.kv.block_manager import BlockManager
 from minillm.kv.padded import PaddedKVManager
 from minillm.kv.slab import SlabKVManager
 from minillm.metrics import MetricsCollector, StepRecord
@@ -35,8 +36,12 @@ def make_kv_manager(config: EngineConfig, model_config: ModelConfig, dtype: torc
     if config.batching in ("static", "dynamic"):
         return PaddedKVManager(c.num_layers, c.num_kv_heads, c.head_dim, config.max_num_seqs,
                                config.max_model_len, dtype, device, allocate_pool)
-    return SlabKVManager(c.num_layers, c.num_kv_heads, c.head_dim, num_slabs=config.max_num_seqs,
-                         slab_len=config.max_model_len, dtype=dtype, device=device, allocate_pool=allocate_pool)
+    if config.kv_layout == "slab":
+        return SlabKVManager(c.num_layers, c.num_kv_heads, c.head_dim, num_slabs=config.max_num_seqs,
+                             slab_len=config.max_model_len, dtype=dtype, device=device, allocate_pool=allocate_pool)
+    return BlockManager(c.num_layers, c.num_kv_heads, c.head_dim, config.num_kv_blocks, config.block_size, dtype,
+                        device, enable_prefix_caching=config.enable_prefix_caching, allocate_pool=allocate_pool,
+                        watermark=config.kv_watermark)
 
 
 def make_scheduler(config: EngineConfig, kv) -> Scheduler:
@@ -147,9 +152,14 @@ class LLMEngine:
         batch = self.scheduler.schedule(now, bool(self._pending) or self.expect_more_requests)
         if batch is None:
             return []
+        num_cached = 0
         for req in batch.requests:
-            if req.num_computed_tokens == 0:
+            record = self.metrics.requests[req.request_id]
+            if record.first_scheduled_time is None:
                 self.metrics.on_scheduled(req.request_id, now)
+                if req.num_computed_tokens:  # a prefix-cache hit: these prompt tokens are not recomputed
+                    self.metrics.on_cached(req.request_id, req.num_computed_tokens)
+                    num_cached += req.num_computed_tokens
         prefill_tokens, decode_tokens = batch.num_prefill_and_decode_tokens()
         rows, tokens = self.executor.execute(batch)
         self.clock.advance(self.executor.step_duration_s())
@@ -158,7 +168,7 @@ class LLMEngine:
             req.num_computed_tokens += n
         for req, token in zip(rows, tokens):
             self._append(req, token, done_time)
-        self._record(batch, prefill_tokens, decode_tokens, now, done_time)
+        self._record(batch, prefill_tokens, decode_tokens, num_cached, now, done_time)
         return rows
 
     def wait_for_work(self) -> None:
@@ -200,7 +210,8 @@ class LLMEngine:
         self.metrics.on_finish(req.request_id, t)
         del self.requests[req.request_id]
 
-    def _record(self, batch: ScheduledBatch, prefill: int, decode: int, start: float, end: float) -> None:
+    def _record(self, batch: ScheduledBatch, prefill: int, decode: int, num_cached: int, start: float,
+                end: float) -> None:
         usage = self.kv.usage()
         for req in batch.preempted:
             self.metrics.on_preempted(req.request_id)
@@ -209,5 +220,5 @@ class LLMEngine:
             num_prefill_tokens=prefill, num_decode_tokens=decode, num_padding_tokens=batch.num_padding_tokens,
             num_seqs=len(batch.requests), num_waiting=self.scheduler.num_waiting,
             kv_used_tokens=usage.used_tokens, kv_reserved_tokens=usage.reserved_tokens,
-            kv_total_tokens=usage.total_tokens, num_preemptions=len(batch.preempted)))
+            kv_total_tokens=usage.total_tokens, num_preemptions=len(batch.preempted), num_cached_tokens=num_cached))
         self.num_steps += 1

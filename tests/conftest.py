@@ -27,8 +27,14 @@ TINY_CONFIGS = {
 
 def make_tiny_hf_model(name: str, seed: int = 0):
     """A random HF *ForCausalLM in float64 (near-ties in fp32 logits would make parity unfair)."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     family, extra = TINY_CONFIGS[name]
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),

@@ -90,7 +90,7 @@ def test_every_request_finishes_once_and_kv_is_returned(requests, batching, max_
     usage = engine.kv.usage()
     assert usage.used_tokens == 0
     if batching == "continuous":
-        assert usage.reserved_tokens == 0 and engine.kv.num_free_slabs == max_num_seqs
+        assert usage.reserved_tokens == 0 and engine.kv.num_free_blocks == engine.kv.allocator.num_blocks
 
     # Every step respected the limits; a request's tokens were computed in order, none twice.
     computed = {rid: 0 for rid in submitted}

@@ -35,6 +35,14 @@ class KVManager(Protocol):
         """Make room for `num_new_tokens` more K/V of `request`; False (and no change) if full."""
         ...
 
+    def can_admit(self, request: Request, num_new_tokens: int) -> bool:
+        """Is there room to start a new request (keeping any safety margin the layout wants)?"""
+        ...
+
+    def get_computed_tokens(self, request: Request) -> int:
+        """Attach any cached prefix of a new request's tokens; return how many tokens it covers."""
+        ...
+
     def free(self, request: Request) -> None:
         """Give back every slot the request holds."""
         ...

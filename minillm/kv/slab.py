@@ -39,6 +39,13 @@ class SlabKVManager:
         self._tokens_of[rid] = needed
         return True
 
+    def can_admit(self, request: Request, num_new_tokens: int) -> bool:
+        return request.request_id in self.slab_of or bool(self.free_slabs)
+
+    def get_computed_tokens(self, request: Request) -> int:
+        """Slabs share nothing: no prefix is ever reused."""
+        return 0
+
     def free(self, request: Request) -> None:
         slab = self.slab_of.pop(request.request_id, None)
         if slab is not None:

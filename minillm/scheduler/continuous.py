@@ -70,8 +70,11 @@ class ContinuousScheduler:
         # 2. Then admit waiting requests, oldest first, while there is room.
         while self.waiting and not preempted and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            req.num_computed_tokens = self.kv.get_computed_tokens(req)  # a cached prefix is not recomputed
             n = req.num_tokens - req.num_computed_tokens
-            if n > budget or not self.kv.allocate(req, n):
+            if n > budget or not self.kv.can_admit(req, n) or not self.kv.allocate(req, n):
+                self.kv.free(req)  # let go of any cached prefix blocks it had attached
+                req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
