@@ -126,7 +126,7 @@ def test_continuous_never_runs_more_sequences_than_kv_slabs(requests, num_slabs)
     engine = LLMEngine(MODEL, config, kv=kv, scheduler=make_scheduler(config, kv), executor=executor,
                        clock=SimClock())
     engine.expect_more_requests = False
-    for i, (prompt_len, max_tokens, arrival) in enumerate(requests):
+    for _i, (prompt_len, max_tokens, arrival) in enumerate(requests):
         engine.add_request({"prompt_token_ids": [5] * prompt_len},
                            SamplingParams(max_tokens=max_tokens, temperature=0.0), arrival_time=arrival)
     for _ in range(10_000):
