@@ -70,6 +70,13 @@ class EngineConfig:
                 f"use max_num_batched_tokens >= {self.max_model_len}")
         if self.num_kv_blocks is None:
             self.num_kv_blocks = -(-self.max_num_seqs * self.max_model_len // self.block_size)
+        elif self.batching == "continuous" and self.kv_layout == "paged" and \
+                self.num_kv_blocks * self.block_size < self.max_model_len:
+            need = -(-self.max_model_len // self.block_size)
+            raise ValueError(
+                f"num_kv_blocks={self.num_kv_blocks} × block_size={self.block_size} holds "
+                f"{self.num_kv_blocks * self.block_size} tokens, less than one max_model_len={self.max_model_len} "
+                f"request: it could never finish. Use num_kv_blocks >= {need} or a smaller max_model_len")
         return self
 
     @classmethod

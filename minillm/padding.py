@@ -7,8 +7,9 @@ steps together until the longest output is done, rows that already finished incl
 
 `pad_batch` builds the first step's rectangle, as an HF tokenizer with `padding_side="left"` does.
 `static_batch_slots` counts the token slots a whole batch computes and how many of them were
-useful, exactly as minillm's static engine records them (`StepRecord.num_padding_tokens`), so
-`padding_waste` predicts the engine's `Summary.padding_waste`. Exercise ex02 checks a learner's
+useful, exactly as minillm's static engine records them (`StepRecord.num_padding_tokens`), and
+`static_batch_steps` splits that count by step; so `padding_waste` predicts the engine's
+`Summary.padding_waste`. Exercise ex02 checks a learner's
 versions of these functions against this module.
 """
 
@@ -81,6 +82,20 @@ def static_batch_slots(prompt_lens: Sequence[int], output_lens: Sequence[int]) -
     computed = rows * (max(prompt_lens) + max(output_lens) - 1)
     useful = sum(p + o - 1 for p, o in zip(prompt_lens, output_lens))
     return SlotCounts(computed, useful)
+
+
+def static_batch_steps(prompt_lens: Sequence[int], output_lens: Sequence[int]) -> list[SlotCounts]:
+    """The same batch step by step, as the engine's `StepRecord`s count it.
+
+    Step 1 (prefill): B x S_max slots, sum(p) of them prompt tokens. Step k = 2 .. O_max (decode):
+    B slots, one useful for every row with o_i >= k (it feeds back its (k-1)-th token); the rest
+    are rows that already finished.
+    """
+    static_batch_slots(prompt_lens, output_lens)  # validates the lengths
+    rows = len(prompt_lens)
+    steps = [SlotCounts(rows * max(prompt_lens), sum(prompt_lens))]
+    steps += [SlotCounts(rows, sum(o >= k for o in output_lens)) for k in range(2, max(output_lens) + 1)]
+    return steps
 
 
 def static_run_slots(prompt_lens: Sequence[int], output_lens: Sequence[int], max_num_seqs: int) -> SlotCounts:

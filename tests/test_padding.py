@@ -9,7 +9,14 @@ from minillm.clock import SimClock
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine, make_kv_manager, make_scheduler
 from minillm.model.config import ModelConfig
-from minillm.padding import SlotCounts, pad_batch, padding_waste, static_batch_slots, static_run_slots
+from minillm.padding import (
+    SlotCounts,
+    pad_batch,
+    padding_waste,
+    static_batch_slots,
+    static_batch_steps,
+    static_run_slots,
+)
 from minillm.request import SamplingParams
 
 
@@ -41,6 +48,15 @@ def test_static_batch_slots_by_hand():
     assert counts == SlotCounts(computed_tokens=12, useful_tokens=8)
     assert counts.padding_tokens == 4
     assert padding_waste([3, 1], [2, 4]) == pytest.approx(1 / 3)
+
+
+def test_static_batch_steps_by_hand():
+    # Prefill 2x3 with 4 prompt tokens; decode steps 2..4 feed rows with o >= k: k=2 both, k=3,4 row 1 only.
+    assert static_batch_steps([3, 1], [2, 4]) == [SlotCounts(6, 4), SlotCounts(2, 2), SlotCounts(2, 1),
+                                                  SlotCounts(2, 1)]
+    assert static_batch_steps([5], [1]) == [SlotCounts(5, 5)]  # one output token: the prefill step only
+    lens = ([7, 1, 30, 4], [3, 12, 1, 5])
+    assert sum(static_batch_steps(*lens), SlotCounts(0, 0)) == static_batch_slots(*lens)
 
 
 def test_the_seeds_ten_and_four_thousand_token_batch():
@@ -101,6 +117,9 @@ def test_static_run_slots_predict_what_the_static_engine_records():
         engine.step()
     steps = engine.metrics.steps
     expected = static_run_slots(prompt_lens, output_lens, max_num_seqs=3)
+    per_step = [c for i in range(0, 7, 3) for c in static_batch_steps(prompt_lens[i:i + 3], output_lens[i:i + 3])]
+    assert [(s.num_computed_tokens, s.num_prefill_tokens + s.num_decode_tokens) for s in steps] == [
+        (c.computed_tokens, c.useful_tokens) for c in per_step]
     assert sum(s.num_computed_tokens for s in steps) == expected.computed_tokens
     assert sum(s.num_padding_tokens for s in steps) == expected.padding_tokens
     assert engine.metrics.summary().padding_waste == pytest.approx(expected.waste, rel=1e-12)
