@@ -12,6 +12,8 @@ from typing import Any
 
 BATCHING_MODES = ("static", "dynamic", "continuous")
 KV_LAYOUTS = ("paged", "slab")
+PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
@@ -28,6 +30,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # pool size; default: as much KV as max_num_seqs slabs would hold
     enable_prefix_caching: bool = False
     kv_watermark: float = 0.01  # fraction of blocks kept free when admitting new requests
+    preemption_mode: str = "recompute"  # or "swap": K/V of a preempted request go to host memory
+    scheduling_policy: str = "fcfs"  # or "priority": lower SamplingParams priority value runs first
     seed: int = 0  # seeds requests that sample without their own seed
 
     def __post_init__(self) -> None:
@@ -35,6 +39,12 @@ class EngineConfig:
             raise ValueError(f"batching={self.batching!r}; choose one of {BATCHING_MODES}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout={self.kv_layout!r}; choose one of {KV_LAYOUTS}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode={self.preemption_mode!r}; choose one of {PREEMPTION_MODES}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r}; choose one of {SCHEDULING_POLICIES}")
+        if self.preemption_mode == "swap" and self.kv_layout != "paged":
+            raise ValueError("preemption_mode='swap' needs kv_layout='paged'")
         _require_int("max_num_seqs", self.max_num_seqs, 1)
         _require_int("block_size", self.block_size, 1)
         if self.num_kv_blocks is not None:

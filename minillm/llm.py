@@ -83,11 +83,13 @@ class LLM:
         return self.model.config
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-                 arrival_times: list[float] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+                 arrival_times: list[float] | None = None, priority: list[int] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of `prompts`.
 
         `arrival_times` (seconds from now) replays a trace: each request is only visible to the
-        scheduler once its time has come.
+        scheduler once its time has come. `priority` (lower runs first) matters under
+        `scheduling_policy="priority"`.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -107,7 +109,8 @@ class LLM:
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 arrival = None if arrival_times is None else start + arrival_times[i]
-                requests.append(engine.add_request(prompt, params, arrival_time=arrival))
+                requests.append(engine.add_request(prompt, params, arrival_time=arrival,
+                                                   priority=0 if priority is None else priority[i]))
         except ValueError:
             for req in requests:  # leave the engine as it was: nothing half-submitted
                 engine.abort_request(req.request_id)

@@ -68,3 +68,19 @@ def test_a_pool_smaller_than_one_request_is_refused():
     hf = make_tiny_hf_model("llama-gqa")
     with pytest.raises(ValueError, match="less than one max_model_len=48 request"):
         LLM(hf, dtype="float64", device="cpu", max_model_len=48, block_size=4, num_kv_blocks=10)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_swap_preemption_matches_hf_and_recomputes_nothing(storm_case, policy):
+    hf, trace, refs = storm_case
+    llm = LLM(hf, dtype="float64", device="cpu", max_model_len=48, block_size=1, num_kv_blocks=48,
+              max_num_seqs=8, kv_watermark=0.0, preemption_mode="swap", scheduling_policy=policy)
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in trace]
+    outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in trace], params, use_tqdm=False,
+                        priority=[i % 3 for i in range(len(trace))])
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert llm.engine.scheduler.num_preemptions > len(trace)
+    assert llm.engine.kv.num_swapped_out_tokens > 0 and not llm.engine.kv.swapped
+    # Swapping never recomputes: prefill tokens computed == prompt tokens, exactly.
+    steps = llm.engine.metrics.steps
+    assert sum(s.num_prefill_tokens for s in steps) == sum(r.prompt_len for r in trace)

@@ -45,16 +45,18 @@ def check_block_invariants(kv) -> None:
     max_num_seqs=st.integers(1, 8),
     prefix_caching=st.booleans(),
     prefix_len=st.integers(1, 40),
+    preemption_mode=st.sampled_from(["recompute", "swap"]),
+    policy=st.sampled_from(["fcfs", "priority"]),
 )
 def test_paged_kv_invariants_hold_at_every_step(requests, block_size, num_blocks_factor, max_num_seqs,
-                                                prefix_caching, prefix_len):
+                                                prefix_caching, prefix_len, preemption_mode, policy):
     max_model_len = 128
     # The pool must hold at least one longest request, else nothing could ever run.
     min_blocks = -(-(prefix_len + 20 + 24) // block_size) + 1
     num_blocks = max(min_blocks, int(num_blocks_factor * 4 * max_model_len / block_size))
     config = EngineConfig(batching="continuous", max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                           block_size=block_size, num_kv_blocks=num_blocks, enable_prefix_caching=prefix_caching,
-                          kv_watermark=0.0)
+                          kv_watermark=0.0, preemption_mode=preemption_mode, scheduling_policy=policy)
     resolved = config.resolve(MODEL.max_position_embeddings)
     kv = make_kv_manager(resolved, MODEL, allocate_pool=False)
     executor = StandInExecutor()
@@ -66,7 +68,7 @@ def test_paged_kv_invariants_hold_at_every_step(requests, block_size, num_blocks
     for i, (which, suffix_len, max_tokens, arrival) in enumerate(requests):
         prompt = (prefixes[which] if which < 2 else []) + [30 + i % 20] * suffix_len
         req = engine.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                                 request_id=f"r{i}", arrival_time=arrival)
+                                 request_id=f"r{i}", arrival_time=arrival, priority=i % 3)
         submitted[req.request_id] = req
 
     finished = []
@@ -87,6 +89,7 @@ def test_paged_kv_invariants_hold_at_every_step(requests, block_size, num_blocks
         assert req.output_token_ids == [7] * req.params.max_tokens
     assert kv.usage().used_tokens == 0 and kv.usage().reserved_tokens == 0
     assert all(c == 0 for c in kv.allocator.ref_counts)
+    assert not kv.swapped  # nothing left in host memory
     if not prefix_caching:
         assert len(kv.allocator.free_blocks) == num_blocks
     # Computed tokens per request: every token of the final sequence except the last, plus any
@@ -99,5 +102,5 @@ def test_paged_kv_invariants_hold_at_every_step(requests, block_size, num_blocks
     for rid, req in submitted.items():
         record = engine.metrics.requests[rid]
         assert computed[rid] >= req.num_tokens - 1 - record.num_cached_prompt_tokens
-        if req.num_preemptions == 0 and not prefix_caching:
-            assert computed[rid] == req.num_tokens - 1
+        if (req.num_preemptions == 0 or preemption_mode == "swap") and not prefix_caching:
+            assert computed[rid] == req.num_tokens - 1  # swapping never recomputes

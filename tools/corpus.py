@@ -158,10 +158,19 @@ def save_hf_tokenizer(tokenizer: Tokenizer, out_dir: Path) -> None:
         model_max_length=2048,
     )
     hf_tokenizer.chat_template = CHAT_TEMPLATE
-    # Keep the chat template inside tokenizer_config.json (not chat_template.jinja) and name the class
-    # PreTrainedTokenizerFast, which transformers 4.x and 5.x both resolve, so older releases load it too.
-    hf_tokenizer.save_pretrained(out_dir, save_jinja_files=False)
-    config_path = Path(out_dir) / "tokenizer_config.json"
+    hf_tokenizer.save_pretrained(out_dir, save_jinja_files=False)  # chat template stays in the config
+    make_config_portable(Path(out_dir) / "tokenizer_config.json")
+
+
+def make_config_portable(config_path: Path) -> None:
+    """Rewrite transformers 5's tokenizer_config.json in the spelling that 4.x and 5.x both load.
+
+    5.x writes `"tokenizer_class": "TokenizersBackend"` and a list under `extra_special_tokens`;
+    4.x knows neither (it expects a dict there). Both read `PreTrainedTokenizerFast` and a list of
+    `additional_special_tokens` (checked with 4.57 and 5.24).
+    """
     config = json.loads(config_path.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if isinstance(config.get("extra_special_tokens"), list):
+        config["additional_special_tokens"] = config.pop("extra_special_tokens")
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")

@@ -262,7 +262,7 @@ def write_readme(out: Path, specs: list[ModelSpec], results: list[TrainResult], 
         "# Bundled models",
         "",
         "Two tiny Llama models trained from scratch for this course by `tools/train_bundled.py`",
-        "(`python tools/train_bundled.py --out models`). Load either offline:",
+        f"(`{info['command']}`). Load either offline:",
         "",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
@@ -313,6 +313,11 @@ def write_readme(out: Path, specs: list[ModelSpec], results: list[TrainResult], 
         ("held-out loss", f"{t.heldout_loss:.3f}", f"{d.heldout_loss:.3f}"),
         ("held-out perplexity", f"{math.exp(t.heldout_loss):.1f}", f"{math.exp(d.heldout_loss):.1f}"),
         ("training wall time", f"{t.wall_s / 60:.1f} min", f"{d.wall_s / 60:.1f} min"),
+        (
+            "mean throughput",
+            f"{t.tokens_seen / t.wall_s:,.0f} tokens/s",
+            f"{d.tokens_seen / d.wall_s:,.0f} tokens/s",
+        ),
     ]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     lines += [
@@ -326,6 +331,9 @@ def write_readme(out: Path, specs: list[ModelSpec], results: list[TrainResult], 
         "",
         "## Greedy samples (40 new tokens, from the saved files)",
         "",
+        "Greedy decoding falls into loops quickly at this size; that is expected, and it makes the",
+        "outputs easy to compare token for token.",
+        "",
     ]
     for spec, result in zip(specs, results):
         lines.append(f"{spec.name}:")
@@ -336,7 +344,10 @@ def write_readme(out: Path, specs: list[ModelSpec], results: list[TrainResult], 
     lines += [
         "## Build",
         "",
-        f"- Whole script: {info['total_min']:.1f} min on {cpu_name()}, {torch.get_num_threads()} threads.",
+        f"- Command: `{info['command']}`.",
+        f"- Whole script: {info['total_min']:.1f} min on {cpu_name()}, {torch.get_num_threads()} threads"
+        " (a shared machine: throughput depends on what else runs, so a time-budgeted rerun takes a"
+        " different number of steps; --steps-target / --steps-draft fix the step counts instead).",
         f"- Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}.",
         "",
     ]
@@ -417,6 +428,9 @@ def main(argv: list[str] | None = None) -> None:
         "train_tokens": len(train),
         "heldout_tokens": len(heldout),
         "total_min": (time.perf_counter() - script_start) / 60,
+        "command": " ".join(
+            ["python", "tools/train_bundled.py", *(argv if argv is not None else sys.argv[1:])]
+        ),
     }
     write_readme(out, specs, results, info, args)
     log(f"done in {info['total_min']:.1f} min; wrote {out / 'README.md'}")

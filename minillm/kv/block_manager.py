@@ -47,6 +47,8 @@ class BlockManager:
         self.hash_of_block: dict[int, int] = {}
         self.tokens_of_block: dict[int, tuple[int, ...]] = {}
         self._hashes: dict[str, list[int]] = {}  # the hash chain of each request's full blocks
+        self.swapped: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {}  # host copies of preempted K/V
+        self.num_swapped_out_tokens = 0
         self.num_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # … of which were found
 
@@ -141,6 +143,45 @@ class BlockManager:
         # Release the tail first so that, as cached blocks, the deepest ones are evicted first.
         for block in reversed(table):
             self.allocator.release(block, keep_cached=block in self.hash_of_block)
+
+    # ---- swapping (preemption_mode="swap") -------------------------------------------------------
+    def swap_out(self, request: Request) -> None:
+        """Copy the request's K/V to a host-memory pool and free its blocks; it resumes later
+        without recomputing anything (vLLM's swap preemption)."""
+        rid = request.request_id
+        tokens = request.num_computed_tokens
+        if self.k_pool is not None:
+            slots = self.key_index([request], [tokens])[0] if tokens else torch.zeros(0, dtype=torch.long)
+            host = "cpu"
+            self.swapped[rid] = (self.k_pool[:, slots].to(host), self.v_pool[:, slots].to(host))
+        else:
+            self.swapped[rid] = None
+        self.num_swapped_out_tokens += tokens
+        self.free(request)
+
+    def is_swapped(self, request: Request) -> bool:
+        return request.request_id in self.swapped
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        """Bring a swapped-out request back: fresh blocks, its K/V copied in, room for new tokens."""
+        rid = request.request_id
+        tokens = request.num_computed_tokens
+        needed = -(-(tokens + num_new_tokens) // self.block_size)
+        if needed + self.watermark_blocks > self.allocator.num_free:
+            return False
+        saved = self.swapped.pop(rid)
+        self.block_tables[rid] = [self.allocator.allocate() for _ in range(needed)]
+        self._tokens_of[rid] = tokens + num_new_tokens
+        if saved is not None and tokens:
+            slots = self.key_index([request], [tokens])[0].to(self.k_pool.device)
+            self.k_pool[:, slots] = saved[0].to(self.k_pool.device)
+            self.v_pool[:, slots] = saved[1].to(self.v_pool.device)
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request, tokens + num_new_tokens)
+        return True
+
+    def drop_swapped(self, request: Request) -> None:
+        self.swapped.pop(request.request_id, None)
 
     # ---- addressing for the runner ---------------------------------------------------------------
     def slot_mapping(self, requests: list[Request], num_new_tokens: list[int]) -> torch.Tensor:

@@ -1,12 +1,15 @@
-"""Continuous (iteration-level) batching, Orca-style (chapter 04).
+"""Continuous (iteration-level) batching, Orca-style (chapter 04), with preemption (chapter 06).
 
 Every step the batch is rebuilt: requests that finished last step are already gone, running
 requests each get their next token(s), and waiting requests join while the token budget
 (`max_num_batched_tokens`), the sequence limit (`max_num_seqs`) and the KV pool allow. Nobody
 waits for the slowest member of a batch.
 
-If the KV pool cannot hold a running request's next token, the most recently admitted request is
-preempted: its KV is freed and it goes back to the front of the queue, to be recomputed later.
+When the KV pool cannot hold a running request's next token, a victim is preempted — the most
+recently admitted one under `scheduling_policy="fcfs"`, the lowest-priority one under
+`"priority"` — and goes back to the front of the queue. With `preemption_mode="recompute"` its
+K/V are dropped and recomputed when it returns; with `"swap"` they are copied to host memory
+and copied back.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ class ContinuousScheduler:
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
+        if self.config.scheduling_policy == "priority":  # lower value first, then arrival (stable sort)
+            self.waiting = deque(sorted(self.waiting, key=lambda r: r.priority))
 
     @property
     def num_waiting(self) -> int:
@@ -55,30 +60,27 @@ class ContinuousScheduler:
             if n > budget:
                 break
             while not self.kv.allocate(req, n):
-                victim = self.running.pop()  # the most recently admitted
+                victim = self._pick_victim(exclude=scheduled)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
-                break  # req itself was the victim
+                continue  # req itself was the victim: the next running request now sits at index i
             scheduled.append(req)
             counts.append(n)
             budget -= n
             i += 1
 
-        # 2. Then admit waiting requests, oldest first, while there is room.
+        # 2. Then admit waiting requests in queue order while there is room.
         while self.waiting and not preempted and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            req.num_computed_tokens = self.kv.get_computed_tokens(req)  # a cached prefix is not recomputed
-            n = req.num_tokens - req.num_computed_tokens
-            if n > budget or not self.kv.can_admit(req, n) or not self.kv.allocate(req, n):
-                self.kv.free(req)  # let go of any cached prefix blocks it had attached
-                req.num_computed_tokens = 0
+            if not self._try_admit(req, budget):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            n = req.num_tokens - req.num_computed_tokens
             scheduled.append(req)
             counts.append(n)
             budget -= n
@@ -89,11 +91,36 @@ class ContinuousScheduler:
         order = sorted(range(len(scheduled)), key=lambda j: not (counts[j] == 1 and scheduled[j].num_computed_tokens))
         return ScheduledBatch([scheduled[j] for j in order], [counts[j] for j in order], preempted=preempted)
 
-    def _preempt(self, req: Request) -> None:
-        """Recompute-style preemption: drop the KV, requeue at the front."""
-        self.kv.free(req)
-        req.status = RequestStatus.PREEMPTED
+    def _try_admit(self, req: Request, budget: int) -> bool:
+        """Reserve KV for a waiting request (swapped back in, or with any cached prefix attached)."""
+        swapped = getattr(self.kv, "is_swapped", None)
+        if swapped is not None and swapped(req):
+            n = req.num_tokens - req.num_computed_tokens
+            return n <= budget and self.kv.swap_in(req, n)
+        req.num_computed_tokens = self.kv.get_computed_tokens(req)  # a cached prefix is not recomputed
+        n = req.num_tokens - req.num_computed_tokens
+        if n <= budget and self.kv.can_admit(req, n) and self.kv.allocate(req, n):
+            return True
+        self.kv.free(req)  # let go of any cached prefix blocks it had attached
         req.num_computed_tokens = 0
+        return False
+
+    def _pick_victim(self, exclude: list[Request]) -> Request:
+        """FCFS: the most recently admitted. Priority: the lowest priority (largest value), latest first.
+        Requests already planned for this step are kept if anyone else can go."""
+        candidates = [r for r in self.running if r not in exclude] or self.running
+        if self.config.scheduling_policy == "priority":
+            return max(reversed(candidates), key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        if self.config.preemption_mode == "swap" and hasattr(self.kv, "swap_out"):
+            self.kv.swap_out(req)  # keeps num_computed_tokens: nothing is recomputed
+        else:
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -108,6 +135,8 @@ class ContinuousScheduler:
                 if req.request_id == request_id:
                     queue.remove(req)
                     self.kv.free(req)
+                    if hasattr(self.kv, "drop_swapped"):
+                        self.kv.drop_swapped(req)
                     req.status = RequestStatus.FINISHED_ABORTED
                     return req
         return None
