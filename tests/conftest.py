@@ -58,7 +58,9 @@ def tiny_hf_model(request):
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = False) -> list[int]:
     """Reference: HF transformers `generate`, one prompt at a time (no padding involved)."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+        ids = torch.tensor([prompt])
+        # An explicit mask: HF would otherwise infer one from pad_token_id, which may equal BOS.
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=model.config.eos_token_id if stop_at_eos else None,
                              pad_token_id=0)
     return out[0, len(prompt):].tolist()

@@ -48,3 +48,29 @@ def test_stops_at_eos_like_hf(tiny_hf_model):
         ref = hf_greedy(hf, prompt, NUM_TOKENS, stop_at_eos=True)
         assert out.outputs[0].token_ids == ref, name
         assert out.outputs[0].finish_reason == ("stop" if ref[-1] == 2 else "length")
+
+
+def test_bundled_models_match_hf_in_float64():
+    """The trained target and draft: same greedy text as HF generate, logits to 1e-6."""
+    from transformers import AutoModelForCausalLM
+
+    from minillm.llm import BUNDLED_DRAFT, BUNDLED_TARGET
+
+    texts = ["The", "And the king said unto", "In the beginning", "Blessed are they",
+             "And it came to pass, when the people heard", "Thus saith the LORD of hosts; Behold,",
+             "A soft answer turneth away wrath: but", "Now the serpent was more subtil than any beast of the field"]
+    for model_dir in (BUNDLED_TARGET, BUNDLED_DRAFT):
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float64).eval()
+        llm = LLM(model_dir, dtype="float64", device="cpu", max_num_seqs=4)
+        prompts = [llm.tokenizer(t).input_ids for t in texts]
+        assert len({len(p) for p in prompts}) >= 6
+        outs = llm.generate(texts, SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True),
+                            use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            assert out.prompt_token_ids == prompt
+            assert out.outputs[0].token_ids == hf_greedy(hf, prompt, NUM_TOKENS), (model_dir.name, prompt)
+        sequence = prompts[-1] + outs[-1].outputs[0].token_ids
+        with torch.no_grad():
+            ref = hf(torch.tensor([sequence])).logits[0]
+        assert (full_logits(llm.model, sequence) - ref).abs().max().item() < 1e-6
+        assert (incremental_logits(llm.model, sequence, 5) - ref).abs().max().item() < 1e-6
