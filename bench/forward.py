@@ -31,20 +31,23 @@ from minillm.scheduler.base import ScheduledBatch  # noqa: E402
 from minillm.sim.hardware import measure_copy_bandwidth  # noqa: E402
 
 
-def median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def median_times(fns, repeats: int) -> list[float]:
+    """Median time of each function, calls interleaved so that load on a shared machine hits all alike."""
+    for fn in fns:
+        fn()  # warm-up
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, bucket in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            bucket.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
-def minillm_decode_step(model, batch: int, context: int, repeats: int) -> float:
-    """One engine decode step (prepare tensors + forward + logits) for `batch` sequences."""
+def minillm_decode_step(model, batch: int, context: int):
+    """A function running one engine decode step (prepare tensors + forward + logits) for `batch` sequences."""
     c = model.config
-    kv = SlabKVManager(c.num_layers, c.num_kv_heads, c.head_dim, num_slabs=batch, slab_len=context + repeats + 8,
+    kv = SlabKVManager(c.num_layers, c.num_kv_heads, c.head_dim, num_slabs=batch, slab_len=context + 8,
                        dtype=model.dtype)
     runner = ModelRunner(model, kv)
     reqs = [Request(str(i), [5] * context, SamplingParams(max_tokens=1, temperature=0.0), 0.0) for i in range(batch)]
@@ -61,11 +64,11 @@ def minillm_decode_step(model, batch: int, context: int, repeats: int) -> float:
     def step() -> None:  # num_computed_tokens stays put: every step rewrites the same slot
         runner.compute_logits(decode)
 
-    return median_time(step, repeats)
+    return step
 
 
-def hf_decode_step(hf_model, batch: int, context: int, repeats: int) -> float:
-    """One HF forward of one new token per sequence against a DynamicCache of `context` tokens."""
+def hf_decode_step(hf_model, batch: int, context: int):
+    """A function running one HF forward of one new token per sequence against a `context`-token cache."""
     from transformers import DynamicCache
 
     ids = torch.full((batch, context), 5)
@@ -75,11 +78,12 @@ def hf_decode_step(hf_model, batch: int, context: int, repeats: int) -> float:
         new = torch.full((batch, 1), 7)
         position = torch.full((batch, 1), context)
 
-        def step() -> None:
-            hf_model(new, past_key_values=cache, position_ids=position, use_cache=True)
-            cache.crop(context)  # keep the context fixed, as minillm's loop does
+    def step() -> None:
+        with torch.inference_mode():
+            hf_model(new, cache=cache, position_ids=position, use_cache=True)
+            cache.crop(-1)  # drop the new token again: the context stays fixed, as in minillm's loop
 
-        return median_time(step, repeats)
+    return step
 
 
 def bench_bundled(repeats: int) -> None:
@@ -90,8 +94,7 @@ def bench_bundled(repeats: int) -> None:
     print(f"\n[1] decode step, bundled target ({model.num_params / 1e6:.1f} M params, fp32), context 64")
     print(f"{'batch':>6} {'minillm ms':>11} {'HF ms':>9} {'minillm/HF':>11}")
     for batch in (1, 32):
-        ours = minillm_decode_step(model, batch, 64, repeats)
-        theirs = hf_decode_step(hf, batch, 64, repeats)
+        ours, theirs = median_times([minillm_decode_step(model, batch, 64), hf_decode_step(hf, batch, 64)], repeats)
         print(f"{batch:>6} {ours * 1e3:>11.3f} {theirs * 1e3:>9.3f} {ours / theirs:>11.2f}")
 
 
@@ -129,7 +132,7 @@ def random_half_b_model():
 def bench_bandwidth(repeats: int) -> None:
     model = random_half_b_model()
     bandwidth = max(measure_copy_bandwidth(1.0) for _ in range(3))
-    step = minillm_decode_step(model, 1, 64, repeats)
+    (step,) = median_times([minillm_decode_step(model, 1, 64)], repeats)
     achieved = model.weight_bytes / step
     print(f"\n[2] decode step, random {model.num_params / 1e6:.0f} M-param fp32 model (Qwen2.5-0.5B shape), batch 1")
     print(f"weight bytes per step {model.weight_bytes / 1e9:.2f} GB, step {step * 1e3:.1f} ms → "

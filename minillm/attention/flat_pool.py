@@ -87,7 +87,7 @@ class FlatPoolAttention:
             out[: meta.num_decode] = self._decode(q[: meta.num_decode], k_pool, v_pool, window)
         for span in meta.prefills:
             rows = slice(span.token_start, span.token_start + span.num_new_tokens)
-            keys, values = k_pool[span.key_index], v_pool[span.key_index]  # [ctx, H_kv, D]
+            keys, values = k_pool.index_select(0, span.key_index), v_pool.index_select(0, span.key_index)
             mask = prefill_mask(span.num_new_tokens, span.key_index.shape[0], window, q.device)
             o = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
@@ -98,8 +98,9 @@ class FlatPoolAttention:
     def _decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                 window: int | None) -> torch.Tensor:
         index = self.meta.decode_key_index
-        keys = k_pool[index].transpose(1, 2)  # [B, H_kv, K_max, D]
-        values = v_pool[index].transpose(1, 2)
+        flat = index.reshape(-1)  # index_select is several times faster than fancy indexing on CPU
+        keys = k_pool.index_select(0, flat).view(*index.shape, *k_pool.shape[1:]).transpose(1, 2)  # [B,H,K,D]
+        values = v_pool.index_select(0, flat).view(*index.shape, *v_pool.shape[1:]).transpose(1, 2)
         o = F.scaled_dot_product_attention(q[:, :, None, :], keys, values,
                                            attn_mask=self.meta.decode_mask(window), enable_gqa=True)
         return o[:, :, 0, :]
