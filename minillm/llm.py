@@ -55,8 +55,8 @@ class LLM:
         config = EngineConfig.from_kwargs(engine_knobs)
         torch_dtype = resolve_dtype(dtype)
         device = device or default_device()
-        if device == "cpu" and torch_dtype in (torch.bfloat16, torch.float16):
-            raise ValueError(f"dtype={dtype} on CPU runs at ~0.3 GFLOP/s; use float32 (or float64) on CPU")
+        if device == "cpu" and torch_dtype is torch.float16:
+            raise ValueError("dtype=float16 matmuls run at ~1-3 GFLOP/s on this CPU; use float32 or bfloat16 on CPU")
         if model is None or isinstance(model, (str, Path)):
             model_dir = Path(model) if model is not None else BUNDLED_TARGET
             if not model_dir.is_dir():
