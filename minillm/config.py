@@ -13,7 +13,8 @@ from typing import Any
 BATCHING_MODES = ("static", "dynamic", "continuous")
 KV_LAYOUTS = ("paged", "slab")
 PREEMPTION_MODES = ("recompute", "swap")
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
+PREFIX_CACHES = ("hash", "radix")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
@@ -29,9 +30,11 @@ class EngineConfig:
     block_size: int = 16  # token slots per KV block
     num_kv_blocks: int | None = None  # pool size; default: as much KV as max_num_seqs slabs would hold
     enable_prefix_caching: bool = False
+    prefix_cache: str = "hash"  # how cached prefixes are found: vLLM's "hash" chain or SGLang's "radix" tree
     kv_watermark: float = 0.01  # fraction of blocks kept free when admitting new requests
     preemption_mode: str = "recompute"  # or "swap": K/V of a preempted request go to host memory
-    scheduling_policy: str = "fcfs"  # or "priority": lower SamplingParams priority value runs first
+    # "fcfs"; "priority": lower priority value runs first; "lpm": longest cached prefix first (SGLang)
+    scheduling_policy: str = "fcfs"
     seed: int = 0  # seeds requests that sample without their own seed
 
     def __post_init__(self) -> None:
@@ -43,6 +46,13 @@ class EngineConfig:
             raise ValueError(f"preemption_mode={self.preemption_mode!r}; choose one of {PREEMPTION_MODES}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r}; choose one of {SCHEDULING_POLICIES}")
+        if self.prefix_cache not in PREFIX_CACHES:
+            raise ValueError(f"prefix_cache={self.prefix_cache!r}; choose one of {PREFIX_CACHES}")
+        if self.prefix_cache != "hash" and not self.enable_prefix_caching:
+            raise ValueError(f"prefix_cache={self.prefix_cache!r} has no effect without enable_prefix_caching=True")
+        if self.scheduling_policy == "lpm" and not self.enable_prefix_caching:
+            raise ValueError("scheduling_policy='lpm' ranks waiting requests by their cached prefix: "
+                             "it needs enable_prefix_caching=True")
         if self.preemption_mode == "swap" and self.kv_layout != "paged":
             raise ValueError("preemption_mode='swap' needs kv_layout='paged'")
         _require_int("max_num_seqs", self.max_num_seqs, 1)

@@ -41,7 +41,7 @@ def make_kv_manager(config: EngineConfig, model_config: ModelConfig, dtype: torc
                              slab_len=config.max_model_len, dtype=dtype, device=device, allocate_pool=allocate_pool)
     return BlockManager(c.num_layers, c.num_kv_heads, c.head_dim, config.num_kv_blocks, config.block_size, dtype,
                         device, enable_prefix_caching=config.enable_prefix_caching, allocate_pool=allocate_pool,
-                        watermark=config.kv_watermark)
+                        watermark=config.kv_watermark, prefix_cache=config.prefix_cache)
 
 
 def make_scheduler(config: EngineConfig, kv) -> Scheduler:

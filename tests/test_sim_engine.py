@@ -131,7 +131,7 @@ def test_every_output_token_is_produced_and_kv_returns_to_empty(trace64):
     assert [r.num_output_tokens for r in res.requests] == [r.max_tokens for r in trace64]
     usage = res.engine.kv.usage()
     assert usage.used_tokens == usage.reserved_tokens == 0
-    assert res.engine.kv.num_free_slabs == res.engine.kv.num_slabs
+    assert res.engine.kv.num_free_blocks == res.engine.kv.allocator.num_blocks  # paged by default
     # the clock moved only by step costs (every request arrives at t=0: no idle gaps)
     assert len(res.costs) == len(res.steps) == s.num_steps
     assert sum(c.time_s for c in res.costs) == pytest.approx(s.duration_s, rel=1e-12)
@@ -154,11 +154,15 @@ def test_kv_pool_is_sized_from_memory_and_bounded_by_max_num_seqs():
     capacity = int((0.9 * 80e9 - LLAMA_7B.weight_bytes(2)) // (2 * 32 * 32 * 128 * 2))
     assert kv_capacity_tokens(A100_80GB, LLAMA_7B) == capacity == 111_624
     trace = make_trace(4, seed=2, vocab_size=32000, prompt_len=64, output_len=8)
-    res = simulate(trace, engine_config={"max_num_seqs": 256, "max_model_len": 2048})
+    res = simulate(trace, engine_config={"max_num_seqs": 256, "max_model_len": 2048, "kv_layout": "slab"})
     assert res.kv_capacity_tokens == capacity
     assert res.engine.kv.num_slabs == res.engine.config.max_num_seqs == capacity // 2048 == 54
-    small = simulate(trace, engine_config={"max_num_seqs": 2, "max_model_len": 2048})
+    small = simulate(trace, engine_config={"max_num_seqs": 2, "max_model_len": 2048, "kv_layout": "slab"})
     assert small.engine.kv.num_slabs == 2
+    # Pages: memory bounds the blocks, not the rows.
+    paged = simulate(trace, engine_config={"max_num_seqs": 256, "max_model_len": 2048})
+    assert paged.engine.kv.allocator.num_blocks == capacity // 16
+    assert paged.engine.config.max_num_seqs == 256
 
 
 @pytest.mark.parametrize("batching", ["continuous", "static"])
@@ -167,7 +171,7 @@ def test_memory_bounds_the_batch(batching):
     hw = dataclasses.replace(A100_80GB, mem_capacity_bytes=40e9)
     trace = make_trace(60, seed=3, vocab_size=32000, prompt_len=64, output_len=16)
     res = simulate(trace, hardware=hw, engine_config={"batching": batching, "max_num_seqs": 64,
-                                                       "max_model_len": 1024})
+                                                       "max_model_len": 1024, "kv_layout": "slab"})
     assert res.engine.config.max_num_seqs == 41
     assert max(st.num_seqs for st in res.steps) == 41
     assert res.summary.completed == 60
@@ -176,7 +180,7 @@ def test_memory_bounds_the_batch(batching):
 def test_model_too_big_for_the_device_warns_and_runs_one_request_at_a_time():
     trace = make_trace(3, seed=4, vocab_size=32000, prompt_len=16, output_len=4)
     with pytest.warns(UserWarning, match="less than one"):
-        res = simulate(trace, model=LLAMA_70B)  # 138 GB of weights on an 80 GB card
+        res = simulate(trace, model=LLAMA_70B, engine_config={"kv_layout": "slab"})  # 138 GB on an 80 GB card
     assert res.engine.kv.num_slabs == 1
     assert res.summary.completed == 3
 
@@ -194,7 +198,7 @@ def test_a_model_config_keeps_its_own_context_limit():
                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                         max_position_embeddings=64, eos_token_id=0))
     ok = trace_from_prompts([[3] * 20, [4] * 30], max_tokens=8)
-    res = simulate(ok, model=cfg, engine_config={"max_num_seqs": 2})
+    res = simulate(ok, model=cfg, engine_config={"max_num_seqs": 2, "kv_layout": "slab"})
     assert res.summary.total_output_tokens == 16
     assert res.engine.executor.token_id == 1  # 0 is this model's EOS
     assert res.engine.kv.slab_len == 64

@@ -3,7 +3,9 @@
 The pool is cut into `num_blocks` blocks of `block_size` token slots. A block is either free, in
 use (its reference count says by how many requests — more than one when a prefix is shared), or,
 with prefix caching, *cached*: nobody uses it but its K/V are kept in case a later request has
-the same prefix. Cached blocks are evicted oldest-first when the free list runs dry.
+the same prefix. Cached blocks are evicted oldest-first when the free list runs dry: this LRU
+queue is the only eviction mechanism, whichever structure (hash chain or radix tree) finds the
+cached blocks; `on_evict` tells that structure a block is being reused.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ class BlockAllocator:
         if self.ref_counts[block] == 0:
             del self.evictable[block]  # revived from the cache
         self.ref_counts[block] += 1
+
+    def uncache(self, block: int) -> None:
+        """The prefix cache dropped this block: if nobody uses it, it is simply free again."""
+        if self.ref_counts[block] == 0 and block in self.evictable:
+            del self.evictable[block]
+            self.free_blocks.append(block)
 
     def release(self, block: int, keep_cached: bool) -> None:
         """One reader fewer; at zero the block is cached (if it holds a full, hashed block) or freed."""

@@ -10,6 +10,10 @@ recently admitted one under `scheduling_policy="fcfs"`, the lowest-priority one 
 `"priority"` — and goes back to the front of the queue. With `preemption_mode="recompute"` its
 K/V are dropped and recomputed when it returns; with `"swap"` they are copied to host memory
 and copied back.
+
+With prefix caching, `scheduling_policy="lpm"` (SGLang's longest prefix match, chapter 07) admits
+first the waiting request with the most tokens already cached (ties: earliest arrival), so requests
+that share a prefix run while it is still cached instead of being evicted by requests in between.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ from minillm.config import EngineConfig
 from minillm.kv.base import KVManager
 from minillm.request import Request, RequestStatus
 from minillm.scheduler.base import ScheduledBatch
+
+# Beyond this many waiting requests LPM falls back to queue order, as SGLang does: ranking costs a
+# prefix-cache walk per waiting request per step.
+LPM_MAX_WAITING = 128
 
 
 class ContinuousScheduler:
@@ -72,7 +80,9 @@ class ContinuousScheduler:
             budget -= n
             i += 1
 
-        # 2. Then admit waiting requests in queue order while there is room.
+        # 2. Then admit waiting requests in queue order while there is room (LPM reorders it first).
+        if self.config.scheduling_policy == "lpm" and self.waiting and not preempted:
+            self._sort_by_cached_prefix()
         while self.waiting and not preempted and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if not self._try_admit(req, budget):
@@ -91,6 +101,13 @@ class ContinuousScheduler:
         order = sorted(range(len(scheduled)), key=lambda j: not (counts[j] == 1 and scheduled[j].num_computed_tokens))
         return ScheduledBatch([scheduled[j] for j in order], [counts[j] for j in order], preempted=preempted)
 
+    def _sort_by_cached_prefix(self) -> None:
+        """LPM: longest cached prefix first, then earliest arrival (stable for equal arrival times)."""
+        cached = getattr(self.kv, "cached_prefix_tokens", None)
+        if cached is None or len(self.waiting) > LPM_MAX_WAITING:
+            return
+        self.waiting = deque(sorted(self.waiting, key=lambda r: (-cached(r), r.arrival_time)))
+
     def _try_admit(self, req: Request, budget: int) -> bool:
         """Reserve KV for a waiting request (swapped back in, or with any cached prefix attached)."""
         swapped = getattr(self.kv, "is_swapped", None)
@@ -106,7 +123,7 @@ class ContinuousScheduler:
         return False
 
     def _pick_victim(self, exclude: list[Request]) -> Request:
-        """FCFS: the most recently admitted. Priority: the lowest priority (largest value), latest first.
+        """FCFS and LPM: the most recently admitted. Priority: the lowest priority (largest value), latest first.
         Requests already planned for this step are kept if anyone else can go."""
         candidates = [r for r in self.running if r not in exclude] or self.running
         if self.config.scheduling_policy == "priority":

@@ -155,9 +155,9 @@ def _fit_to_memory(config: EngineConfig, shape: ModelShape, hw: Hardware, capaci
                    kv_fraction: float) -> EngineConfig:
     """The config with as many rows as device memory holds.
 
-    Slabs (continuous batching) and padded rectangles (static/dynamic) both reserve up to
-    `max_model_len` slots per running request, so memory allows `capacity // max_model_len`
-    requests at once; `max_num_seqs` bounds it further. A slab pool is one slab per row.
+    Slabs and padded rectangles (static/dynamic) both reserve up to `max_model_len` slots per
+    running request, so memory allows `capacity // max_model_len` requests at once; `max_num_seqs`
+    bounds it further. A slab pool is one slab per row. A paged pool gets every block that fits.
     """
     rows = capacity_tokens // config.max_model_len
     if rows < 1:
@@ -166,6 +166,10 @@ def _fit_to_memory(config: EngineConfig, shape: ModelShape, hw: Hardware, capaci
             f"{max(capacity_tokens, 0)} KV tokens in {kv_fraction:.0%} of {hw.name}'s "
             f"{hw.mem_capacity_bytes / 1e9:.0f} GB, less than one {config.max_model_len}-token request: "
             f"simulating one anyway", stacklevel=3)
+    if config.batching == "continuous" and config.kv_layout == "paged":
+        # Pages: memory bounds the number of blocks, not the number of rows.
+        min_blocks = -(-config.max_model_len // config.block_size)
+        return dataclasses.replace(config, num_kv_blocks=max(capacity_tokens // config.block_size, min_blocks))
     return dataclasses.replace(config, max_num_seqs=min(config.max_num_seqs, max(rows, 1)))
 
 
