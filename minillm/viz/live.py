@@ -17,10 +17,10 @@ spaced in wall time, at least `min_interval_s` apart and far enough that drawing
 `max_overhead` of the run's wall time however fast the steps are. Take the numbers a chapter
 reports from a run without a live view, or compare runs that had the same one.
 
-Layouts: `kind="batching"` shows the four panels of `dashboard`; `kind="kv"` shows KV used,
-reserved and total over steps. A layout is a `Layout(nrows, ncols, draw)` in `LAYOUTS`: the
-paged-KV chapter registers its block heatmap there (`register_layout`), reading the live
-allocator from `view.kv`.
+Layouts: `kind="batching"` shows the four panels of `dashboard`; `kind="kv"` shows the KV pool's
+blocks (or slabs) colored by owner, read from the live manager `view.kv` at each redraw
+(`minillm.viz.kv_heatmap`), beside KV used, reserved and total over steps. A layout is a
+`Layout(nrows, ncols, draw)` in `LAYOUTS`; `register_layout` adds more.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from minillm.metrics import MetricsCollector, RequestMetrics, StepRecord
-from minillm.viz.plots import draw_dashboard, plot_batch_occupancy, plot_kv_occupancy
+from minillm.viz.kv_heatmap import draw_kv_layout
+from minillm.viz.plots import draw_dashboard
 
 
 @dataclass
@@ -52,17 +53,10 @@ def _draw_batching(axes: Sequence[Axes], view: LiveView) -> None:
     draw_dashboard(axes, view.steps, view.requests, view.max_num_seqs)
 
 
-def _draw_kv(axes: Sequence[Axes], view: LiveView) -> None:
-    # Slabs (chapter 04) have no per-block owners to show, so the picture is occupancy over time.
-    # Chapter 05's paged allocator replaces this layout with one that adds a heatmap of physical
-    # blocks colored by owning request, read from `view.kv` at each redraw.
-    plot_kv_occupancy(view.steps, ax=axes[0])
-    plot_batch_occupancy(view.steps, view.max_num_seqs, ax=axes[1])
-
-
 LAYOUTS: dict[str, Layout] = {
     "batching": Layout(2, 2, _draw_batching),
-    "kv": Layout(1, 2, _draw_kv, figsize=(11.0, 3.8)),
+    # The pool's blocks beside occupancy over time (occupancy and batch size without a KV manager).
+    "kv": Layout(1, 2, draw_kv_layout, figsize=(12.0, 4.6)),
 }
 
 
