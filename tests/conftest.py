@@ -9,8 +9,27 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see minillm/__init__.py
 
+import importlib.util  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from types import ModuleType  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_build_exercises() -> ModuleType:
+    """tools/build_exercises.py as a module (tools/ is not a package), loaded once."""
+    if "build_exercises" in sys.modules:
+        return sys.modules["build_exercises"]
+    spec = importlib.util.spec_from_file_location("build_exercises", REPO_ROOT / "tools" / "build_exercises.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
 
 TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)

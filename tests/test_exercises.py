@@ -16,32 +16,19 @@ The tests of the build tool itself, on a synthetic notebook, are in test_grading
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from conftest import load_build_exercises
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((REPO_ROOT / "solutions").glob("ex[0-9][0-9]_*.ipynb"))
 NBVAL_TIMEOUT_S = 900  # an exercise targets 60 s; CI machines are shared
 
 
-def _load_tool() -> ModuleType:
-    if "build_exercises" in sys.modules:  # test_grading.py may have loaded it already
-        return sys.modules["build_exercises"]
-    spec = importlib.util.spec_from_file_location(
-        "build_exercises", REPO_ROOT / "tools" / "build_exercises.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
 
-bx = _load_tool()
+bx = load_build_exercises()
 
 
 def _ids(paths: list[Path]) -> list[str]:

@@ -7,31 +7,23 @@ stored outputs are real. Kernel start-ups are slow on a shared CPU, so it is exe
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import nbformat
 import pytest
+from conftest import load_build_exercises
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TOOL = REPO_ROOT / "tools" / "build_exercises.py"
 
 
-def _load_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("build_exercises", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
 
-bx = _load_tool()
+bx = load_build_exercises()
 
 NAME = "ex99_demo.ipynb"
 SETUP = """import warnings

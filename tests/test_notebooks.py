@@ -14,14 +14,11 @@ Every notebook in chapters/ matching NN_*.ipynb is picked up, so later chapters 
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_build_exercises
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted((REPO_ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
@@ -54,28 +51,6 @@ def _output_texts(cell: dict) -> list[str]:
         elif output["output_type"] == "error":
             texts.append(f"{output['ename']}: {output['evalue']}")
     return texts
-
-
-def run_strict_nbval(notebook: Path, timeout_s: int = NOTEBOOK_TIMEOUT_S) -> tuple[bool, str]:
-    """`pytest --nbval --nbval-current-env` on one notebook, in a subprocess; (passed, report)."""
-    command = [
-        sys.executable, "-m", "pytest", "--nbval", "--nbval-current-env",
-        "--nbval-sanitize-with", str(SANITIZE_CFG), f"--nbval-cell-timeout={CELL_TIMEOUT_S}",
-        "-p", "no:cacheprovider", "--color=no", "-q", str(notebook),
-    ]  # fmt: skip
-    env = dict(os.environ)  # the kernel inherits it: let it import minillm from this checkout
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    process = subprocess.Popen(
-        command, cwd=notebook.parent, env=env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    try:
-        output, _ = process.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # the kernel too, not only pytest
-        output, _ = process.communicate()
-        return False, f"{_ANSI.sub('', output)}\nnbval timed out after {timeout_s} s"
-    return process.returncode == 0, _ANSI.sub("", output)
 
 
 def test_there_are_chapters() -> None:
@@ -123,5 +98,7 @@ def test_chapter_compares_some_outputs(notebook: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("notebook", CHAPTERS, ids=_ids(CHAPTERS))
 def test_chapter_passes_strict_nbval(notebook: Path) -> None:
-    passed, report = run_strict_nbval(notebook)
+    result = load_build_exercises().run_nbval(notebook, timeout_s=NOTEBOOK_TIMEOUT_S, lax=False,
+                                              cell_timeout_s=CELL_TIMEOUT_S)
+    passed, report = result.passed, result.output
     assert passed, f"nbval failed on {notebook.name}:\n{report[-6000:]}"

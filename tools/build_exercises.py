@@ -278,12 +278,16 @@ class NbvalResult:
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
-def run_nbval(notebook_path: Path, timeout_s: int = 300) -> NbvalResult:
-    """Run `pytest --nbval-lax --nbval-current-env` (with the sanitize file) on one notebook."""
+def run_nbval(notebook_path: Path, timeout_s: int = 300, lax: bool = True,
+              cell_timeout_s: int | None = None) -> NbvalResult:
+    """Run `pytest --nbval-lax --nbval-current-env` (with the sanitize file) on one notebook.
+
+    `lax=False` runs strict `--nbval` (every untagged cell compared), as the chapter tests do.
+    """
     notebook_path = Path(notebook_path).resolve()
     command = [
-        sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env",
-        "--nbval-sanitize-with", str(SANITIZE_CFG), f"--nbval-cell-timeout={timeout_s}",
+        sys.executable, "-m", "pytest", "--nbval-lax" if lax else "--nbval", "--nbval-current-env",
+        "--nbval-sanitize-with", str(SANITIZE_CFG), f"--nbval-cell-timeout={cell_timeout_s or timeout_s}",
         "-p", "no:cacheprovider", "--color=no", str(notebook_path),
     ]  # fmt: skip
     # The kernel inherits this environment: let it import minillm from the checkout.
