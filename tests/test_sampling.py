@@ -74,3 +74,18 @@ def test_stop_token_ids_and_eos(llm):
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[stop_at]),
                        use_tqdm=False)[0].outputs[0]
     assert out.token_ids == greedy[: first + 1] and out.finish_reason == "stop"
+
+
+def test_stop_strings_on_the_bundled_model():
+    llm = LLM(max_num_seqs=2)
+    prompt = "And the king said unto"
+    free = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    assert ", Go" in free.text  # " him, I will not go to the king of Babylon. And the king said unto him, Go, …"
+    out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, stop=[", Go"]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.text == free.text[: free.text.index(", Go")]
+    assert len(out.token_ids) < len(free.token_ids)
+    kept = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, stop=", Go",
+                                                 include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == free.text[: free.text.index(", Go") + 4]
