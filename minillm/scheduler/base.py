@@ -22,10 +22,6 @@ class ScheduledBatch:
     padded: Any = None  # a static.PaddedStep when the step computes a padded rectangle
 
     @property
-    def num_decode(self) -> int:
-        return sum(1 for n, r in zip(self.num_new_tokens, self.requests) if n == 1 and r.num_computed_tokens > 0)
-
-    @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
