@@ -202,9 +202,9 @@ class LLMEngine:
         return True
 
     def _finish(self, req: Request, status: RequestStatus, t: float) -> None:
-        if status is not RequestStatus.FINISHED_STOPPED or not req.params.stop or not req.output_text:
-            if self.tokenizer is not None and not req.output_text:
-                req.output_text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        if req.output_text is None:  # not already cut at a stop string
+            req.output_text = (self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+                               if self.tokenizer is not None else "")
         req.status = status
         self.scheduler.finish(req)
         self.metrics.on_finish(req.request_id, t)

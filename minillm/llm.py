@@ -141,6 +141,6 @@ class LLM:
 
 
 def to_request_output(req: Request, metrics: Any = None) -> RequestOutput:
-    completion = CompletionOutput(0, req.output_text, list(req.output_token_ids), req.finish_reason)
+    completion = CompletionOutput(0, req.output_text or "", list(req.output_token_ids), req.finish_reason)
     return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion],
                          req.status.finished, metrics)

@@ -81,7 +81,7 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)  # prompt + output, grown as tokens arrive
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_preemptions = 0
-        self.output_text = ""  # filled on finish (or earlier, when stop strings are watched)
+        self.output_text: str | None = None  # set on finish, or when a stop string cuts it
         self.stop_token_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             self.stop_token_ids.update(eos_token_ids)

@@ -89,3 +89,13 @@ def test_stop_strings_on_the_bundled_model():
     kept = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, stop=", Go",
                                                  include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
     assert kept.text == free.text[: free.text.index(", Go") + 4]
+
+
+def test_a_stop_string_at_the_very_start_gives_empty_text():
+    llm = LLM(max_num_seqs=1)
+    free = llm.generate(["And the king said unto"], SamplingParams(max_tokens=4, temperature=0.0),
+                        use_tqdm=False)[0].outputs[0]
+    first_word = free.text.split()[0]  # " him," → "him"
+    out = llm.generate(["And the king said unto"], SamplingParams(max_tokens=4, temperature=0.0, stop=[" " + first_word]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == "" and out.finish_reason == "stop"
