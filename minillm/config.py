@@ -33,6 +33,7 @@ class EngineConfig:
     prefix_cache: str = "hash"  # how cached prefixes are found: vLLM's "hash" chain or SGLang's "radix" tree
     kv_watermark: float = 0.01  # fraction of blocks kept free when admitting new requests
     preemption_mode: str = "recompute"  # or "swap": K/V of a preempted request go to host memory
+    swap_space: float = 4.0  # GiB of host memory for swapped-out K/V (vLLM's name and default)
     # "fcfs"; "priority": lower priority value runs first; "lpm": longest cached prefix first (SGLang)
     scheduling_policy: str = "fcfs"
     seed: int = 0  # seeds requests that sample without their own seed
@@ -59,6 +60,9 @@ class EngineConfig:
         _require_int("block_size", self.block_size, 1)
         if self.num_kv_blocks is not None:
             _require_int("num_kv_blocks", self.num_kv_blocks, 1)
+        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) or \
+                not self.swap_space >= 0:
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
         if not 0 <= self.kv_watermark < 1:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark!r}")
         if self.enable_prefix_caching and (self.batching != "continuous" or self.kv_layout != "paged"):

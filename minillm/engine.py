@@ -1,29 +1,36 @@
-"""The engine loop: one `step()` = schedule → KV → prepare → forward → sample → update → record.
+"""The engine loop: one `step()` = schedule → execute (prepare, forward, sample) → update → record.
 
 Taught across chapters 02–07; the loop itself is shown in chapter 04. Requests can be added while
 the engine runs (`add_request` between steps), which is what the server does; `LLM.generate`
 (in `minillm.llm`) simply adds a whole trace and steps until everything has finished.
+
+The engine owns no request state itself: the scheduler plans and applies results
+(`update_from_output`), the executor computes. If the executor raises, the scheduler rolls the
+plan back and the exception propagates: every request is as it was before the step (see
+`minillm.scheduler.base`). Aborts that arrive during a step are applied after it.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from typing import Any
 
 import torch
 
 from minillm.clock import WallClock
 from minillm.config import EngineConfig
+from minillm.detokenizer import IncrementalDetokenizer
 from minillm.kv.block_manager import BlockManager
 from minillm.kv.padded import PaddedKVManager
 from minillm.kv.slab import SlabKVManager
 from minillm.metrics import MetricsCollector, StepRecord
 from minillm.model.config import ModelConfig
 from minillm.model.llama import LlamaModel
-from minillm.request import Request, RequestStatus, SamplingParams
+from minillm.request import Request, RequestStatus, SamplingParams, derive_seed
 from minillm.runner import ModelRunner
-from minillm.scheduler.base import ScheduledBatch, Scheduler
+from minillm.scheduler.base import RequestUpdate, ScheduledBatch, Scheduler
 from minillm.scheduler.continuous import ContinuousScheduler
 from minillm.scheduler.dynamic import DynamicScheduler
 from minillm.scheduler.static import StaticScheduler
@@ -41,7 +48,8 @@ def make_kv_manager(config: EngineConfig, model_config: ModelConfig, dtype: torc
                              slab_len=config.max_model_len, dtype=dtype, device=device, allocate_pool=allocate_pool)
     return BlockManager(c.num_layers, c.num_kv_heads, c.head_dim, config.num_kv_blocks, config.block_size, dtype,
                         device, enable_prefix_caching=config.enable_prefix_caching, allocate_pool=allocate_pool,
-                        watermark=config.kv_watermark, prefix_cache=config.prefix_cache)
+                        watermark=config.kv_watermark, prefix_cache=config.prefix_cache,
+                        max_model_len=config.max_model_len, swap_space_gib=config.swap_space)
 
 
 def make_scheduler(config: EngineConfig, kv) -> Scheduler:
@@ -66,19 +74,34 @@ class LLMEngine:
         self.scheduler = scheduler if scheduler is not None else make_scheduler(self.config, self.kv)
         # The executor turns a plan into next tokens: the real model, or the simulator's stand-in.
         self.executor = executor if executor is not None else ModelRunner(model, self.kv)
+        self.device = model.device if model is not None else "cpu"
         self.clock = clock or WallClock()
         self.metrics = MetricsCollector()
         self.eos_token_ids = tuple(model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}  # every unfinished request, arrived or not
         self._pending: list[tuple[float, int, Request]] = []  # not yet arrived, a heap by arrival time
+        self._pending_ids: set[str] = set()
         self._ids = itertools.count()
-        self._seeds = torch.Generator().manual_seed(config.seed)
+        self._order = itertools.count()
+        self._in_step = False
+        self._deferred_aborts: list[str] = []
         self.num_steps = 0
+        self.time_in_forward_s = 0.0  # wall time inside executor.execute, and in whole steps
+        self.time_in_steps_s = 0.0
         # Online (a server) more requests may always come; `LLM.generate` clears this while it
         # replays a fixed set, so a static batcher need not wait for a batch that will never fill.
         self.expect_more_requests = True
 
     # ---- requests in -------------------------------------------------------------------------
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + output) one request may ever hold: the context limit, or
+        what the KV pool can hold for a single request if that is less."""
+        limit = self.config.max_model_len
+        if self.config.batching == "continuous":
+            limit = min(limit, self.config.num_kv_blocks * self.config.block_size
+                        if self.config.kv_layout == "paged" else self.config.max_model_len)
+        return limit
+
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None, *,
                     request_id: str | None = None, arrival_time: float | None = None,
                     priority: int = 0) -> Request:
@@ -86,26 +109,46 @@ class LLMEngine:
         params = params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
         max_len = self.config.max_model_len
-        if len(token_ids) + params.max_tokens > max_len:
+        total = len(token_ids) + params.max_tokens
+        if total > max_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens and max_tokens={params.max_tokens}: together "
-                             f"{len(token_ids) + params.max_tokens}, more than max_model_len={max_len}")
+                             f"{total}, more than max_model_len={max_len}")
+        pool = self.max_request_tokens()
+        if total > pool:
+            raise ValueError(f"prompt has {len(token_ids)} tokens and max_tokens={params.max_tokens}: together "
+                             f"{total}, more than the KV pool holds for one request ({self.config.num_kv_blocks} "
+                             f"blocks x {self.config.block_size} = {pool} tokens); it could never finish. Raise "
+                             f"num_kv_blocks or lower max_tokens")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={params.stop!r} needs a tokenizer to see text, and this engine has none: "
+                             "use stop_token_ids instead")
         vocab = self.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.requests:
+        if request_id is None:
+            request_id = self._new_request_id()
+        elif request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         now = self.clock.now()
         arrival = now if arrival_time is None else arrival_time
-        default_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self._seeds))
-        req = Request(request_id, token_ids, params, arrival, self.eos_token_ids, priority, text, default_seed)
+        detokenizer = IncrementalDetokenizer(self.tokenizer) if params.stop else None
+        req = Request(request_id, token_ids, params, arrival, self.eos_token_ids, priority, text,
+                      derive_seed(self.config.seed, request_id), device=self.device, detokenizer=detokenizer)
         self.requests[request_id] = req
         if arrival <= now:
             self._arrive(req)
         else:
-            heapq.heappush(self._pending, (arrival, next(self._ids), req))
+            heapq.heappush(self._pending, (arrival, next(self._order), req))
+            self._pending_ids.add(request_id)
         return req
+
+    def _new_request_id(self) -> str:
+        """A fresh id that no unfinished request — user-named or not — holds."""
+        while True:
+            candidate = str(next(self._ids))
+            if candidate not in self.requests:
+                return candidate
 
     def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -128,90 +171,103 @@ class LLMEngine:
         self.scheduler.add_request(req)
 
     def abort_request(self, request_id: str) -> None:
-        req = self.scheduler.abort(request_id)
+        """Stop a request wherever it is (pending arrival, waiting, running, swapped out): its KV is
+        freed and its metrics closed with finish reason "abort". During a step, after the step."""
+        if self._in_step:
+            self._deferred_aborts.append(request_id)
+            return
+        req = self.requests.get(request_id)
         if req is None:
-            pending = [p for p in self._pending if p[2].request_id == request_id]
-            if not pending:
-                return
-            self._pending.remove(pending[0])
+            return
+        if request_id in self._pending_ids:
+            self._pending = [p for p in self._pending if p[2].request_id != request_id]
             heapq.heapify(self._pending)
-            req = pending[0][2]
+            self._pending_ids.discard(request_id)
             req.status = RequestStatus.FINISHED_ABORTED
-        self.requests.pop(request_id, None)
+        else:
+            self.scheduler.abort(request_id)
+            self.metrics.on_finish(request_id, self.clock.now(), "abort")
+        req.status = RequestStatus.FINISHED_ABORTED
+        del self.requests[request_id]
 
     # ---- the loop ------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def step(self) -> list[Request]:
-        """Run one iteration. Returns the requests that received a token (finished ones included);
-        `num_steps` tells whether a step ran at all (a prefill chunk runs but samples nothing)."""
+    def step(self) -> list[RequestUpdate]:
+        """Run one iteration. Returns what it did for each request that received tokens (finished
+        ones included); `num_steps` tells whether a step ran at all (a prefill chunk runs but
+        samples nothing)."""
+        step_start = time.perf_counter()
         now = self.clock.now()
         while self._pending and self._pending[0][0] <= now:
-            self._arrive(heapq.heappop(self._pending)[2])
-        batch = self.scheduler.schedule(now, bool(self._pending) or self.expect_more_requests)
-        if batch is None:
+            req = heapq.heappop(self._pending)[2]
+            self._pending_ids.discard(req.request_id)
+            self._arrive(req)
+        plan = self.scheduler.schedule(now, bool(self._pending) or self.expect_more_requests)
+        if plan is None:
             return []
-        num_cached = 0
-        for req in batch.requests:
-            record = self.metrics.requests[req.request_id]
-            if record.first_scheduled_time is None:
-                self.metrics.on_scheduled(req.request_id, now)
-                if req.num_computed_tokens:  # a prefix-cache hit: these prompt tokens are not recomputed
-                    self.metrics.on_cached(req.request_id, req.num_computed_tokens)
-                    num_cached += req.num_computed_tokens
-        prefill_tokens, decode_tokens = batch.num_prefill_and_decode_tokens()
-        rows, tokens = self.executor.execute(batch)
-        self.clock.advance(self.executor.step_duration_s())
-        done_time = self.clock.now()
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            req.num_computed_tokens += n
-        for req, token in zip(rows, tokens):
-            self._append(req, token, done_time)
-        self._record(batch, prefill_tokens, decode_tokens, num_cached, now, done_time)
-        return rows
+        prefill_tokens, decode_tokens = plan.num_prefill_and_decode_tokens()
+        queried_before, hit_before = self._prefix_counters()
+        self._in_step = True
+        try:
+            forward_start = time.perf_counter()
+            try:
+                output = self.executor.execute(plan)
+            except BaseException:
+                self.scheduler.rollback(plan)
+                raise
+            self.time_in_forward_s += time.perf_counter() - forward_start
+            self.clock.advance(self.executor.step_duration_s())
+            done_time = self.clock.now()
+            num_cached = 0
+            for req, _ in plan.admitted:
+                record = self.metrics.requests[req.request_id]
+                if record.first_scheduled_time is None:
+                    self.metrics.on_scheduled(req.request_id, now)
+                    if req.num_computed_tokens:  # a prefix-cache hit: these prompt tokens are not recomputed
+                        self.metrics.on_cached(req.request_id, req.num_computed_tokens)
+                        num_cached += req.num_computed_tokens
+            updates = self.scheduler.update_from_output(plan, output)
+            for update in updates:
+                self._on_update(update, done_time)
+        finally:
+            self._in_step = False
+            aborts, self._deferred_aborts = self._deferred_aborts, []
+            for request_id in aborts:
+                self.abort_request(request_id)
+        queried_after, hit_after = self._prefix_counters()
+        self._record(plan, prefill_tokens, decode_tokens, num_cached, now, done_time,
+                     queried_after - queried_before, hit_after - hit_before)
+        self.time_in_steps_s += time.perf_counter() - step_start
+        return updates
 
-    def wait_for_work(self) -> None:
-        """Nothing could run: sleep (or jump the simulated clock) to the next arrival or timer."""
+    def _prefix_counters(self) -> tuple[int, int]:
+        return self.kv.num_query_tokens, self.kv.num_hit_tokens
+
+    def wait_for_work(self) -> bool:
+        """Nothing could run: sleep (or jump the simulated clock) to the next arrival or timer.
+        False if there is nothing to wait for (no arrival to come, no timer): waiting cannot help."""
         now = self.clock.now()
         times = [t for t in (self._pending[0][0] if self._pending else None,
                              self.scheduler.next_wakeup(now)) if t is not None]
-        if times:
-            self.clock.wait_until(min(times))
-
-    def _append(self, req: Request, token: int, t: float) -> None:
-        req.append_token(token)
-        self.metrics.on_token(req.request_id, t)
-        status = None
-        if token in req.stop_token_ids:
-            status = RequestStatus.FINISHED_STOPPED
-        elif req.params.stop and self._hit_stop_string(req):
-            status = RequestStatus.FINISHED_STOPPED
-        elif req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.config.max_model_len:
-            status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            self._finish(req, status, t)
-
-    def _hit_stop_string(self, req: Request) -> bool:
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-        hits = [(text.find(s), s) for s in req.params.stop if s in text]
-        if not hits:
+        if not times:
             return False
-        cut, stop = min(hits)
-        req.output_text = text[: cut + len(stop)] if req.params.include_stop_str_in_output else text[:cut]
+        self.clock.wait_until(min(times))
         return True
 
-    def _finish(self, req: Request, status: RequestStatus, t: float) -> None:
-        if req.output_text is None:  # not already cut at a stop string
-            req.output_text = (self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-                               if self.tokenizer is not None else "")
-        req.status = status
-        self.scheduler.finish(req)
-        self.metrics.on_finish(req.request_id, t)
-        del self.requests[req.request_id]
+    def _on_update(self, update: RequestUpdate, t: float) -> None:
+        req = update.request
+        self.metrics.on_token(req.request_id, t, len(update.new_token_ids))
+        if update.finished:
+            if req.output_text is None:  # not already cut at a stop string
+                req.output_text = (self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+                                   if self.tokenizer is not None else "")
+            self.metrics.on_finish(req.request_id, t, req.status.value)
+            del self.requests[req.request_id]
 
     def _record(self, batch: ScheduledBatch, prefill: int, decode: int, num_cached: int, start: float,
-                end: float) -> None:
+                end: float, num_queried: int, num_hit: int) -> None:
         usage = self.kv.usage()
         for req in batch.preempted:
             self.metrics.on_preempted(req.request_id)
@@ -220,5 +276,9 @@ class LLMEngine:
             num_prefill_tokens=prefill, num_decode_tokens=decode, num_padding_tokens=batch.num_padding_tokens,
             num_seqs=len(batch.requests), num_waiting=self.scheduler.num_waiting,
             kv_used_tokens=usage.used_tokens, kv_reserved_tokens=usage.reserved_tokens,
-            kv_total_tokens=usage.total_tokens, num_preemptions=len(batch.preempted), num_cached_tokens=num_cached))
+            kv_total_tokens=usage.total_tokens, num_preemptions=len(batch.preempted), num_cached_tokens=num_cached,
+            num_prefix_queried_tokens=num_queried, num_prefix_hit_tokens=num_hit,
+            kv_swapped_tokens=usage.swapped_tokens,
+            num_swapped_blocks=sum(len(b) for _, b in batch.blocks_to_swap_out) + sum(
+                len(b) for _, b in batch.blocks_to_swap_in)))
         self.num_steps += 1

@@ -111,11 +111,12 @@ class LLM:
                 arrival = None if arrival_times is None else start + arrival_times[i]
                 requests.append(engine.add_request(prompt, params, arrival_time=arrival,
                                                    priority=0 if priority is None else priority[i]))
-        except ValueError:
-            for req in requests:  # leave the engine as it was: nothing half-submitted
+            self._run(len(requests), use_tqdm)
+        except BaseException:
+            # A bad prompt, a failing step, Ctrl-C: leave the engine as it was, nothing half-done.
+            for req in requests:
                 engine.abort_request(req.request_id)
             raise
-        self._run(len(requests), use_tqdm)
         return [to_request_output(req, engine.metrics.requests.get(req.request_id)) for req in requests]
 
     def _run(self, total: int, use_tqdm: bool) -> None:
@@ -129,18 +130,29 @@ class LLM:
         try:
             while engine.has_unfinished():
                 steps_before = engine.num_steps
-                progressed = engine.step()
+                updates = engine.step()
                 if engine.num_steps == steps_before:
-                    engine.wait_for_work()
+                    if not engine.wait_for_work():
+                        raise RuntimeError(self._stuck_message())
                 elif bar is not None:
-                    bar.update(sum(1 for r in progressed if r.status.finished))
+                    bar.update(sum(1 for u in updates if u.finished))
         finally:
             engine.expect_more_requests = True
             if bar is not None:
                 bar.close()
 
+    def _stuck_message(self) -> str:
+        engine = self.engine
+        stuck = list(engine.requests.values())
+        usage = engine.kv.usage()
+        return (f"no request can make progress: {len(stuck)} unfinished (e.g. {stuck[0]!r}), "
+                f"{engine.scheduler.num_running} running, {engine.scheduler.num_waiting} waiting, KV "
+                f"{usage.reserved_tokens}/{usage.total_tokens} slots reserved, no arrival or timer to wait for; "
+                f"check max_num_seqs, num_kv_blocks and max_num_batched_tokens={engine.config.max_num_batched_tokens}")
+
 
 def to_request_output(req: Request, metrics: Any = None) -> RequestOutput:
-    completion = CompletionOutput(0, req.output_text or "", list(req.output_token_ids), req.finish_reason)
+    completion = CompletionOutput(0, req.output_text or "", list(req.output_token_ids), req.finish_reason,
+                                  req.cumulative_logprob, req.output_logprobs)
     return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion],
                          req.status.finished, metrics)

@@ -7,9 +7,9 @@ follow `vllm bench serve`:
 - TTFT  = first token − arrival (queueing + prefill).
 - TPOT  = (finish − first token) / (output tokens − 1): the decode pace, EXCLUDING the first token;
           undefined for single-token outputs.
-- ITL   = gaps between consecutive tokens, pooled over all requests (so long outputs weigh more).
-          Tokens emitted in the same step (speculative decoding) share a timestamp: a 0 gap here,
-          where a streaming client would see one chunk.
+- ITL   = gaps between consecutive chunks of tokens, pooled over all requests (so long outputs
+          weigh more). Several tokens emitted in one step (speculative decoding) are one chunk, as
+          a streaming client — and `vllm bench serve` — sees them.
 - E2EL  = finish − arrival.
 - goodput = completed requests per second that met EVERY given SLO (Zhong et al., DistServe).
 """
@@ -29,18 +29,29 @@ class RequestMetrics:
     num_prompt_tokens: int
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    token_times: list[float] = field(default_factory=list)  # one per output token, first included
+    token_times: list[float] = field(default_factory=list)  # one per step that produced tokens (a chunk)
     finished_time: float | None = None
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
+    output_tokens: int | None = None  # tokens received; None: one per entry of token_times
+    finish_reason: str | None = None  # "stop", "length" or "abort"
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_times)
+        return len(self.token_times) if self.output_tokens is None else self.output_tokens
+
+    @property
+    def last_token_time(self) -> float | None:
+        return self.token_times[-1] if self.token_times else None
 
     @property
     def queue_time(self) -> float | None:
         return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_in_queue(self) -> float | None:
+        """vLLM's RequestMetrics name for the time from arrival to first scheduled."""
+        return self.queue_time
 
     @property
     def ttft(self) -> float | None:
@@ -78,6 +89,10 @@ class StepRecord:
     kv_total_tokens: int  # KV capacity
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    num_prefix_queried_tokens: int = 0  # tokens looked up in the prefix cache by admissions this step
+    num_prefix_hit_tokens: int = 0  # of those, found cached
+    kv_swapped_tokens: int = 0  # tokens held in host memory after the step
+    num_swapped_blocks: int = 0  # blocks copied between device and host this step
 
     @property
     def num_computed_tokens(self) -> int:
@@ -136,7 +151,7 @@ class Summary:
     mean_kv_occupancy: float  # mean over steps of kv_used / kv_total
     kv_reservation_waste: float  # 1 − Σ kv_used / Σ kv_reserved, over steps
     num_preemptions: int
-    prefix_cache_hit_rate: float  # cached prompt tokens / prompt tokens
+    prefix_cache_hit_rate: float  # vLLM's: hit tokens / queried tokens over every admission
     num_steps: int = 0
 
     def to_dict(self) -> dict:
@@ -203,7 +218,7 @@ def summarize(
     last finish − first arrival. Preemptions are counted by both requests and steps; the summary
     takes whichever source recorded more, so an engine that fills only one is still counted.
     """
-    done = [r for r in requests if r.finished_time is not None]
+    done = [r for r in requests if r.finished_time is not None and r.finish_reason != "abort"]
     if duration_s is None:
         duration_s = max(r.finished_time for r in done) - min(r.arrival_time for r in requests) if done else 0.0
     ttfts = [r.ttft for r in done if r.ttft is not None]
@@ -241,9 +256,19 @@ def summarize(
         mean_kv_occupancy=float(np.mean(occupancy)) if occupancy else float("nan"),
         kv_reservation_waste=1.0 - _ratio(sum(s.kv_used_tokens for s in steps), reserved),
         num_preemptions=max(sum(r.num_preemptions for r in requests), sum(s.num_preemptions for s in steps)),
-        prefix_cache_hit_rate=_ratio(sum(r.num_cached_prompt_tokens for r in done), total_in),
+        prefix_cache_hit_rate=_prefix_hit_rate(done, steps, total_in),
         num_steps=len(steps),
     )
+
+
+def _prefix_hit_rate(done: Sequence[RequestMetrics], steps: Sequence[StepRecord], total_in: int) -> float:
+    """vLLM's prefix-cache hit rate: tokens found ÷ tokens looked up, over every admission (a
+    request admitted again after a preemption is looked up again). Without per-step lookup counts
+    (an engine that records none), cached prompt tokens ÷ prompt tokens of the finished requests."""
+    queried = sum(s.num_prefix_queried_tokens for s in steps)
+    if queried:
+        return sum(s.num_prefix_hit_tokens for s in steps) / queried
+    return _ratio(sum(r.num_cached_prompt_tokens for r in done), total_in) if total_in else 0.0
 
 
 # (label, getter) pairs shown by compare(); ratios > 1 mean "more than the baseline".
@@ -305,11 +330,13 @@ class MetricsCollector:
             r.first_scheduled_time = t
 
     def on_token(self, request_id: str, t: float, num_tokens: int = 1) -> None:
-        """`num_tokens` > 1 when one step emits several (speculative decoding)."""
+        """One step delivered `num_tokens` tokens (> 1 when speculating): one chunk, one timestamp."""
         r = self.requests[request_id]
         if r.first_token_time is None:
             r.first_token_time = t
-        r.token_times.extend([t] * num_tokens)
+        r.token_times.append(t)
+        if num_tokens != 1 or r.output_tokens is not None:
+            r.output_tokens = (len(r.token_times) - 1 if r.output_tokens is None else r.output_tokens) + num_tokens
 
     def on_cached(self, request_id: str, num_cached_prompt_tokens: int) -> None:
         self.requests[request_id].num_cached_prompt_tokens += num_cached_prompt_tokens
@@ -317,8 +344,10 @@ class MetricsCollector:
     def on_preempted(self, request_id: str) -> None:
         self.requests[request_id].num_preemptions += 1
 
-    def on_finish(self, request_id: str, t: float) -> None:
-        self.requests[request_id].finished_time = t
+    def on_finish(self, request_id: str, t: float, reason: str | None = None) -> None:
+        r = self.requests[request_id]
+        r.finished_time = t
+        r.finish_reason = reason
 
     def record_step(self, step: StepRecord) -> None:
         self.steps.append(step)

@@ -10,6 +10,7 @@ chunked prefill, and 1+k when speculating.
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # None: none; 0: the sampled token's; N: also the N most likely (vLLM's)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -41,6 +43,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 or 0 (no limit) or a positive integer, got {self.top_k!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
@@ -65,11 +70,17 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
-    """One prompt moving through the engine."""
+    """One prompt moving through the engine.
+
+    Who writes what: the engine creates it; the scheduler moves it between queues and is the only
+    writer of `num_computed_tokens`, `status` and the output tokens (`update_from_output`); the
+    runner and the KV manager only read it.
+    """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float, eos_token_ids: tuple[int, ...] = (), priority: int = 0,
-                 prompt: str | None = None, default_seed: int = 0) -> None:
+                 prompt: str | None = None, default_seed: int = 0, device: torch.device | str = "cpu",
+                 detokenizer: Any = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -82,12 +93,17 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_preemptions = 0
         self.output_text: str | None = None  # set on finish, or when a stop string cuts it
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.output_logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.stop_token_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             self.stop_token_ids.update(eos_token_ids)
+        # Stop strings are matched on the text as it grows (minillm.detokenizer), new text only.
+        self.detokenizer = detokenizer
         self.generator: torch.Generator | None = None
         if not params.greedy:
-            self.generator = torch.Generator()
+            # On the device that samples: a CPU generator cannot drive torch.multinomial on CUDA.
+            self.generator = torch.Generator(device=device)
             self.generator.manual_seed(params.seed if params.seed is not None else default_seed)
 
     @property
@@ -110,9 +126,32 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def check_stop(self, token_id: int, max_model_len: int) -> RequestStatus | None:
+        """After appending `token_id`: the finished status it causes, or None (vLLM's `check_stop`).
+
+        A stop string is looked for only in the text this token added (plus the tail a string
+        could straddle), so the cost per token does not grow with the output."""
+        if token_id in self.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.detokenizer is not None and self.params.stop:
+            cut = self.detokenizer.append(token_id, self.params.stop, self.params.include_stop_str_in_output)
+            if cut is not None:
+                self.output_text = cut
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
                 f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")
+
+
+def derive_seed(engine_seed: int, request_id: str) -> int:
+    """The random seed of a request that gave none: a function of (engine seed, request id) only,
+    so it does not depend on how many requests came before (stable across processes, unlike hash())."""
+    digest = hashlib.sha256(f"{engine_seed}:{request_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 @dataclass
@@ -121,7 +160,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    cumulative_logprob: float | None = None
+    cumulative_logprob: float | None = None  # filled when SamplingParams(logprobs=...) asks for logprobs
+    logprobs: list[dict[int, float]] | None = None  # per output token: {token id: logprob}
 
 
 @dataclass

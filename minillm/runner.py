@@ -1,68 +1,189 @@
-"""From a scheduler's plan to model inputs and logits (chapter 04).
+"""From a scheduler's plan to model inputs, logits and sampled tokens (chapter 04).
 
-The runner only builds tensors: it flattens the new tokens of every scheduled request into one
-ragged batch (`input_ids[T]`, `positions[T]`), asks the KV manager where their K/V go
-(`slot_mapping[T]`) and where each request's keys live (`key_index`), runs the model, and keeps
-the logits of the rows that need a next token: the last new token of each request that has
-caught up with its known tokens (a prefill chunk that does not reach the end samples nothing).
+The runner only builds tensors and reports what it sampled; it never changes a request (the
+scheduler's `update_from_output` does that with the `ModelRunnerOutput` returned here). For a step
+it flattens the new tokens of every planned request into one ragged batch (`input_ids[T]`,
+`positions[T]`), reads where their K/V go and where each request's keys live from the KV
+manager's persistent block tables (`slot_mapping[T]`, `block_tables[B, max_blocks]`,
+`query_start_loc`, `seq_lens`), runs the model, and samples the rows that need a next token: the
+last new token of each request that has caught up with its known tokens (a prefill chunk that
+does not reach the end samples nothing).
+
+Before the forward it carries out the plan's KV moves: swap-out copies (device → host), zeroing
+of freshly handed-out blocks, swap-in copies (host → device).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from minillm.attention.flat_pool import AttentionMetadata, FlatPoolAttention, PrefillSpan
+from minillm.attention.flat_pool import AttentionMetadata, FlatPoolAttention, RowGroup
 from minillm.attention.padded import PaddedAttention
 from minillm.kv.base import KVManager
 from minillm.model.llama import LlamaModel
 from minillm.request import Request
-from minillm.sampling import sample
-from minillm.scheduler.base import ScheduledBatch
+from minillm.sampling import sample, sampled_logprobs
+from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch
+
+# Rows share one attention call while the keys it reads stay within this factor of the keys
+# they have (in blocks); beyond it a new group starts. Grouping trades padded reads for calls.
+KEY_READ_SLACK = 1.25
+
+
+def group_by_length(num_blocks: list[int], slack: float = KEY_READ_SLACK) -> list[tuple[int, int]]:
+    """Split rows sorted by length (longest first) into runs [start, end) whose padded reads
+    (rows × longest) stay within `slack` × their real block counts."""
+    groups, start, total = [], 0, 0
+    for i, nb in enumerate(num_blocks):
+        if i > start and (i - start + 1) * num_blocks[start] > slack * (total + nb):
+            groups.append((start, i))
+            start, total = i, 0
+        total += nb
+    if num_blocks:
+        groups.append((start, len(num_blocks)))
+    return groups
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVManager) -> None:
         self.model = model
         self.kv = kv
+        self.keys_read = 0  # decode attention, over the runner's life: keys gathered ...
+        self.keys_exist = 0  # ... and keys the rows really have
 
+    # ---- inputs ------------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """(input_ids [T], positions [T], attention metadata, flattened rows that need logits)."""
-        device = self.model.device
+        """(input_ids [T], positions [T], attention metadata, flattened rows that need logits).
+
+        Rows are reordered for attention — decode rows longest first, then the rest longest first —
+        and `self.last_order[j]` is the plan index of flattened sequence j; the logits rows come
+        in plan order (`self.last_sampled` holds their plan indices)."""
+        device, kv, bs = self.model.device, self.kv, self.kv.block_size
+        reqs, counts = batch.requests, batch.num_new_tokens
+        starts = [r.num_computed_tokens for r in reqs]
+        lens = [s + n for s, n in zip(starts, counts)]
+        decode = sorted((i for i in range(len(reqs)) if counts[i] == 1 and starts[i] > 0), key=lambda i: -lens[i])
+        multi = sorted((i for i in range(len(reqs)) if not (counts[i] == 1 and starts[i] > 0)), key=lambda i: -lens[i])
+        order = decode + multi
         token_ids: list[int] = []
         positions: list[int] = []
-        logits_rows: list[int] = []
-        prefills: list[PrefillSpan] = []
-        decode_reqs: list[Request] = []
-        decode_lens: list[int] = []
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            start = req.num_computed_tokens
-            token_start = len(token_ids)
-            token_ids.extend(req.all_token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            if start + n == req.num_tokens:
-                logits_rows.append(len(token_ids) - 1)
-            if n == 1 and start > 0:
-                decode_reqs.append(req)
-                decode_lens.append(start + 1)
+        query_start = [0]
+        row_of_plan = [0] * len(reqs)
+        for j, i in enumerate(order):
+            req, s, n = reqs[i], starts[i], counts[i]
+            row_of_plan[i] = j
+            if n == 1:
+                token_ids.append(req.all_token_ids[s])
+                positions.append(s)
             else:
-                key_index = self.kv.key_index([req], [start + n])[0]
-                prefills.append(PrefillSpan(token_start, n, key_index.to(device)))
+                token_ids.extend(req.all_token_ids[s : s + n])
+                positions.extend(range(s, s + n))
+            query_start.append(query_start[-1] + n)
+        sampled = [i for i in range(len(reqs)) if lens[i] == reqs[i].num_tokens]
+        logits_rows = [query_start[row_of_plan[i] + 1] - 1 for i in sampled]
+
+        row_ids = np.fromiter((kv.block_table.row_of[reqs[i].request_id] for i in order), np.int64, len(order))
+        seq_lens = np.fromiter((lens[i] for i in order), np.int64, len(order))
+        q_lens = np.fromiter((counts[i] for i in order), np.int64, len(order))
+        width = int(-(-seq_lens.max() // bs))
+        tables = kv.block_table.gather(row_ids, width)
+        pos = np.asarray(positions, dtype=np.int64)
+        token_row = np.repeat(np.arange(len(order)), q_lens)
+        slot_mapping = tables[token_row, pos // bs].astype(np.int64) * bs + pos % bs
+        safe_tables = np.where(tables < 0, kv.null_block, tables).astype(np.int64)
+
         meta = AttentionMetadata(
-            slot_mapping=self.kv.slot_mapping(batch.requests, batch.num_new_tokens).to(device),
-            num_decode=len(decode_reqs),
-            decode_key_index=self.kv.key_index(decode_reqs, decode_lens).to(device) if decode_reqs else None,
-            decode_context_lens=torch.tensor(decode_lens, device=device) if decode_reqs else None,
-            prefills=prefills,
-        )
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+            block_tables=torch.from_numpy(tables).to(device),
+            num_decode=len(decode), block_size=bs, num_tokens=len(token_ids))
+        blocks_of = -(-seq_lens // bs)
+        nd = len(decode)
+        for start, end in group_by_length(blocks_of[:nd].tolist()):
+            meta.decode_groups.append(self._group(start, end, seq_lens, blocks_of, safe_tables, device))
+        self.keys_read += sum(g.num_rows * g.key_len for g in meta.decode_groups)
+        self.keys_exist += int(seq_lens[:nd].sum())
+        fresh = [j for j in range(nd, len(order)) if seq_lens[j] == q_lens[j]]
+        cached = [j for j in range(nd, len(order)) if seq_lens[j] != q_lens[j]]
+        for j in fresh:
+            g = self._group(j, j + 1, seq_lens, blocks_of, safe_tables, device)
+            g.fresh_causal, g.token_slice = True, slice(query_start[j], query_start[j + 1])
+            g.q_max, g.query_lens = int(q_lens[j]), torch.tensor([[int(q_lens[j])]], device=device)
+            g.query_index, g.valid = self._query_rows([j], query_start, q_lens, device)
+            g.out_index = g.query_index
+            meta.prefill_groups.append(g)
+        work = [int(q_lens[j] * blocks_of[j]) for j in cached]
+        for a, b in group_by_length(work):
+            rows = cached[a:b]
+            g = self._group(rows[0], rows[0] + 1, seq_lens, blocks_of, safe_tables, device, rows)
+            g.q_max = int(q_lens[rows].max())
+            g.query_lens = torch.from_numpy(q_lens[rows][:, None]).to(device)
+            g.query_index, g.valid = self._query_rows(rows, query_start, q_lens, device, g.q_max)
+            g.out_index = g.query_index[g.valid]
+            meta.prefill_groups.append(g)
+        self.last_order, self.last_sampled = order, sampled
         return (torch.tensor(token_ids, device=device), torch.tensor(positions, device=device), meta, logits_rows)
 
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Request], list[int]]:
-        """Run one step: the requests that get a next token, and those tokens."""
+    def _group(self, start: int, end: int, seq_lens: np.ndarray, blocks_of: np.ndarray, tables: np.ndarray,
+               device: torch.device, rows: list[int] | None = None) -> RowGroup:
+        """A group of sequences `rows` (default: start … end-1) reading the longest one's blocks each.
+        One block or less (always so for a slab) is read only as far as the longest row goes."""
+        rows = list(range(start, end)) if rows is None else rows
+        nb = int(blocks_of[rows].max())
+        key_len = int(seq_lens[rows].max()) if nb == 1 else nb * self.kv.block_size
+        ids = torch.from_numpy(np.ascontiguousarray(tables[rows, :nb]).reshape(-1)).to(device)
+        return RowGroup(first_row=start, num_rows=len(rows), num_blocks=nb, key_len=key_len, block_ids=ids,
+                        seq_lens=torch.from_numpy(seq_lens[rows][:, None]).to(device))
+
+    @staticmethod
+    def _query_rows(rows: list[int], query_start: list[int], q_lens: np.ndarray, device: torch.device,
+                    q_max: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        q_max = q_max or int(q_lens[rows].max())
+        idx = np.zeros((len(rows), q_max), dtype=np.int64)
+        valid = np.zeros((len(rows), q_max), dtype=bool)
+        for k, j in enumerate(rows):
+            n = int(q_lens[j])
+            idx[k, :n] = np.arange(query_start[j], query_start[j] + n)
+            idx[k, n:] = query_start[j]
+            valid[k, :n] = True
+        return torch.from_numpy(idx.reshape(-1)).to(device), torch.from_numpy(valid.reshape(-1)).to(device)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+        """Run one step; per planned request, the token ids it sampled (and their logprobs)."""
         if batch.padded is not None:
             logits, rows = self.compute_padded_logits(batch)
+            sampled_idx = list(range(len(batch.requests)))
         else:
+            self.apply_kv_moves(batch)
             logits, rows = self.compute_logits(batch)
-        return rows, sample(logits, rows)
+            sampled_idx = self.last_sampled
+        tokens = sample(logits, rows)
+        out: list[list[int]] = [[] for _ in batch.requests]
+        for i, t in zip(sampled_idx, tokens):
+            out[i] = [t]
+        logprobs = None
+        if any(r.params.logprobs is not None for r in rows):
+            logprobs = [None] * len(batch.requests)
+            for i, lp in zip(sampled_idx, sampled_logprobs(logits, rows, tokens)):
+                logprobs[i] = lp
+        return ModelRunnerOutput(out, logprobs)
+
+    def apply_kv_moves(self, batch: ScheduledBatch) -> None:
+        """The plan's KV moves, in the only safe order: copy victims out before their blocks are
+        zeroed or rewritten, zero fresh blocks, then copy swapped-in requests back."""
+        kv = self.kv
+        for rid, blocks in batch.blocks_to_swap_out:
+            kv.copy_out(rid, blocks)
+        if kv.fresh_blocks:
+            fresh = torch.tensor(kv.fresh_blocks, dtype=torch.long, device=kv.k_pool.device)
+            for pool in (kv.k_pool, kv.v_pool):
+                pool.view(pool.shape[0], -1, kv.block_size * pool.shape[2] * pool.shape[3]).index_fill_(1, fresh, 0)
+            kv.fresh_blocks.clear()
+        for rid, blocks in batch.blocks_to_swap_in:
+            kv.copy_in(rid, blocks)
 
     def compute_padded_logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
         """A static/dynamic step: every row of the rectangle is computed, pads and finished rows too."""
@@ -92,12 +213,10 @@ class ModelRunner:
         return 0.0
 
     def compute_logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
-        """Run the model; return logits [N, vocab] and the request each row belongs to."""
+        """Run the model; return logits [N, vocab] and the request each row belongs to (plan order)."""
         input_ids, positions, meta, logits_rows = self.prepare(batch)
         attention = FlatPoolAttention(self.kv.k_pool, self.kv.v_pool, meta, self.model.config.sliding_windows)
         hidden = self.model.forward(input_ids, positions, attention)
         rows = torch.tensor(logits_rows, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        sampled_reqs = [r for r, n in zip(batch.requests, batch.num_new_tokens)
-                        if r.num_computed_tokens + n == r.num_tokens]
-        return logits, sampled_reqs
+        return logits, [batch.requests[i] for i in self.last_sampled]

@@ -2,6 +2,8 @@
 
 All rows of a step are sampled together, but each request draws its random numbers from its own
 seeded `torch.Generator`, so what a request generates never depends on what else is in the batch.
+Every tensor built here lives on the logits' device (and each generator on that device too):
+on a GPU, one stray CPU tensor would fail, or force a copy per step.
 """
 
 from __future__ import annotations
@@ -16,13 +18,12 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     greedy_tokens = logits.argmax(dim=-1)
     if all(r.params.greedy for r in requests):
         return greedy_tokens.tolist()
-    tokens = greedy_tokens.tolist()
     rows = [i for i, r in enumerate(requests) if not r.params.greedy]
     probs, order = filtered_probs(logits[rows].float(), [requests[i] for i in rows])
-    for j, i in enumerate(rows):
-        pick = torch.multinomial(probs[j], 1, generator=requests[i].generator)
-        tokens[i] = int(order[j, pick])
-    return tokens
+    picks = [torch.multinomial(probs[j], 1, generator=requests[i].generator) for j, i in enumerate(rows)]
+    chosen = order.gather(1, torch.stack(picks)).squeeze(1)  # [len(rows)], still on the device
+    tokens = greedy_tokens.index_copy(0, torch.tensor(rows, device=logits.device), chosen)
+    return tokens.tolist()  # the step's one device → host copy
 
 
 def filtered_probs(logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,18 +31,42 @@ def filtered_probs(logits: torch.Tensor, requests: list[Request]) -> tuple[torch
 
     Returns (probs [N, vocab] in sorted order, the sorting permutation [N, vocab]).
     """
-    temperature = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype)
+    device = logits.device
+    temperature = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype, device=device)
     sorted_logits, order = torch.sort(logits / temperature[:, None], dim=-1, descending=True)
     vocab = logits.shape[-1]
-    rank = torch.arange(vocab)[None, :]
+    rank = torch.arange(vocab, device=device)[None, :]
 
-    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in requests])
+    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in requests], device=device)
     sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
 
     probs = sorted_logits.softmax(dim=-1)
-    top_p = torch.tensor([r.params.top_p for r in requests], dtype=probs.dtype)
+    top_p = torch.tensor([r.params.top_p for r in requests], dtype=probs.dtype, device=device)
     # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass *before* it
     # already reaches top_p. The first token is always kept.
     mass_before = probs.cumsum(dim=-1) - probs
     probs = probs.masked_fill(mass_before >= top_p[:, None], 0.0)
     return probs / probs.sum(dim=-1, keepdim=True), order
+
+
+def sampled_logprobs(logits: torch.Tensor, requests: list[Request], tokens: list[int]) -> list[list[dict] | None]:
+    """Per row: [{sampled token: logprob, then the `logprobs` most likely: logprob}] of the model's
+    own distribution (before temperature, as vLLM reports by default), or None if not asked for."""
+    wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    out: list[list[dict] | None] = [None] * len(requests)
+    if not wanted:
+        return out
+    logp = torch.log_softmax(logits[wanted].float(), dim=-1)
+    k = max(requests[i].params.logprobs for i in wanted)
+    top_vals, top_ids = logp.topk(k, dim=-1) if k else (None, None)
+    chosen = logp.gather(1, torch.tensor([[tokens[i]] for i in wanted], device=logits.device)).squeeze(1)
+    chosen_list = chosen.tolist()
+    tops = (top_ids.tolist(), top_vals.tolist()) if k else None
+    for j, i in enumerate(wanted):
+        entry = {tokens[i]: chosen_list[j]}
+        n = requests[i].params.logprobs
+        if n and tops is not None:
+            for tid, val in zip(tops[0][j][:n], tops[1][j][:n]):
+                entry.setdefault(tid, val)
+        out[i] = [entry]
+    return out

@@ -40,10 +40,12 @@ class SingleSequence:
         req.all_token_ids.extend(token_ids)
         if not self.kv.allocate(req, len(token_ids)):
             raise RuntimeError("the single-sequence KV slab is full")
-        input_ids, positions, meta, _ = self.runner.prepare(ScheduledBatch([req], [len(token_ids)]))
+        batch = ScheduledBatch([req], [len(token_ids)])
+        self.runner.apply_kv_moves(batch)  # a fresh slab is zeroed before first use
+        input_ids, positions, meta, _ = self.runner.prepare(batch)
         attention = FlatPoolAttention(self.kv.k_pool, self.kv.v_pool, meta, self.model.config.sliding_windows)
         hidden = self.model.forward(input_ids, positions, attention)
-        req.num_computed_tokens += len(token_ids)
+        req.num_computed_tokens += len(token_ids)  # no scheduler here: this class is its own
         return self.model.compute_logits(hidden)
 
 

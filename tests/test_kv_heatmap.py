@@ -38,6 +38,7 @@ def admit(kv: BlockManager, rid: str, prompt: list[int]) -> Request:
     req = Request(rid, prompt, SamplingParams(), arrival_time=0.0)
     req.num_computed_tokens = kv.get_computed_tokens(req)
     assert kv.allocate(req, req.num_tokens - req.num_computed_tokens)
+    kv.commit_step()
     req.num_computed_tokens = req.num_tokens
     return req
 

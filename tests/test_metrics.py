@@ -162,5 +162,9 @@ def test_collector_matches_summarize_and_calls_observers():
     assert seen == _steps()
     assert col.summary(slo=SLO(tpot_ms=300)).to_dict() == summarize([a, b], _steps(), slo=SLO(tpot_ms=300)).to_dict()
     col.on_arrival("S", 2.0, 4)
-    col.on_token("S", 2.5, num_tokens=3)  # one speculative step emitting three tokens
-    assert col.requests["S"].num_output_tokens == 3 and col.requests["S"].itls == [0.0, 0.0]
+    col.on_token("S", 2.5, num_tokens=3)  # one speculative step emitting three tokens: one chunk
+    col.on_token("S", 2.75, num_tokens=2)
+    col.on_finish("S", 2.75, "length")
+    s = col.requests["S"]
+    assert s.num_output_tokens == 5 and s.itls == [0.25] and s.last_token_time == 2.75
+    assert s.tpot == pytest.approx(0.25 / 4)  # TPOT still counts tokens: (last - first) / (tokens - 1)

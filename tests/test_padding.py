@@ -18,6 +18,7 @@ from minillm.padding import (
     static_run_slots,
 )
 from minillm.request import SamplingParams
+from minillm.scheduler.base import ModelRunnerOutput
 
 
 def test_pad_batch_pads_on_the_left_and_masks_the_pads():
@@ -96,7 +97,7 @@ class StandInExecutor:
 
     def execute(self, batch):
         rows = [r for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens]
-        return rows, [7] * len(rows)
+        return ModelRunnerOutput.from_rows(batch, rows, [7] * len(rows))
 
     def step_duration_s(self) -> float:
         return 0.001

@@ -76,7 +76,7 @@ def test_paged_kv_invariants_hold_at_every_step(requests, block_size, num_blocks
         if not engine.has_unfinished():
             break
         before = engine.num_steps
-        finished += [r.request_id for r in engine.step() if r.status.finished]
+        finished += [u.request.request_id for u in engine.step() if u.finished]
         check_block_invariants(kv)
         usage = kv.usage()
         assert usage.used_tokens <= usage.reserved_tokens <= usage.total_tokens

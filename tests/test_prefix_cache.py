@@ -26,6 +26,7 @@ from minillm.kv.block_manager import BlockManager, HashChain
 from minillm.kv.radix import RadixTree
 from minillm.request import Request
 from minillm.runner import ModelRunner
+from minillm.scheduler.base import ModelRunnerOutput
 from minillm.scheduler.continuous import ContinuousScheduler
 from minillm.workload import make_trace
 
@@ -49,12 +50,12 @@ class Pool:
     def admit(self, req: Request) -> int:
         """Attach the cached prefix (checking its content), allocate the rest, compute it; returns hits."""
         hit = self.kv.get_computed_tokens(req)
+        req.num_computed_tokens = hit
+        assert self.kv.allocate(req, req.num_tokens - hit)  # attaches the cached prefix
         table = self.kv.block_tables.get(req.request_id, [])
         for p in range(hit):
             assert self.slot[table[p // self.bs] * self.bs + p % self.bs] == tuple(req.all_token_ids[: p + 1]), \
                 f"wrong K/V at position {p}"
-        req.num_computed_tokens = hit
-        assert self.kv.allocate(req, req.num_tokens - hit)
         self.compute(req, req.num_tokens - hit)
         return hit
 
@@ -63,6 +64,7 @@ class Pool:
         for p in range(start, start + n):
             self.slot[table[p // self.bs] * self.bs + p % self.bs] = tuple(req.all_token_ids[: p + 1])
         req.num_computed_tokens += n
+        self.kv.commit_step()  # the step completed: its cache entries hold computed K/V
 
     def decode(self, req: Request, token: int) -> None:
         req.append_token(token)
@@ -433,7 +435,7 @@ class ReadChecker:
         for rid, p, slot, prefix in reads:  # ... then the reads (a prefix shared within the step is fine)
             assert self.slot.get(slot) == prefix, f"{rid} reads stale K/V at position {p}"
         rows = [r for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens]
-        return rows, [7 + len(r.output_token_ids) % 3 for r in rows]
+        return ModelRunnerOutput.from_rows(batch, rows, [7 + len(r.output_token_ids) % 3 for r in rows])
 
     def step_duration_s(self) -> float:
         return 0.001

@@ -15,7 +15,7 @@ from minillm.config import EngineConfig
 from minillm.engine import LLMEngine, make_kv_manager, make_scheduler
 from minillm.model.config import ModelConfig
 from minillm.request import SamplingParams
-from minillm.scheduler.base import ScheduledBatch
+from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch
 
 MODEL = ModelConfig(model_type="llama", vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=1,
                     num_heads=1, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
@@ -32,7 +32,7 @@ class StandInExecutor:
         self.batches.append(([r.request_id for r in batch.requests], list(batch.num_new_tokens)))
         rows = [r for r, n in zip(batch.requests, batch.num_new_tokens)
                 if r.num_computed_tokens + n == r.num_tokens]
-        return rows, [7] * len(rows)
+        return ModelRunnerOutput.from_rows(batch, rows, [7] * len(rows))
 
     def step_duration_s(self) -> float:
         return 0.001
@@ -70,9 +70,9 @@ def test_every_request_finishes_once_and_kv_is_returned(requests, batching, max_
         if not engine.has_unfinished():
             break
         before = engine.num_steps
-        for req in engine.step():
-            if req.status.finished:
-                finished.append(req.request_id)
+        for update in engine.step():
+            if update.finished:
+                finished.append(update.request.request_id)
         if engine.num_steps == before:
             if engine.scheduler.next_wakeup(engine.clock.now()) is None and not engine._pending:
                 engine.expect_more_requests = False  # online with nothing left to wait for: flush

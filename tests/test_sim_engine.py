@@ -48,9 +48,8 @@ def test_executor_samples_caught_up_rows_and_costs_the_batch():
 
     ex = SimExecutor(A100_80GB, LLAMA_7B, token_id=9)
     assert ex.step_duration_s() == 0.0  # nothing executed yet
-    rows, tokens = ex.execute(batch)
-    assert rows == [decoding, prefilling]  # the chunk does not reach its prompt's end: no token
-    assert tokens == [9, 9]
+    output = ex.execute(batch)
+    assert output.sampled_token_ids == [[9], [9], []]  # the chunk does not reach its prompt's end: no token
     expected = step_time(A100_80GB, LLAMA_7B, prefill_tokens=[30, 16], prefill_context=[0, 16],
                          decode_context_lens=[11], padding_tokens=3)
     assert ex.costs == [expected]

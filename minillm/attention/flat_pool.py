@@ -1,15 +1,22 @@
-"""Attention over a flat KV pool, in plain torch: the CPU backend (chapters 04–05).
+"""Attention over a paged KV pool, in plain torch: the CPU backend (chapters 04–05, 08–09).
 
 Every KV layout in minillm — one max-length slab per sequence (chapter 04), fixed-size pages
-(chapter 05) — stores K and V for layer l in a tensor `[num_slots, H_kv, D]`. A layout is then
-nothing but two index maps, built once per step by the KV manager:
+(chapter 05) — stores K and V for layer l in a tensor `[num_slots, H_kv, D]`, which is also
+`[num_blocks, block_size, H_kv, D]`: a slab is simply one block of `max_model_len` slots. The
+step's layout comes in the form attention kernels take (FlashAttention's varlen API, vLLM's
+paged attention, `minillm.kernels` in chapter 10):
 
 - `slot_mapping[T]`: where each new token's K/V are written;
-- per sequence, the slots of all its keys in order (`key_index`), for reading.
+- `query_start_loc[B+1]`: sequence b's new tokens are rows `query_start_loc[b] … [b+1]-1`;
+- `seq_lens[B]`: sequence b's length including its new tokens (its queries are the last ones);
+- `block_tables[B, max_blocks]` int32: its blocks in order, -1 after the last.
 
-Decode rows (one query each) are batched into a single SDPA call over keys padded to the longest
-context; prefill rows (many queries) run one SDPA call each with a causal mask. This is the
-"selective batching" of Orca: everything else in the layer ran on the flattened batch.
+Decode rows (one query after a cached context) come first. This torch backend reads K/V by whole
+blocks through the block table and, since one SDPA call pads every row to its longest key run,
+it groups rows of similar length (the runner decides the groups, so that keys read ÷ keys that
+exist stays near 1). Rows that bring several new tokens after a cached context — a prefill
+chunk, a speculative row of 1+k, a recompute — run batched too, with an offset causal mask.
+Everything else in the layer ran on the flattened batch: Orca's "selective batching".
 """
 
 from __future__ import annotations
@@ -21,36 +28,67 @@ import torch.nn.functional as F
 
 
 @dataclass
-class PrefillSpan:
-    """A sequence that brings several new tokens this step (a prompt, or a chunk of one)."""
+class RowGroup:
+    """Rows that one SDPA call serves. Decode: `rows` are consecutive query rows. Multi-token:
+    `query_index` [b * q_max] gathers (padded) query rows, `out_rows` / `out_index` scatter back."""
 
-    token_start: int  # first of its tokens in the flattened batch
-    num_new_tokens: int
-    key_index: torch.Tensor  # [context_len] slots of all its keys, cached ones first
+    first_row: int  # index into the step's sequences (the B dimension)
+    num_rows: int
+    num_blocks: int  # blocks read per row
+    key_len: int  # keys per row read (num_blocks * block_size, or less for one partial block)
+    block_ids: torch.Tensor  # [num_rows * num_blocks] pool blocks, padding → the null block
+    seq_lens: torch.Tensor  # [num_rows, 1]
+    q_max: int = 1
+    query_index: torch.Tensor | None = None  # multi-token groups: [num_rows * q_max] rows of q
+    query_lens: torch.Tensor | None = None  # [num_rows, 1]
+    out_index: torch.Tensor | None = None  # rows of the output the valid queries go to
+    valid: torch.Tensor | None = None  # [num_rows * q_max] which gathered queries are real
+    fresh_causal: bool = False  # one whole prompt, nothing cached: its keys are this step's own
+    token_slice: slice | None = None  # its rows of the flattened batch, when fresh_causal
+    _masks: dict = field(default_factory=dict)
 
 
 @dataclass
 class AttentionMetadata:
-    """The step's layout: decode rows first (tokens [0, num_decode)), then prefill spans."""
+    """The step's layout, in the varlen form kernels use, plus the torch backend's row groups."""
 
-    slot_mapping: torch.Tensor  # [T]
-    num_decode: int
-    decode_key_index: torch.Tensor | None  # [B_decode, K_max]
-    decode_context_lens: torch.Tensor | None  # [B_decode]
-    prefills: list[PrefillSpan]
-    _mask_cache: dict = field(default_factory=dict)
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32, -1 padded
+    num_decode: int  # sequences 0 … num_decode-1 are decode rows (token row == sequence index)
+    block_size: int
+    decode_groups: list[RowGroup] = field(default_factory=list)
+    prefill_groups: list[RowGroup] = field(default_factory=list)
+    num_tokens: int = 0
 
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        """[B_decode, 1, 1, K_max]: which padded key slots each decode row may read."""
-        if window not in self._mask_cache:
-            k_max = self.decode_key_index.shape[1]
-            lens = self.decode_context_lens[:, None]
-            key_pos = torch.arange(k_max, device=lens.device)[None, :]
-            allowed = key_pos < lens
-            if window is not None:  # the query sits at position len-1; keep keys with q - k < window
-                allowed &= key_pos > lens - 1 - window
-            self._mask_cache[window] = allowed[:, None, None, :]
-        return self._mask_cache[window]
+
+def decode_mask(group: RowGroup, window: int | None) -> torch.Tensor:
+    """[b, 1, 1, K]: which gathered key slots each decode row may read."""
+    if window not in group._masks:
+        key_pos = torch.arange(group.key_len, device=group.seq_lens.device)[None, :]
+        allowed = key_pos < group.seq_lens
+        if window is not None:  # the query sits at position len-1; keep keys with q - k < window
+            allowed &= key_pos > group.seq_lens - 1 - window
+        group._masks[window] = allowed[:, None, None, :]
+    return group._masks[window]
+
+
+def multi_token_mask(group: RowGroup, window: int | None) -> torch.Tensor:
+    """[b, 1, q_max, K]: query i of row r sits at position seq_len - q_len + i and sees keys up to it.
+    A padding query (i >= q_len) sees key 0 only, so its (discarded) softmax is never all -inf."""
+    if window not in group._masks:
+        device = group.seq_lens.device
+        q_idx = torch.arange(group.q_max, device=device)[None, :, None]  # [1, q, 1]
+        k_pos = torch.arange(group.key_len, device=device)[None, None, :]  # [1, 1, K]
+        lens, qlens = group.seq_lens[:, :, None], group.query_lens[:, :, None]  # [b, 1, 1]
+        q_pos = lens - qlens + q_idx
+        allowed = (k_pos <= q_pos) & (k_pos < lens)
+        if window is not None:
+            allowed &= k_pos > q_pos - window
+        allowed |= (q_idx >= qlens) & (k_pos == 0)
+        group._masks[window] = allowed[:, None]
+    return group._masks[window]
 
 
 def prefill_mask(num_new: int, context_len: int, window: int | None,
@@ -67,7 +105,7 @@ def prefill_mask(num_new: int, context_len: int, window: int | None,
 
 
 class FlatPoolAttention:
-    """Callable the model uses per layer: write this step's K/V, attend over each sequence's keys."""
+    """Callable the model uses per layer: write this step's K/V, attend through the block tables."""
 
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
                  sliding_windows: tuple[int | None, ...] = ()) -> None:
@@ -78,31 +116,47 @@ class FlatPoolAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta, window = self.meta, self.windows[layer]
         k_pool, v_pool = self.k_pool[layer], self.v_pool[layer]
-        k_pool.index_copy_(0, meta.slot_mapping, k)
+        k_pool.index_copy_(0, meta.slot_mapping, k)  # every new K/V is written before anyone reads
         v_pool.index_copy_(0, meta.slot_mapping, v)
-        if not meta.prefills:  # pure decode step: one call, no output assembly
-            return self._decode(q, k_pool, v_pool, window)
+        bs = meta.block_size
+        k_blocks = k_pool.view(-1, bs, *k_pool.shape[1:])  # [num_blocks, block_size, H_kv, D]
+        v_blocks = v_pool.view(-1, bs, *v_pool.shape[1:])
+        if len(meta.decode_groups) == 1 and not meta.prefill_groups:  # pure decode, one group
+            return self._decode(meta.decode_groups[0], q, k_blocks, v_blocks, window)
         out = torch.empty_like(q)
-        if meta.num_decode:
-            out[: meta.num_decode] = self._decode(q[: meta.num_decode], k_pool, v_pool, window)
-        for span in meta.prefills:
-            rows = slice(span.token_start, span.token_start + span.num_new_tokens)
-            keys, values = k_pool.index_select(0, span.key_index), v_pool.index_select(0, span.key_index)
-            mask = prefill_mask(span.num_new_tokens, span.key_index.shape[0], window, q.device)
-            # A leading batch dimension of 1 lets PyTorch pick its fused CPU kernel (~6x faster at
-            # 1k tokens than the generic path 3-D inputs take).
-            o = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-                attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-            out[rows] = o[0].transpose(0, 1)
+        for g in meta.decode_groups:
+            out[g.first_row : g.first_row + g.num_rows] = self._decode(
+                g, q[g.first_row : g.first_row + g.num_rows], k_blocks, v_blocks, window)
+        for g in meta.prefill_groups:
+            if g.fresh_causal and window is None:
+                # A whole new prompt: its keys are exactly this step's k, v (nothing to gather). A
+                # leading batch dimension of 1 lets PyTorch pick its fused CPU kernel.
+                rows = g.token_slice
+                o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None],
+                                                   v[rows].transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+                out[rows] = o[0].transpose(0, 1)
+                continue
+            keys, values = self._gather(g, k_blocks, v_blocks)
+            queries = q.index_select(0, g.query_index).view(g.num_rows, g.q_max, *q.shape[1:]).transpose(1, 2)
+            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=multi_token_mask(g, window),
+                                               enable_gqa=True)
+            o = o.transpose(1, 2).reshape(g.num_rows * g.q_max, *q.shape[1:])
+            out.index_copy_(0, g.out_index, o[g.valid] if g.valid is not None else o)
         return out
 
-    def _decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+    @staticmethod
+    def _gather(g: RowGroup, k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[b, H_kv, K, D] keys and values of the group's rows, read block by block."""
+        if g.key_len < k_blocks.shape[1]:  # one partial block (a slab): read only its start
+            k_blocks, v_blocks = k_blocks[:, : g.key_len], v_blocks[:, : g.key_len]
+        shape = (g.num_rows, g.key_len, *k_blocks.shape[2:])
+        keys = k_blocks.index_select(0, g.block_ids).view(shape).transpose(1, 2)
+        values = v_blocks.index_select(0, g.block_ids).view(shape).transpose(1, 2)
+        return keys, values
+
+    def _decode(self, g: RowGroup, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
                 window: int | None) -> torch.Tensor:
-        index = self.meta.decode_key_index
-        flat = index.reshape(-1)  # index_select is several times faster than fancy indexing on CPU
-        keys = k_pool.index_select(0, flat).view(*index.shape, *k_pool.shape[1:]).transpose(1, 2)  # [B,H,K,D]
-        values = v_pool.index_select(0, flat).view(*index.shape, *v_pool.shape[1:]).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q[:, :, None, :], keys, values,
-                                           attn_mask=self.meta.decode_mask(window), enable_gqa=True)
+        keys, values = self._gather(g, k_blocks, v_blocks)
+        o = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=decode_mask(g, window),
+                                           enable_gqa=True)
         return o[:, :, 0, :]

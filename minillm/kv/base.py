@@ -1,9 +1,13 @@
-"""What the scheduler and the runner need from a KV cache manager (chapters 04–05).
+"""What the scheduler and the runner need from a KV cache manager (chapters 04–07).
 
 The manager *accounts*: it decides which slots of the pool a request may use and says no when
 the pool is full. It never decides who runs — that is the scheduler's job — and it never
 computes attention — that is the backend's. Slabs (chapter 04) and pages (chapter 05)
-implement this same protocol, so the engine can swap one for the other.
+implement this same protocol, so the engine can swap one for the other; a layout without a
+power (slabs share no prefixes and cannot swap) implements it as "never".
+
+Static and dynamic batching (chapters 02–03) compute one padded rectangle per batch: their
+`PaddedKVManager` is a different kind of object with its own small protocol (`PaddedKV`).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from minillm.request import Request
@@ -21,39 +26,90 @@ class KVUsage:
     used_tokens: int  # slots holding a real token's K/V
     reserved_tokens: int  # slots set aside for running requests (used + not yet used)
     total_tokens: int  # capacity of the pool
+    swapped_tokens: int = 0  # tokens of preempted requests held in host memory
 
     @property
     def occupancy(self) -> float:
         return self.used_tokens / self.total_tokens if self.total_tokens else 0.0
 
 
+@dataclass(frozen=True)
+class CachedPrefix:
+    """A prefix-cache lookup's result: blocks holding a request's first `num_tokens` tokens.
+
+    Looking up takes nothing; `allocate(request, n, cached=...)` attaches the blocks, so a request
+    that is turned away leaves the cache (reference counts, LRU order) exactly as it was."""
+
+    blocks: tuple[int, ...]
+    num_tokens: int
+    num_query_tokens: int  # the tokens looked up (vLLM's hit rate: hits ÷ queried)
+
+
+class BlockTableView(Protocol):
+    """The persistent block-table buffer (`minillm.kv.block_table.BlockTableBuffer`)."""
+
+    row_of: dict[str, int]
+
+    def gather(self, rows: np.ndarray, width: int) -> np.ndarray: ...
+
+
 class KVManager(Protocol):
-    k_pool: torch.Tensor  # [num_layers, num_slots, H_kv, D]
+    k_pool: torch.Tensor  # [num_layers, num_slots, H_kv, D]; slots = (num_blocks + 1) * block_size
     v_pool: torch.Tensor
+    block_size: int  # tokens per block (a slab is one block of max_model_len)
+    null_block: int  # a block that is never handed out and stays zero: where -1 entries read
+    block_table: BlockTableView
+    fresh_blocks: list[int]  # blocks handed out since the runner last zeroed them
 
-    def allocate(self, request: Request, num_new_tokens: int) -> bool:
-        """Make room for `num_new_tokens` more K/V of `request`; False (and no change) if full."""
+    # -- the scheduler's side
+    def get_computed_blocks(self, request: Request) -> CachedPrefix:
+        """Look up a new request's cached prefix (changes nothing)."""
         ...
 
-    def can_admit(self, request: Request, num_new_tokens: int) -> bool:
-        """Is there room to start a new request (keeping any safety margin the layout wants)?"""
+    def cached_prefix_tokens(self, request: Request) -> int:
+        """How many tokens `get_computed_blocks` would find (for LPM ranking; changes nothing)."""
         ...
 
-    def get_computed_tokens(self, request: Request) -> int:
-        """Attach any cached prefix of a new request's tokens; return how many tokens it covers."""
+    def can_admit(self, request: Request, num_new_tokens: int, keep_headroom: bool = True) -> bool:
+        """Room to start a new request (keeping the layout's safety margin if `keep_headroom`)?"""
+        ...
+
+    def allocate(self, request: Request, num_new_tokens: int, cached: CachedPrefix | None = None,
+                 num_lookahead_tokens: int = 0) -> bool:
+        """Room for `num_new_tokens` more K/V of `request`; False (and no change) if full."""
+        ...
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Roll the request's KV back to its first `num_tokens` tokens."""
         ...
 
     def free(self, request: Request) -> None:
-        """Give back every slot the request holds."""
+        """Give back every slot the request holds on the device."""
         ...
 
-    def slot_mapping(self, requests: list[Request], num_new_tokens: list[int]) -> torch.Tensor:
-        """[T] pool slots for the new tokens of each request (positions num_computed … + n - 1)."""
+    def swap_out(self, request: Request) -> list[int] | None:
+        """Plan a swap to host memory and free the device blocks; None if it cannot."""
         ...
 
-    def key_index(self, requests: list[Request], context_lens: list[int]) -> torch.Tensor:
-        """[B, max(context_lens)] slots of each request's keys in order, padded with slot 0."""
+    def swap_in(self, request: Request, num_new_tokens: int, keep_headroom: bool = True) -> list[int] | None:
+        """Plan bringing a swapped request back; None (no change) if there is no room."""
         ...
 
-    def usage(self) -> KVUsage:
+    def is_swapped(self, request: Request) -> bool: ...
+
+    def drop_swapped(self, request: Request) -> None: ...
+
+    def commit_step(self) -> None:
+        """The step completed."""
         ...
+
+    def rollback_step(self) -> list[str]:
+        """The step failed: undo its prefix-cache entries; returns requests whose swap-out was lost."""
+        ...
+
+    def usage(self) -> KVUsage: ...
+
+    # -- the executor's side
+    def copy_out(self, request_id: str, blocks: list[int]) -> None: ...
+
+    def copy_in(self, request_id: str, blocks: list[int]) -> None: ...

@@ -24,12 +24,14 @@ it reclaims one, the structure forgets it and every block cached below it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from minillm.config import PREFIX_CACHES
-from minillm.kv.base import KVUsage
+from minillm.kv.base import CachedPrefix, KVUsage
 from minillm.kv.block_allocator import BlockAllocator
+from minillm.kv.block_table import BlockTableBuffer
 from minillm.kv.radix import RadixTree
 from minillm.request import Request
 
@@ -80,12 +82,23 @@ class HashChain:
             parent_hash, parent = h, block
         return matched
 
-    def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> None:
-        """Cache `blocks[i]` as holding `tokens[i*bs:(i+1)*bs]`; where that prefix is cached already,
-        the cached block is kept (the caller's copy stays uncached) and the chain continues from it."""
+    def insert(self, tokens: Sequence[int], blocks: Sequence[int], start: int = 0,
+               cursor: tuple[int, int] | None = None) -> tuple[tuple[int, int] | None | bool, list[int]]:
+        """Cache `blocks[i]` as holding block `start + i` of `tokens`; where that prefix is cached
+        already, the cached block is kept (the caller's copy stays uncached) and the chain
+        continues from it.
+
+        Incremental: `cursor` is what the previous call returned for blocks before `start` (the
+        (hash, block) of block `start - 1`; None at the start), so a request that fills one more
+        block hashes one block, not its whole prefix again. Returns (the new cursor — False once a
+        hash collision makes the rest unverifiable —, the blocks newly registered).
+        """
         bs = self.block_size
-        parent_hash = parent = None
-        for i, own in enumerate(blocks):
+        parent_hash, parent = cursor if cursor else (None, None)
+        if parent is not None and self.hash_of_block.get(parent) != parent_hash:
+            return False, []  # the parent left the cache meanwhile: children could not be found anyway
+        registered: list[int] = []
+        for i, own in enumerate(blocks, start):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = block_hash(parent_hash, chunk)
             block = self.cached_block_of.get(h)
@@ -99,9 +112,14 @@ class HashChain:
                 self.parent_of_block[own] = parent
                 if parent is not None:
                     self.children_of_block.setdefault(parent, set()).add(own)
+                registered.append(own)
             elif self.tokens_of_block[block] != chunk or self.parent_of_block[block] != parent:
-                return  # a hash collision: the key is taken, and nothing below can be verified
+                return False, registered  # a hash collision: the key is taken, nothing below can be verified
             parent_hash, parent = h, block
+        return (parent_hash, parent), registered
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Access times live in the allocator's LRU queue for the hash chain."""
 
     def remove_block(self, block: int) -> list[int]:
         """Forget `block` and every block cached below it; returns the *other* blocks forgotten."""
@@ -120,10 +138,30 @@ class HashChain:
         return dropped[1:]
 
 
+@dataclass
+class SwappedKV:
+    """A preempted request's K/V in host memory (`preemption_mode="swap"`)."""
+
+    num_tokens: int
+    num_blocks: int  # host blocks charged to the swap space
+    k: torch.Tensor | None = None  # [L, num_blocks * block_size, H_kv, D] once copied out
+    v: torch.Tensor | None = None
+    copied: bool = False
+
+
 class BlockManager:
+    """Block tables, reference counts, the prefix cache and the swap space, for one KV pool.
+
+    The pool has `num_blocks` blocks plus one *null block* (id `num_blocks`) that is never handed
+    out and stays zero: padding entries of a block table (-1) read it, so a padded key slot never
+    brings uninitialised memory into attention (NaN x 0 is NaN). A freshly handed-out block is
+    zeroed by the runner before the step that first writes it, for the same reason.
+    """
+
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: str = "cpu", enable_prefix_caching: bool = False,
-                 allocate_pool: bool = True, watermark: float = 0.01, prefix_cache: str = "hash") -> None:
+                 allocate_pool: bool = True, watermark: float = 0.01, prefix_cache: str = "hash",
+                 max_model_len: int | None = None, swap_space_gib: float = 4.0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if prefix_cache not in PREFIX_CACHES:
@@ -132,18 +170,35 @@ class BlockManager:
         self.allocator = BlockAllocator(num_blocks)
         self.allocator.on_evict = self._forget
         self.watermark_blocks = int(watermark * num_blocks)
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.null_block = num_blocks
+        shape = (num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim)
         self.k_pool = torch.zeros(shape, dtype=dtype, device=device) if allocate_pool else None
         self.v_pool = torch.zeros(shape, dtype=dtype, device=device) if allocate_pool else None
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_kind = prefix_cache
         self.prefix_cache: HashChain | RadixTree = (HashChain if prefix_cache == "hash" else RadixTree)(block_size)
-        self.block_tables: dict[str, list[int]] = {}
+        max_blocks = -(-max_model_len // block_size) if max_model_len else num_blocks
+        self.block_table = BlockTableBuffer(max(1, min(max_blocks, num_blocks)))
+        self.block_tables: dict[str, list[int]] = {}  # the same tables as Python lists
         self._tokens_of: dict[str, int] = {}  # tokens whose K/V are (or are about to be) in the table
-        self._num_offered: dict[str, int] = {}  # full blocks of each request already offered to the cache
-        self._lookups: dict[str, tuple[int, int]] = {}  # (query, hit) tokens, counted once admitted
-        self.swapped: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {}  # host copies of preempted K/V
+        self._offered: dict[str, tuple[int, object]] = {}  # full blocks offered to the cache, and the cursor
+        self._pending_prefix: dict[str, CachedPrefix] = {}  # looked up, attached when allocate succeeds
+        self._used_tokens = 0  # slots holding a real token, a shared block once: kept as blocks change
+        # What this step did, kept until commit_step() (or undone by rollback_step()).
+        self._step_registered: list[int] = []
+        self._step_offers: list[tuple[str, tuple[int, object] | None]] = []
+        self._step_lookups: list[tuple[int, int]] = []
+        self._step_swapped_in: list[str] = []
+        self.fresh_blocks: list[int] = []  # handed out since the runner last zeroed them
+        # Swap space: host memory for preempted requests' K/V (vLLM's swap_space, GiB).
+        bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        self.swap_capacity_blocks = int(swap_space_gib * 2**30 // bytes_per_block)
+        self.bytes_per_block = bytes_per_block
+        self.swap_used_blocks = 0
+        self.swapped: dict[str, SwappedKV] = {}
+        self._swapped_tokens = 0
         self.num_swapped_out_tokens = 0
+        self.num_swapped_in_tokens = 0
         # vLLM's prefix-cache counters: tokens of admitted requests looked up, and of those, found.
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
@@ -161,50 +216,58 @@ class BlockManager:
     def is_cached(self, block: int) -> bool:
         return block in self.prefix_cache
 
-    def _match(self, request: Request, touch: bool) -> list[int]:
+    def _match(self, request: Request, touch: bool = False, num_tokens: int | None = None) -> list[int]:
         """Cached blocks for the longest prefix of the request's tokens, leaving >= 1 token to compute."""
         tokens = request.all_token_ids
-        max_blocks = (len(tokens) - 1) // self.block_size  # the last token must run: its logits are needed
+        limit = len(tokens) if num_tokens is None else num_tokens + 1
+        max_blocks = (limit - 1) // self.block_size  # the last token must run: its logits are needed
         return self.prefix_cache.match_prefix(tokens[: max_blocks * self.block_size], touch=touch)
 
     def cached_prefix_tokens(self, request: Request) -> int:
-        """How many of a waiting request's tokens `get_computed_tokens` would find cached. Changes
-        nothing (no reference counts, no metrics, no access times): a scheduler may ask freely."""
+        """How many of a waiting request's tokens are cached. Changes nothing (no reference counts,
+        no metrics, no access times): a scheduler may ask freely (LPM does, every step)."""
         if not self.enable_prefix_caching or request.request_id in self.block_tables:
             return 0
-        return len(self._match(request, touch=False)) * self.block_size
+        return len(self._match(request)) * self.block_size
+
+    def get_computed_blocks(self, request: Request) -> CachedPrefix:
+        """Look up a new request's cached prefix without taking anything: pass the result to
+        `allocate(..., cached=...)`, which attaches it only if the whole allocation succeeds."""
+        if not self.enable_prefix_caching or request.request_id in self.block_tables:
+            return CachedPrefix((), 0, request.num_tokens)
+        blocks = tuple(self._match(request))
+        return CachedPrefix(blocks, len(blocks) * self.block_size, request.num_tokens)
 
     def get_computed_tokens(self, request: Request) -> int:
-        """Attach the longest cached prefix of a new request's tokens; returns how many tokens hit.
-
-        At least one token is always left to compute: the step needs its logits. The lookup is
-        counted in `num_query_tokens`/`num_hit_tokens` once the request is allocated (admitted), so a
-        request turned away and retried is not counted twice.
-        """
-        if not self.enable_prefix_caching or request.request_id in self.block_tables:
-            return 0
-        table = self._match(request, touch=True)
-        for block in table:
-            self.allocator.share(block)
-        hit = len(table) * self.block_size
-        self._lookups[request.request_id] = (request.num_tokens, hit)
-        if table:
-            self.block_tables[request.request_id] = table
-            self._tokens_of[request.request_id] = hit
-            self._num_offered[request.request_id] = len(table)
-        return hit
+        """The cached prefix of a new request, in tokens; the next `allocate` for it attaches those
+        blocks (and `free` forgets the lookup if it never comes). At least one token is always left
+        to compute: the step needs its logits. Lookups are counted (num_query_tokens, num_hit_tokens)
+        when the step that admitted the request completes, so a request turned away is not counted."""
+        cached = self.get_computed_blocks(request)
+        if cached.blocks:
+            self._pending_prefix[request.request_id] = cached
+        elif self.enable_prefix_caching:
+            self._pending_prefix[request.request_id] = cached  # a miss is a lookup too
+        return cached.num_tokens
 
     def _offer_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Offer every block that `num_tokens` tokens fill to the prefix cache, for later requests.
+        """Offer every block that `num_tokens` known tokens fill to the prefix cache, for later requests.
 
         Called when the blocks are allocated, before the step computes them: a request admitted
         later in the same step may share them, since each layer writes all new K/V before reading.
+        If the step fails, `rollback_step` takes them back out. Incremental: only blocks filled
+        since the last offer are hashed or inserted.
         """
         rid = request.request_id
         num_full = num_tokens // self.block_size
-        if num_full > self._num_offered.get(rid, 0):
-            self.prefix_cache.insert(request.all_token_ids, self.block_tables[rid][:num_full])
-            self._num_offered[rid] = num_full
+        done, cursor = self._offered.get(rid, (0, None))
+        if num_full <= done or cursor is False:
+            return
+        table = self.block_tables[rid]
+        new_cursor, registered = self.prefix_cache.insert(request.all_token_ids, table[done:num_full], done, cursor)
+        self._step_offers.append((rid, self._offered.get(rid)))
+        self._offered[rid] = (num_full, new_cursor)
+        self._step_registered.extend(registered)
 
     def _forget(self, block: int) -> None:
         """The allocator reclaims a cached block: it and the blocks cached below it leave the cache;
@@ -218,79 +281,222 @@ class BlockManager:
         have = len(self.block_tables.get(request.request_id, ()))
         return max(0, -(-total // self.block_size) - have)
 
-    def can_admit(self, request: Request, num_new_tokens: int) -> bool:
-        """Room for a *new* request, keeping `watermark_blocks` free so running ones can still grow
-        (admitting up to the last block would force a preemption at the very next step)."""
+    def _blocks_to_take(self, request: Request, num_new_tokens: int, cached: CachedPrefix | None) -> int:
+        """Free blocks an allocation would consume: new blocks, plus cached ones it revives from the LRU."""
         needed = self.num_blocks_needed(request, num_new_tokens)
-        return needed + self.watermark_blocks <= self.allocator.num_free
+        if cached is not None and cached.blocks and request.request_id not in self.block_tables:
+            needed -= len(cached.blocks)  # those are attached, not allocated ...
+            needed += sum(1 for b in cached.blocks if self.allocator.ref_counts[b] == 0)  # ... but revived
+        return needed
 
-    def allocate(self, request: Request, num_new_tokens: int) -> bool:
-        needed = self.num_blocks_needed(request, num_new_tokens)
-        if needed > self.allocator.num_free:
-            return False
+    def can_admit(self, request: Request, num_new_tokens: int, keep_headroom: bool = True) -> bool:
+        """Room for a *new* request, keeping `watermark_blocks` free so running ones can still grow
+        (admitting up to the last block would force a preemption at the very next step). With nothing
+        running (`keep_headroom=False`) the headroom protects nobody, so it is not kept."""
+        cached = self._pending_prefix.get(request.request_id)
+        needed = self._blocks_to_take(request, num_new_tokens, cached)
+        return needed + (self.watermark_blocks if keep_headroom else 0) <= self.allocator.num_free
+
+    def allocate(self, request: Request, num_new_tokens: int, cached: CachedPrefix | None = None,
+                 num_lookahead_tokens: int = 0) -> bool:
+        """Make room for `num_new_tokens` more K/V (plus `num_lookahead_tokens` unverified
+        speculative ones, whose blocks are never offered to the prefix cache); attach a looked-up
+        cached prefix first. False, and nothing changed, if the pool cannot hold it all."""
         rid = request.request_id
-        table = self.block_tables.setdefault(rid, [])
-        table.extend(self.allocator.allocate() for _ in range(needed))
+        if cached is None:
+            cached = self._pending_prefix.get(rid)
         total = request.num_computed_tokens + num_new_tokens
-        self._tokens_of[rid] = total
+        if self._blocks_to_take(request, num_new_tokens + num_lookahead_tokens, cached) > self.allocator.num_free:
+            return False
+        self._pending_prefix.pop(rid, None)
+        table = self.block_tables.get(rid)
+        if table is None:
+            table = self.block_tables[rid] = []
+            self._tokens_of[rid] = 0
+            if cached is not None:
+                self._step_lookups.append((cached.num_query_tokens, cached.num_tokens))
+                if cached.blocks:
+                    self._attach(rid, table, cached)
+        need = max(0, -(-(total + num_lookahead_tokens) // self.block_size) - len(table))
+        if need:
+            new = [self.allocator.allocate() for _ in range(need)]
+            self.fresh_blocks.extend(new)
+            table.extend(new)
+            self.block_table.append(rid, new)
+        self._used_tokens += total + num_lookahead_tokens - self._tokens_of[rid]
+        self._tokens_of[rid] = total + num_lookahead_tokens
         if self.enable_prefix_caching:
-            if rid in self._lookups:
-                query, hit = self._lookups.pop(rid)
-                self.num_query_tokens += query
-                self.num_hit_tokens += hit
             self._offer_full_blocks(request, total)
         return True
 
-    def free(self, request: Request) -> None:
-        rid = request.request_id
-        table = self.block_tables.pop(rid, None)
-        self._tokens_of.pop(rid, None)
-        self._num_offered.pop(rid, None)
-        self._lookups.pop(rid, None)
-        if table is None:
-            return
-        # Release the tail first so that, as cached blocks, the deepest ones are evicted first.
-        for block in reversed(table):
+    def _attach(self, rid: str, table: list[int], cached: CachedPrefix) -> None:
+        for block in cached.blocks:
+            if self.allocator.ref_counts[block] == 0:
+                self._used_tokens += self.block_size  # revived from the cache: in use again
+            self.allocator.share(block)
+        table.extend(cached.blocks)
+        self.block_table.append(rid, list(cached.blocks))
+        self._tokens_of[rid] = cached.num_tokens
+        self._offered[rid] = (len(cached.blocks), self._cursor_after(cached.blocks))
+        self.prefix_cache.touch(cached.blocks)
+
+    def _cursor_after(self, blocks: Sequence[int]) -> object:
+        """The prefix cache's cursor after a matched run of cached blocks."""
+        if isinstance(self.prefix_cache, RadixTree):
+            return blocks[-1]
+        return self.prefix_cache.hash_of_block[blocks[-1]], blocks[-1]
+
+    def _release_tail(self, rid: str, keep_blocks: int) -> None:
+        """Release the request's blocks after the first `keep_blocks`, tail first (so that, as cached
+        blocks, the deepest are evicted first); keeps the used-slot count in step."""
+        table, bs = self.block_tables[rid], self.block_size
+        tokens = self._tokens_of[rid]
+        for i in range(len(table) - 1, keep_blocks - 1, -1):
+            block = table[i]
             self.allocator.release(block, keep_cached=block in self.prefix_cache)
+            if self.allocator.ref_counts[block] == 0:
+                self._used_tokens -= max(0, min(bs, tokens - i * bs))
+        del table[keep_blocks:]
+
+    def free(self, request: Request) -> None:
+        """Give back every block the request holds (its host copy, if swapped, stays: `drop_swapped`)."""
+        rid = request.request_id
+        self._pending_prefix.pop(rid, None)
+        self._offered.pop(rid, None)
+        if rid not in self.block_tables:
+            return
+        self._release_tail(rid, 0)
+        del self.block_tables[rid]
+        self._tokens_of.pop(rid, None)
+        self.block_table.drop(rid)
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Roll the request's KV back to its first `num_tokens` tokens: tail blocks are freed
+        (speculative decoding's rejected tokens; a failed step's reservation)."""
+        rid = request.request_id
+        old = self._tokens_of.get(rid)
+        if old is None or num_tokens >= old:
+            return
+        bs = self.block_size
+        keep = -(-num_tokens // bs)
+        offered = self._offered.get(rid)
+        if offered is not None and offered[0] > num_tokens // bs:
+            raise RuntimeError(f"trim({rid}, {num_tokens}) would cut blocks already in the prefix cache")
+        self._release_tail(rid, keep)
+        if keep:  # the last kept block now holds fewer tokens
+            self._used_tokens -= min(bs, old - (keep - 1) * bs) - (num_tokens - (keep - 1) * bs)
+        self._tokens_of[rid] = num_tokens
+        self.block_table.truncate(rid, keep)
+
+    # ---- one step: keep it, or take it back ------------------------------------------------------
+    def commit_step(self) -> None:
+        """The step completed: its cache entries hold computed K/V now; count its lookups."""
+        for query, hit in self._step_lookups:
+            self.num_query_tokens += query
+            self.num_hit_tokens += hit
+        for rid in self._step_swapped_in:
+            self._release_swapped(rid)
+        self._step_lookups.clear()
+        self._step_registered.clear()
+        self._step_offers.clear()
+        self._step_swapped_in.clear()
+
+    def rollback_step(self) -> list[str]:
+        """The step failed before its K/V were computed: take every block it registered back out
+        of the prefix cache (the scheduler then frees or trims what it allocated). Returns the
+        requests whose swap-out copy never happened (they must recompute instead)."""
+        for block in reversed(self._step_registered):
+            for dropped in [block, *self.prefix_cache.remove_block(block)]:
+                self.allocator.uncache(dropped)
+        for rid, before in reversed(self._step_offers):
+            if rid in self._offered:
+                if before is None:
+                    del self._offered[rid]
+                else:
+                    self._offered[rid] = before
+        lost = [rid for rid, saved in self.swapped.items() if not saved.copied and self.k_pool is not None]
+        for rid in lost:
+            self._release_swapped(rid)
+        self._step_registered.clear()
+        self._step_offers.clear()
+        self._step_lookups.clear()
+        self._step_swapped_in.clear()
+        return lost
 
     # ---- swapping (preemption_mode="swap") -------------------------------------------------------
-    def swap_out(self, request: Request) -> None:
-        """Copy the request's K/V to a host-memory pool and free its blocks; it resumes later
-        without recomputing anything (vLLM's swap preemption)."""
+    def swap_out(self, request: Request) -> list[int] | None:
+        """Plan moving the request's K/V to host memory and free its blocks; it resumes later without
+        recomputing anything (vLLM's swap preemption). Returns the device blocks the executor must
+        copy out before this step's forward (`copy_out`), or None if the swap space is full."""
         rid = request.request_id
         tokens = request.num_computed_tokens
-        if self.k_pool is not None:
-            slots = self.key_index([request], [tokens])[0] if tokens else torch.zeros(0, dtype=torch.long)
-            host = "cpu"
-            self.swapped[rid] = (self.k_pool[:, slots].to(host), self.v_pool[:, slots].to(host))
-        else:
-            self.swapped[rid] = None
+        blocks = list(self.block_tables.get(rid, ()))[: -(-tokens // self.block_size)]
+        if self.swap_used_blocks + len(blocks) > self.swap_capacity_blocks:
+            return None
+        self.swap_used_blocks += len(blocks)
+        self.swapped[rid] = SwappedKV(tokens, len(blocks), copied=self.k_pool is None or not blocks)
+        self._swapped_tokens += tokens
         self.num_swapped_out_tokens += tokens
         self.free(request)
+        return blocks
+
+    def copy_out(self, request_id: str, blocks: list[int]) -> None:
+        """Executor side of a swap-out: device blocks → host (before anyone overwrites them)."""
+        saved = self.swapped[request_id]
+        if self.k_pool is not None and blocks:
+            slots = self._block_slots(blocks)
+            saved.k, saved.v = self.k_pool[:, slots].to("cpu"), self.v_pool[:, slots].to("cpu")
+        saved.copied = True
 
     def is_swapped(self, request: Request) -> bool:
         return request.request_id in self.swapped
 
-    def swap_in(self, request: Request, num_new_tokens: int) -> bool:
-        """Bring a swapped-out request back: fresh blocks, its K/V copied in, room for new tokens."""
+    def swap_in(self, request: Request, num_new_tokens: int, keep_headroom: bool = True) -> list[int] | None:
+        """Bring a swapped-out request back: its cached prefix re-attached if still cached, fresh
+        blocks for the rest, room for new tokens. Returns the blocks the executor copies in (`copy_in`),
+        or None (nothing changed) if the pool has no room."""
         rid = request.request_id
-        tokens = request.num_computed_tokens
-        needed = -(-(tokens + num_new_tokens) // self.block_size)
-        if needed + self.watermark_blocks > self.allocator.num_free:
-            return False
-        saved = self.swapped.pop(rid)
-        self.block_tables[rid] = [self.allocator.allocate() for _ in range(needed)]
-        self._tokens_of[rid] = tokens + num_new_tokens
-        if saved is not None and tokens:
-            slots = self.key_index([request], [tokens])[0].to(self.k_pool.device)
-            self.k_pool[:, slots] = saved[0].to(self.k_pool.device)
-            self.v_pool[:, slots] = saved[1].to(self.v_pool.device)
-        if self.enable_prefix_caching:
-            self._offer_full_blocks(request, tokens + num_new_tokens)
-        return True
+        saved = self.swapped[rid]
+        cached = self.get_computed_blocks(request) if self.enable_prefix_caching else None
+        if cached is not None:
+            k = min(len(cached.blocks), saved.num_tokens // self.block_size)
+            cached = CachedPrefix(cached.blocks[:k], k * self.block_size, 0)
+        needed = self._blocks_to_take(request, num_new_tokens, cached)
+        if needed + (self.watermark_blocks if keep_headroom else 0) > self.allocator.num_free:
+            return None
+        if not self.allocate(request, num_new_tokens, cached=cached):
+            return None
+        if cached is not None:
+            self._step_lookups.pop()  # a swap-in is not a new request's lookup
+        self._step_swapped_in.append(rid)
+        skip = len(cached.blocks) if cached is not None else 0
+        self.num_swapped_in_tokens += saved.num_tokens - skip * self.block_size
+        return self.block_tables[rid][skip : saved.num_blocks]
+
+    def copy_in(self, request_id: str, blocks: list[int]) -> None:
+        """Executor side of a swap-in: host → the request's device blocks that the prefix cache did not cover."""
+        saved = self.swapped[request_id]
+        if self.k_pool is None or not blocks or saved.k is None:
+            return
+        skip = saved.num_blocks - len(blocks)
+        bs = self.block_size
+        slots = self._block_slots(blocks)
+        self.k_pool[:, slots] = saved.k[:, skip * bs :].to(self.k_pool.device)
+        self.v_pool[:, slots] = saved.v[:, skip * bs :].to(self.v_pool.device)
+
+    def _release_swapped(self, request_id: str) -> None:
+        saved = self.swapped.pop(request_id, None)
+        if saved is not None:
+            self.swap_used_blocks -= saved.num_blocks
+            self._swapped_tokens -= saved.num_tokens
 
     def drop_swapped(self, request: Request) -> None:
-        self.swapped.pop(request.request_id, None)
+        self._release_swapped(request.request_id)
+
+    def _block_slots(self, blocks: list[int]) -> torch.Tensor:
+        bs = self.block_size
+        base = torch.tensor(blocks, dtype=torch.long, device=self.k_pool.device)[:, None] * bs
+        return (base + torch.arange(bs, device=self.k_pool.device)[None, :]).reshape(-1)
 
     # ---- addressing for the runner ---------------------------------------------------------------
     def slot_mapping(self, requests: list[Request], num_new_tokens: list[int]) -> torch.Tensor:
@@ -303,10 +509,11 @@ class BlockManager:
         return torch.tensor(slots, dtype=torch.long)
 
     def key_index(self, requests: list[Request], context_lens: list[int]) -> torch.Tensor:
+        """[B, max(context_lens)] slots of each request's keys in order; padding reads the null block."""
         bs = self.block_size
         k_max = max(context_lens)
         num_table_blocks = -(-k_max // bs)
-        tables = torch.zeros(len(requests), num_table_blocks, dtype=torch.long)
+        tables = torch.full((len(requests), num_table_blocks), self.null_block, dtype=torch.long)
         for i, (req, ctx) in enumerate(zip(requests, context_lens)):
             blocks = self.block_tables[req.request_id][: -(-ctx // bs)]
             tables[i, : len(blocks)] = torch.tensor(blocks)
@@ -314,16 +521,13 @@ class BlockManager:
         return tables[:, pos // bs] * bs + pos % bs
 
     def usage(self) -> KVUsage:
-        """Slots holding real tokens (a shared block counted once), slots in allocated blocks, capacity."""
+        """Slots holding real tokens (a shared block counted once), slots in allocated blocks, capacity,
+        and tokens swapped out to host memory. O(1): every count is kept as blocks change."""
+        in_use = self.allocator.num_in_use
         bs = self.block_size
-        filled: dict[int, int] = {}
-        for rid, table in self.block_tables.items():
-            tokens = self._tokens_of[rid]
-            for i, block in enumerate(table):
-                filled[block] = max(filled.get(block, 0), min(bs, tokens - i * bs))
-        in_use = self.allocator.num_blocks - len(self.allocator.free_blocks) - len(self.allocator.evictable)
-        return KVUsage(used_tokens=sum(filled.values()), reserved_tokens=in_use * bs,
-                       total_tokens=self.allocator.num_blocks * bs)
+        return KVUsage(used_tokens=self._used_tokens, reserved_tokens=in_use * bs,
+                       total_tokens=self.allocator.num_blocks * bs,
+                       swapped_tokens=self._swapped_tokens)
 
     @property
     def num_free_blocks(self) -> int:

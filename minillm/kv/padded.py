@@ -15,6 +15,8 @@ from minillm.request import Request
 
 
 class PaddedKVManager:
+    """The `PaddedKV` protocol: start_batch / end_batch / free / commit_step / rollback_step / usage."""
+
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_num_seqs: int, max_model_len: int,
                  dtype: torch.dtype = torch.float32, device: str = "cpu", allocate_pool: bool = True) -> None:
         self.shape = (num_layers, num_kv_heads, head_dim)
@@ -23,6 +25,7 @@ class PaddedKVManager:
         self.cache: PaddedBatchCache | None = None
         self.rows: list[Request] = []
         self.max_len = 0
+        self.num_query_tokens = self.num_hit_tokens = 0  # no prefix cache
 
     def start_batch(self, rows: list[Request], max_len: int) -> None:
         num_layers, num_kv_heads, head_dim = self.shape
@@ -36,6 +39,12 @@ class PaddedKVManager:
 
     def free(self, request: Request) -> None:
         """A finished row keeps its slots until the whole batch ends."""
+
+    def commit_step(self) -> None:
+        """A padded step keeps nothing to undo: its cache length advances only once the forward ends."""
+
+    def rollback_step(self) -> list[str]:
+        return []
 
     def usage(self) -> KVUsage:
         used = sum(r.num_computed_tokens for r in self.rows if not r.status.finished)

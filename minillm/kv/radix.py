@@ -79,34 +79,72 @@ class RadixTree:
             node, pos = child, pos + len(child.tokens)
         return matched
 
-    def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> None:
-        """Cache `blocks[i]` as holding `tokens[i*bs:(i+1)*bs]` after the preceding blocks.
+    def insert(self, tokens: Sequence[int], blocks: Sequence[int], start: int = 0,
+               cursor: int | None = None) -> tuple[int | None | bool, list[int]]:
+        """Cache `blocks[i]` as holding block `start + i` of `tokens`, after the blocks before it.
 
         Where the tree already caches a prefix (another request computed the same blocks), its
-        blocks are kept and the caller's duplicates stay uncached; the rest hang below as a new node.
+        blocks are kept and the caller's duplicates stay uncached; the rest hang below as a new
+        node — or extend a leaf, so a decoding request grows one edge instead of a chain of nodes.
+        Incremental: `cursor` is the tree's block for block `start - 1` (what the previous call
+        returned; None at the root), so no walk from the root each time a block fills. Returns
+        (the new cursor, the blocks newly registered).
         """
         bs, n = self.block_size, len(blocks)
-        tokens = tuple(tokens[: n * bs])
+        if n == 0:
+            return cursor, []
+        tokens = tuple(tokens[start * bs : (start + n) * bs])
         if len(tokens) < n * bs:
             raise ValueError(f"{n} blocks of {bs} need {n * bs} token ids, got {len(tokens)}")
         now = next(self._clock)
-        node, i = self.root, 0
+        if cursor is None:
+            if start != 0:
+                return False, []
+            node, k = self.root, 0
+        else:
+            node = self.node_of_block.get(cursor)
+            if node is None:
+                return False, []  # the prefix left the tree meanwhile (evicted): nothing to hang below
+            k = node.blocks.index(cursor) + 1
+        registered: list[int] = []
+        i = 0
         while i < n:
             key = tokens[i * bs : (i + 1) * bs]
+            if k < len(node.blocks):  # inside an edge: continue along it, or split it here
+                if node.tokens[k * bs : (k + 1) * bs] == key:
+                    node.last_access = now
+                    k, i = k + 1, i + 1
+                    continue
+                node = self._split(node, k)  # the upper part: exactly the k blocks matched so far
             child = node.children.get(key)
-            if child is None:
-                new = RadixNode(tokens[i * bs :], list(blocks[i:]), node, now)
-                for block in new.blocks:
-                    if block in self.node_of_block:
-                        raise RuntimeError(f"block {block} is already cached under another prefix")
-                    self.node_of_block[block] = new
-                node.children[key] = new
-                return
-            k = self._common_blocks(child, tokens, i * bs)
-            if k < len(child.blocks):
-                child = self._split(child, k)
-            child.last_access = now
-            node, i = child, i + k
+            if child is not None:
+                node, k = child, 0
+                continue
+            rest = list(blocks[i:])
+            for block in rest:
+                if block in self.node_of_block:
+                    raise RuntimeError(f"block {block} is already cached under another prefix")
+            if node is not self.root and not node.children and k == len(node.blocks):
+                node.tokens += tokens[i * bs :]  # extend the leaf's edge
+                node.blocks.extend(rest)
+                node.last_access = now
+                target = node
+            else:
+                target = RadixNode(tokens[i * bs :], rest, node, now)
+                node.children[key] = target
+            for block in rest:
+                self.node_of_block[block] = target
+            registered.extend(rest)
+            return rest[-1], registered
+        return node.blocks[k - 1], registered
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Mark the nodes holding `blocks` as just used (a request attached them)."""
+        now = next(self._clock)
+        for block in blocks:
+            node = self.node_of_block.get(block)
+            if node is not None:
+                node.last_access = now
 
     def remove_block(self, block: int) -> list[int]:
         """Drop `block` and everything cached below it; returns the *other* blocks dropped.

@@ -9,48 +9,101 @@ from __future__ import annotations
 
 import torch
 
-from minillm.kv.base import KVUsage
+from minillm.kv.base import CachedPrefix, KVUsage
+from minillm.kv.block_table import BlockTableBuffer
 from minillm.request import Request
 
 
 class SlabKVManager:
+    """Slabs in the block-table form kernels read: a slab is one block of `slab_len` slots, so a
+    request's block table is a single entry and the attention code is the same as for pages."""
+
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slabs: int, slab_len: int,
                  dtype: torch.dtype = torch.float32, device: str = "cpu", allocate_pool: bool = True) -> None:
         """`allocate_pool=False` keeps only the accounting (the simulator's 7B pools need no memory)."""
         if num_slabs < 1:
             raise ValueError(f"the KV pool must hold at least one slab of {slab_len} tokens, got {num_slabs}")
         self.num_slabs, self.slab_len = num_slabs, slab_len
+        self.block_size = slab_len
+        self.null_block = 0  # never read: a slab table has no padding entries
         shape = (num_layers, num_slabs * slab_len, num_kv_heads, head_dim)
         self.k_pool = torch.zeros(shape, dtype=dtype, device=device) if allocate_pool else None
         self.v_pool = torch.zeros(shape, dtype=dtype, device=device) if allocate_pool else None
         self.free_slabs = list(range(num_slabs - 1, -1, -1))  # pop() hands out slab 0 first
         self.slab_of: dict[str, int] = {}
         self._tokens_of: dict[str, int] = {}  # tokens of each request that have (or will have) K/V here
+        self._used_tokens = 0
+        self.block_table = BlockTableBuffer(1)
+        self.fresh_blocks: list[int] = []
+        self.num_query_tokens = self.num_hit_tokens = 0  # no prefix cache
 
-    def allocate(self, request: Request, num_new_tokens: int) -> bool:
-        needed = request.num_computed_tokens + num_new_tokens
+    def get_computed_blocks(self, request: Request) -> CachedPrefix:
+        """Slabs share nothing: no prefix is ever reused."""
+        return CachedPrefix((), 0, request.num_tokens)
+
+    def cached_prefix_tokens(self, request: Request) -> int:
+        return 0
+
+    def get_computed_tokens(self, request: Request) -> int:
+        return 0
+
+    def allocate(self, request: Request, num_new_tokens: int, cached: CachedPrefix | None = None,
+                 num_lookahead_tokens: int = 0) -> bool:
+        needed = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
         if needed > self.slab_len:
             raise ValueError(f"request {request.request_id} needs {needed} KV slots, a slab holds {self.slab_len}")
         rid = request.request_id
         if rid not in self.slab_of:
             if not self.free_slabs:
                 return False
-            self.slab_of[rid] = self.free_slabs.pop()
+            slab = self.slab_of[rid] = self.free_slabs.pop()
+            self.block_table.append(rid, [slab])
+            self.fresh_blocks.append(slab)
+        self._used_tokens += needed - self._tokens_of.get(rid, 0)
         self._tokens_of[rid] = needed
         return True
 
-    def can_admit(self, request: Request, num_new_tokens: int) -> bool:
+    def can_admit(self, request: Request, num_new_tokens: int, keep_headroom: bool = True) -> bool:
         return request.request_id in self.slab_of or bool(self.free_slabs)
 
-    def get_computed_tokens(self, request: Request) -> int:
-        """Slabs share nothing: no prefix is ever reused."""
-        return 0
+    def trim(self, request: Request, num_tokens: int) -> None:
+        rid = request.request_id
+        if rid in self._tokens_of and num_tokens < self._tokens_of[rid]:
+            self._used_tokens -= self._tokens_of[rid] - num_tokens
+            self._tokens_of[rid] = num_tokens
 
     def free(self, request: Request) -> None:
         slab = self.slab_of.pop(request.request_id, None)
         if slab is not None:
             self.free_slabs.append(slab)
-            del self._tokens_of[request.request_id]
+            self._used_tokens -= self._tokens_of.pop(request.request_id)
+            self.block_table.drop(request.request_id)
+
+    # Slabs cannot swap (the config refuses preemption_mode="swap" with slabs) and never need to:
+    # a running request's slab always has room for its next token.
+    def swap_out(self, request: Request) -> list[int] | None:
+        return None
+
+    def swap_in(self, request: Request, num_new_tokens: int, keep_headroom: bool = True) -> list[int] | None:
+        return None
+
+    def is_swapped(self, request: Request) -> bool:
+        return False
+
+    def drop_swapped(self, request: Request) -> None:
+        pass
+
+    def copy_out(self, request_id: str, blocks: list[int]) -> None:
+        raise RuntimeError("slabs do not swap")
+
+    def copy_in(self, request_id: str, blocks: list[int]) -> None:
+        raise RuntimeError("slabs do not swap")
+
+    def commit_step(self) -> None:
+        pass
+
+    def rollback_step(self) -> list[str]:
+        return []
 
     def slot_mapping(self, requests: list[Request], num_new_tokens: list[int]) -> torch.Tensor:
         slots: list[int] = []
@@ -66,8 +119,7 @@ class SlabKVManager:
         return bases[:, None] + torch.arange(k_max)[None, :]
 
     def usage(self) -> KVUsage:
-        return KVUsage(used_tokens=sum(self._tokens_of.values()),
-                       reserved_tokens=len(self.slab_of) * self.slab_len,
+        return KVUsage(used_tokens=self._used_tokens, reserved_tokens=len(self.slab_of) * self.slab_len,
                        total_tokens=self.num_slabs * self.slab_len)
 
     @property

@@ -1,8 +1,21 @@
-"""The plan a scheduler hands the engine each step, and the protocol every scheduler follows.
+"""The plan a scheduler hands the engine each step, what comes back, and who writes what (chapter 04).
 
-A plan names the requests that run and how many new tokens each brings: 1 for a decode, the
-whole prompt (or a chunk of it) for a prefill, and later 1+k for speculative decoding. Decode rows
-come first, so the attention backend can batch them.
+One step, one owner per piece of state:
+
+1. `schedule()` *plans*: which requests run and how many new tokens each brings — 1 for a decode,
+   the prompt (or a chunk of it) for a prefill, 1+k when speculating. It reserves their KV and
+   decides preemptions. Decode rows come first, so attention can batch them.
+2. The executor (the model runner, or the simulator's stand-in) turns the plan into a
+   `ModelRunnerOutput`: for each planned request the token ids it sampled (0 … k+1 of them). It
+   changes no request.
+3. `update_from_output(plan, output)` is the ONLY place that advances `num_computed_tokens`,
+   appends tokens, applies stop conditions and frees a finished request's KV. It returns one
+   `RequestUpdate` per request that received tokens, which the engine hands out.
+
+If the executor raises, `rollback(plan)` undoes what `schedule()` did (admissions, KV reserved for
+the step, prefix-cache entries that would have held K/V never computed), so every request is
+as it was before the step; only a request preempted by that plan stays preempted (waiting, its
+tokens intact: it recomputes or swaps back in like any preempted request).
 """
 
 from __future__ import annotations
@@ -10,16 +23,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from minillm.request import Request
+from minillm.request import Request, RequestStatus
 
 
 @dataclass
 class ScheduledBatch:
-    requests: list[Request]  # decode rows first, then prefill rows
+    """One step's plan (vLLM's SchedulerOutput)."""
+
+    requests: list[Request]  # decode rows first, then rows with several new tokens
     num_new_tokens: list[int]
     num_padding_tokens: int = 0  # slots computed for nothing (static/dynamic batching only)
     preempted: list[Request] = field(default_factory=list)
     padded: Any = None  # a static.PaddedStep when the step computes a padded rectangle
+    # Swap preemption: (request id, device blocks) whose K/V the executor copies out / in before the forward.
+    blocks_to_swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
+    # For rollback: requests admitted by this plan, with the status they had before.
+    admitted: list[tuple[Request, RequestStatus]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -35,6 +55,35 @@ class ScheduledBatch:
         return prefill, decode
 
 
+@dataclass
+class ModelRunnerOutput:
+    """What the executor reports for a plan: per planned request (same order), the sampled ids."""
+
+    sampled_token_ids: list[list[int]]  # [] for a prefill chunk that samples nothing
+    # Per planned request, per sampled token: {token id: logprob} (the sampled one first), or None.
+    logprobs: list[list[dict[int, float]] | None] | None = None
+
+    @classmethod
+    def from_rows(cls, plan: ScheduledBatch, rows: list[Request], tokens: list[int]) -> ModelRunnerOutput:
+        """One token for each request in `rows` (a stand-in executor's usual answer), none for the rest."""
+        by_id = {r.request_id: t for r, t in zip(rows, tokens)}
+        return cls([[by_id[r.request_id]] if r.request_id in by_id else [] for r in plan.requests])
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did for one request (vLLM's EngineCoreOutput)."""
+
+    request: Request
+    new_token_ids: list[int]
+    finish_status: RequestStatus | None = None
+    new_logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_status is not None
+
+
 class Scheduler(Protocol):
     def add_request(self, request: Request) -> None: ...
 
@@ -43,11 +92,21 @@ class Scheduler(Protocol):
         batch-synchronous scheduler that waiting for a fuller batch is pointless."""
         ...
 
+    def update_from_output(self, plan: ScheduledBatch, output: ModelRunnerOutput) -> list[RequestUpdate]:
+        """Apply a step's results: the single writer of request progress (see the module docstring)."""
+        ...
+
+    def rollback(self, plan: ScheduledBatch) -> None:
+        """The step failed: undo what `schedule()` reserved and admitted for it."""
+        ...
+
     def finish(self, request: Request) -> None:
-        """`request` just finished: release it and its KV."""
+        """`request` just finished (its status says how): release it and its KV."""
         ...
 
     def abort(self, request_id: str) -> Request | None: ...
+
+    def has_request(self, request_id: str) -> bool: ...
 
     @property
     def num_waiting(self) -> int: ...
@@ -58,3 +117,40 @@ class Scheduler(Protocol):
     def next_wakeup(self, now: float) -> float | None:
         """When an idle scheduler will fire next without new arrivals (timers), or None."""
         ...
+
+
+class SchedulerBase:
+    """`update_from_output`, shared by every scheduler: advance, append, stop, finish.
+
+    Subclasses provide `schedule`, `finish` and `rollback`; `self.config` and `self.kv` are theirs."""
+
+    config: Any
+    kv: Any
+
+    def update_from_output(self, plan: ScheduledBatch, output: ModelRunnerOutput) -> list[RequestUpdate]:
+        self.kv.commit_step()
+        max_model_len = self.config.max_model_len
+        logprobs = output.logprobs or [None] * len(plan.requests)
+        updates: list[RequestUpdate] = []
+        for req, n, tokens, lps in zip(plan.requests, plan.num_new_tokens, output.sampled_token_ids, logprobs):
+            req.num_computed_tokens += n
+            if not tokens:
+                continue  # a prefill chunk that has not reached the end of the prompt
+            status = None
+            taken = 0
+            for token in tokens:
+                req.append_token(token)
+                taken += 1
+                status = req.check_stop(token, max_model_len)
+                if status is not None:
+                    break  # tokens after a stop are dropped (several per step when speculating)
+            new_lps = None
+            if lps is not None and req.output_logprobs is not None:
+                new_lps = lps[:taken]
+                req.output_logprobs.extend(new_lps)
+                req.cumulative_logprob += sum(d[t] for d, t in zip(new_lps, tokens[:taken]))
+            if status is not None:
+                req.status = status
+                self.finish(req)
+            updates.append(RequestUpdate(req, list(tokens[:taken]), status, new_lps))
+        return updates

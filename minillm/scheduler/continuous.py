@@ -6,10 +6,11 @@ requests each get their next token(s), and waiting requests join while the token
 waits for the slowest member of a batch.
 
 When the KV pool cannot hold a running request's next token, a victim is preempted — the most
-recently admitted one under `scheduling_policy="fcfs"`, the lowest-priority one under
-`"priority"` — and goes back to the front of the queue. With `preemption_mode="recompute"` its
-K/V are dropped and recomputed when it returns; with `"swap"` they are copied to host memory
-and copied back.
+recently admitted one under `scheduling_policy="fcfs"`, the lowest-priority running one under
+`"priority"` (taken back out of this step's plan if it was already in it, as vLLM V1 does) —
+and goes back into the waiting queue by its (priority, arrival) key. With
+`preemption_mode="recompute"` its K/V are dropped and recomputed when it returns; with `"swap"`
+they are copied to host memory and copied back (the executor does the copies, from the plan).
 
 With prefix caching, `scheduling_policy="lpm"` (SGLang's longest prefix match, chapter 07) admits
 first the waiting request with the most tokens already cached (ties: earliest arrival), so requests
@@ -18,30 +19,27 @@ that share a prefix run while it is still cached instead of being evicted by req
 
 from __future__ import annotations
 
-from collections import deque
-
 from minillm.config import EngineConfig
 from minillm.kv.base import KVManager
 from minillm.request import Request, RequestStatus
-from minillm.scheduler.base import ScheduledBatch
+from minillm.scheduler.base import ScheduledBatch, SchedulerBase
+from minillm.scheduler.waiting_queue import WaitingQueue
 
 # Beyond this many waiting requests LPM falls back to queue order, as SGLang does: ranking costs a
 # prefix-cache walk per waiting request per step.
 LPM_MAX_WAITING = 128
 
 
-class ContinuousScheduler:
+class ContinuousScheduler(SchedulerBase):
     def __init__(self, config: EngineConfig, kv: KVManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(by_priority=config.scheduling_policy == "priority")
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
-        if self.config.scheduling_policy == "priority":  # lower value first, then arrival (stable sort)
-            self.waiting = deque(sorted(self.waiting, key=lambda r: r.priority))
+        self.waiting.push(request)
 
     @property
     def num_waiting(self) -> int:
@@ -51,109 +49,163 @@ class ContinuousScheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def has_request(self, request_id: str) -> bool:
+        return self.waiting.get(request_id) is not None or any(r.request_id == request_id for r in self.running)
+
     def next_wakeup(self, now: float) -> float | None:
         return None
 
     def schedule(self, now: float, more_arrivals: bool = True) -> ScheduledBatch | None:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[Request] = []
-        counts: list[int] = []
-        preempted: list[Request] = []
+        planned: dict[str, int] = {}  # request id -> new tokens, in planning order
+        plan = ScheduledBatch([], [])
 
         # 1. Running requests first: each wants the rest of its known tokens (1 when decoding).
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = req.num_tokens - req.num_computed_tokens
+            if n == 0:  # nothing to compute (never happens today; a request with 0 tokens is never planned)
+                i += 1
+                continue
             if n > budget:
                 break
             while not self.kv.allocate(req, n):
-                victim = self._pick_victim(exclude=scheduled)
-                self._preempt(victim)
-                preempted.append(victim)
+                victim = self._pick_victim()
+                at = self.running.index(victim)
+                budget += planned.pop(victim.request_id, 0)  # taken back out of this step's plan
+                self._preempt(victim, plan)
+                if at < i:
+                    i -= 1
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
                 continue  # req itself was the victim: the next running request now sits at index i
-            scheduled.append(req)
-            counts.append(n)
+            planned[req.request_id] = n
             budget -= n
             i += 1
 
-        # 2. Then admit waiting requests in queue order while there is room (LPM reorders it first).
-        if self.config.scheduling_policy == "lpm" and self.waiting and not preempted:
-            self._sort_by_cached_prefix()
-        while self.waiting and not preempted and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            if not self._try_admit(req, budget):
-                break
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            n = req.num_tokens - req.num_computed_tokens
-            scheduled.append(req)
-            counts.append(n)
-            budget -= n
+        # 2. Then admit waiting requests in queue order while there is room (LPM ranks them first).
+        if self.waiting and not plan.preempted:
+            for req in self._admission_order():
+                if len(self.running) >= self.config.max_num_seqs:
+                    break
+                n = self._try_admit(req, budget, plan)
+                if n is None:
+                    break
+                self.waiting.remove(req)
+                plan.admitted.append((req, req.status))
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                planned[req.request_id] = n
+                budget -= n
 
-        if not scheduled:
+        if not planned:
             return None
-        # Decode rows (one token after a prefill) first: the attention backend batches them.
-        order = sorted(range(len(scheduled)), key=lambda j: not (counts[j] == 1 and scheduled[j].num_computed_tokens))
-        return ScheduledBatch([scheduled[j] for j in order], [counts[j] for j in order], preempted=preempted)
+        # Decode rows (one token after a computed context) first: the attention backend batches them.
+        by_id = {r.request_id: r for r in self.running}
+        rows = [(by_id[rid], n) for rid, n in planned.items()]
+        rows.sort(key=lambda row: not (row[1] == 1 and row[0].num_computed_tokens))
+        plan.requests = [r for r, _ in rows]
+        plan.num_new_tokens = [n for _, n in rows]
+        return plan
 
-    def _sort_by_cached_prefix(self) -> None:
-        """LPM: longest cached prefix first, then earliest arrival (stable for equal arrival times)."""
-        cached = getattr(self.kv, "cached_prefix_tokens", None)
-        if cached is None or len(self.waiting) > LPM_MAX_WAITING:
-            return
-        self.waiting = deque(sorted(self.waiting, key=lambda r: (-cached(r), r.arrival_time)))
+    def _admission_order(self):
+        """Queue order; under LPM the longest cached prefix first, then earliest arrival."""
+        if self.config.scheduling_policy == "lpm" and len(self.waiting) <= LPM_MAX_WAITING:
+            return self._sort_by_cached_prefix()
+        return self._queue_head()
 
-    def _try_admit(self, req: Request, budget: int) -> bool:
-        """Reserve KV for a waiting request (swapped back in, or with any cached prefix attached)."""
-        swapped = getattr(self.kv, "is_swapped", None)
-        if swapped is not None and swapped(req):
-            n = req.num_tokens - req.num_computed_tokens
-            return n <= budget and self.kv.swap_in(req, n)
-        req.num_computed_tokens = self.kv.get_computed_tokens(req)  # a cached prefix is not recomputed
+    def _queue_head(self):
+        while self.waiting:  # the head changes as requests are admitted
+            head = self.waiting.peek()
+            yield head
+            if head in self.waiting:
+                return  # not admitted: admission stops at the first request that does not fit
+
+    def _sort_by_cached_prefix(self) -> list[Request]:
+        """LPM: longest cached prefix first, then queue order (stable for equal arrival times)."""
+        return sorted(self.waiting, key=lambda r: -self.kv.cached_prefix_tokens(r))
+
+    def _try_admit(self, req: Request, budget: int, plan: ScheduledBatch) -> int | None:
+        """Reserve KV for a waiting request (swapped back in, or with any cached prefix attached);
+        the number of tokens it computes this step, or None (and nothing changed) if it does not fit.
+        With nothing running, the KV headroom (watermark) protects nobody and is not kept."""
+        keep_headroom = bool(self.running)
         n = req.num_tokens - req.num_computed_tokens
-        if n <= budget and self.kv.can_admit(req, n) and self.kv.allocate(req, n):
-            return True
-        self.kv.free(req)  # let go of any cached prefix blocks it had attached
-        req.num_computed_tokens = 0
-        return False
+        if self.kv.is_swapped(req):
+            if n > budget:
+                return None
+            blocks = self.kv.swap_in(req, n, keep_headroom)
+            if blocks is None:
+                return None
+            plan.blocks_to_swap_in.append((req.request_id, blocks))
+            return n
+        cached = self.kv.get_computed_blocks(req)  # a cached prefix is not recomputed
+        n = req.num_tokens - cached.num_tokens
+        if n > budget or not self.kv.can_admit(req, n, keep_headroom):
+            return None
+        req.num_computed_tokens = cached.num_tokens
+        if not self.kv.allocate(req, n, cached=cached):
+            req.num_computed_tokens = 0
+            return None
+        return n
 
-    def _pick_victim(self, exclude: list[Request]) -> Request:
-        """FCFS and LPM: the most recently admitted. Priority: the lowest priority (largest value), latest first.
-        Requests already planned for this step are kept if anyone else can go."""
-        candidates = [r for r in self.running if r not in exclude] or self.running
+    def _pick_victim(self) -> Request:
+        """FCFS and LPM: the most recently admitted. Priority: the lowest priority (largest value) of
+        all running requests — planned this step or not —, latest arrival first, then latest admitted."""
         if self.config.scheduling_policy == "priority":
-            return max(reversed(candidates), key=lambda r: (r.priority, r.arrival_time))
-        return candidates[-1]
+            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, plan: ScheduledBatch) -> None:
         self.running.remove(req)
-        if self.config.preemption_mode == "swap" and hasattr(self.kv, "swap_out"):
-            self.kv.swap_out(req)  # keeps num_computed_tokens: nothing is recomputed
+        blocks = self.kv.swap_out(req) if self.config.preemption_mode == "swap" else None
+        if blocks is not None:
+            plan.blocks_to_swap_out.append((req.request_id, blocks))  # keeps num_computed_tokens
         else:
-            self.kv.free(req)
+            self.kv.free(req)  # recompute (or the swap space is full)
             req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        plan.preempted.append(req)
+        self.waiting.push(req)
 
     def finish(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
+        self.waiting.forget(request)
+
+    def rollback(self, plan: ScheduledBatch) -> None:
+        """Undo `plan` (see `scheduler.base`): prefix-cache entries first, then the reservations."""
+        lost = set(self.kv.rollback_step())
+        for req, status in plan.admitted:
+            self.running.remove(req)
+            self.kv.free(req)
+            if not self.kv.is_swapped(req):
+                req.num_computed_tokens = 0
+            req.status = status
+            self.waiting.push(req)
+        admitted = {r.request_id for r, _ in plan.admitted}
+        for req in plan.requests:
+            if req.request_id not in admitted:
+                self.kv.trim(req, req.num_computed_tokens)
+        for req in plan.preempted:
+            if req.request_id in lost:
+                req.num_computed_tokens = 0  # its swap-out copy never ran: it recomputes
 
     def abort(self, request_id: str) -> Request | None:
-        for queue in (self.running, self.waiting):
-            for req in queue:
-                if req.request_id == request_id:
-                    queue.remove(req)
-                    self.kv.free(req)
-                    if hasattr(self.kv, "drop_swapped"):
-                        self.kv.drop_swapped(req)
-                    req.status = RequestStatus.FINISHED_ABORTED
-                    return req
-        return None
+        req = self.waiting.get(request_id)
+        if req is not None:
+            self.waiting.remove(req)
+        else:
+            req = next((r for r in self.running if r.request_id == request_id), None)
+            if req is None:
+                return None
+            self.running.remove(req)
+        self.kv.free(req)
+        self.kv.drop_swapped(req)
+        self.waiting.forget(req)
+        req.status = RequestStatus.FINISHED_ABORTED
+        return req

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from minillm.config import EngineConfig
 from minillm.kv.padded import PaddedKVManager
 from minillm.request import Request, RequestStatus
-from minillm.scheduler.base import ScheduledBatch
+from minillm.scheduler.base import ScheduledBatch, SchedulerBase
 
 
 @dataclass
@@ -27,7 +27,7 @@ class PaddedStep:
     is_prefill: bool
 
 
-class StaticScheduler:
+class StaticScheduler(SchedulerBase):
     def __init__(self, config: EngineConfig, kv: PaddedKVManager) -> None:
         self.config = config
         self.kv = kv
@@ -82,10 +82,24 @@ class StaticScheduler:
         self.rows = rows
         return ScheduledBatch(rows, [r.num_prompt_tokens for r in rows],
                               num_padding_tokens=n * width - sum(r.num_prompt_tokens for r in rows),
-                              padded=PaddedStep(rows, width, is_prefill=True))
+                              padded=PaddedStep(rows, width, is_prefill=True),
+                              admitted=[(r, RequestStatus.WAITING) for r in rows])
 
     def finish(self, request: Request) -> None:
         """The row stays in the batch (and keeps being computed) until the batch ends."""
+
+    def rollback(self, plan: ScheduledBatch) -> None:
+        """A failed first step un-starts the batch (its rows wait again, first in line); a failed
+        decode step changed nothing (the padded cache advances only once the forward ends)."""
+        if plan.padded is not None and plan.padded.is_prefill:
+            for req in plan.padded.rows:
+                req.status = RequestStatus.WAITING
+            self.waiting.extendleft(reversed(plan.padded.rows))
+            self.rows = []
+            self.kv.end_batch()
+
+    def has_request(self, request_id: str) -> bool:
+        return any(r.request_id == request_id and not r.status.finished for r in list(self.waiting) + self.rows)
 
     def abort(self, request_id: str) -> Request | None:
         for req in list(self.waiting) + self.rows:

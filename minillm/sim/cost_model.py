@@ -50,6 +50,7 @@ class StepCost:
     memory_time_s: float
     overhead_s: float
     num_tokens: int  # query tokens in the step, padding included
+    swap_s: float = 0.0  # KV copies to/from host memory (swap preemption), at the host link's bandwidth
 
     @property
     def flops(self) -> float:
@@ -62,7 +63,7 @@ class StepCost:
     @property
     def time_s(self) -> float:
         # compute and memory traffic overlap; the slower of the two sets the pace
-        return max(self.compute_time_s, self.memory_time_s) + self.overhead_s
+        return max(self.compute_time_s, self.memory_time_s) + self.overhead_s + self.swap_s
 
     @property
     def bound(self) -> str:

@@ -2,7 +2,7 @@
 
 Chapters 02–08 run the real scheduler and KV manager on a simulated clock with it, so a laptop can
 show what a 7B model on an A100 would do. It follows the same contract as `ModelRunner`
-(`execute(batch) -> (rows, tokens)` and `step_duration_s()`) but computes nothing: every row that
+(`execute(batch) -> ModelRunnerOutput` and `step_duration_s()`) but computes nothing: every row that
 needs a next token gets `token_id`, and the trace's output lengths are enforced by
 `SamplingParams(max_tokens=..., ignore_eos=True)`. What it does compute is how long the step would
 have taken (`minillm.sim.cost_model.step_time`), which the engine adds to its clock.
@@ -10,32 +10,36 @@ have taken (`minillm.sim.cost_model.step_time`), which the engine adds to its cl
 
 from __future__ import annotations
 
-from minillm.request import Request
-from minillm.scheduler.base import ScheduledBatch
+import dataclasses
+
+from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch
 from minillm.sim.cost_model import StepCost, step_time
 from minillm.sim.hardware import Hardware
 from minillm.sim.model_shapes import ModelShape
 
 
 class SimExecutor:
-    def __init__(self, hw: Hardware, shape: ModelShape, token_id: int = 0) -> None:
-        """`token_id`: the dummy token every sampled row receives (keep it a non-EOS id)."""
+    def __init__(self, hw: Hardware, shape: ModelShape, token_id: int = 0, block_size: int = 16) -> None:
+        """`token_id`: the dummy token every sampled row receives (keep it a non-EOS id);
+        `block_size`: the KV block size, to size swap copies."""
+        self.block_size = block_size
         self.hw = hw
         self.shape = shape
         self.token_id = token_id
         self.costs: list[StepCost] = []  # one per executed step, for inspection and plots
 
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Request], list[int]]:
-        """Cost the step and return the requests that get a next token, each with `token_id`.
+    def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+        """Cost the step; every request that gets a next token gets `token_id`.
 
         Rows are classified as the real runner does: one new token after a computed context is a
         decode (it reads `start + 1` keys); anything else is a prefill of `n` tokens after `start`
         cached ones (a whole prompt, a chunk, a recompute after preemption, or 1+k speculated).
         A padded batch (static/dynamic batching) is costed as the full rectangle it computes.
+        Swap copies are charged at the hardware's host link bandwidth (PCIe), on top of the step.
         """
-        # The engine increments num_computed_tokens after execute(): here it is each row's start.
-        rows = [req for req, n in zip(batch.requests, batch.num_new_tokens)
-                if req.num_computed_tokens + n == req.num_tokens]  # caught up: sample one more
+        # The scheduler advances num_computed_tokens after execute(): here it is each row's start.
+        sampled = [[self.token_id] if req.num_computed_tokens + n == req.num_tokens else []
+                   for req, n in zip(batch.requests, batch.num_new_tokens)]  # caught up: sample one more
         if batch.padded is not None:
             cost = self._padded_cost(batch)
         else:
@@ -51,8 +55,13 @@ class SimExecutor:
                     prefill_context.append(start)
             cost = step_time(self.hw, self.shape, prefill_tokens=prefill_tokens, prefill_context=prefill_context,
                              decode_context_lens=decode_context_lens, padding_tokens=batch.num_padding_tokens)
+        swapped_blocks = sum(len(b) for _, b in batch.blocks_to_swap_out) + sum(len(b) for _, b in batch.blocks_to_swap_in)
+        if swapped_blocks:
+            block_bytes = self.shape.kv_bytes_per_token(self.hw.dtype_bytes) * self.block_size
+            swap_s = swapped_blocks * block_bytes / self.hw.host_link_bytes_per_s
+            cost = dataclasses.replace(cost, swap_s=swap_s)
         self.costs.append(cost)
-        return rows, [self.token_id] * len(rows)
+        return ModelRunnerOutput(sampled)
 
     def _padded_cost(self, batch: ScheduledBatch) -> StepCost:
         """A static/dynamic step computes the whole rectangle, as the padded runner does.

@@ -35,6 +35,7 @@ class Hardware:
     mem_capacity_bytes: float
     step_overhead_s: float = 0.0  # fixed cost of one engine step: kernel launches, Python, scheduling
     dtype_bytes: int = 2  # width of weights and KV entries (bf16/fp16 = 2, fp32 = 4)
+    host_link_bytes_per_s: float = 32e9  # device <-> host memory (PCIe), one direction: swap copies
 
     @property
     def ridge_point(self) -> float:
@@ -47,12 +48,13 @@ class Hardware:
 # sheets' decimal gigabytes. Step overhead is 0: the presets are the ideal roofline; use
 # `dataclasses.replace(hw, step_overhead_s=...)` to add launch/framework cost.
 # A100: NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB column), https://www.nvidia.com/en-us/data-center/a100/
-A100_80GB = Hardware("A100-80GB", 312e12, 2.039e12, 80e9)
+# Host links: PCIe Gen4 x16 for A100 (64 GB/s both directions = 32 one way), Gen5 x16 for H100/H200.
+A100_80GB = Hardware("A100-80GB", 312e12, 2.039e12, 80e9, host_link_bytes_per_s=32e9)
 # H100: NVIDIA H100 Tensor Core GPU datasheet (SXM column), https://www.nvidia.com/en-us/data-center/h100/
-H100_SXM = Hardware("H100-SXM", 989e12, 3.35e12, 80e9)
+H100_SXM = Hardware("H100-SXM", 989e12, 3.35e12, 80e9, host_link_bytes_per_s=64e9)
 # H200: NVIDIA H200 product page (SXM column; same compute die as H100, faster HBM3e),
 # https://www.nvidia.com/en-us/data-center/h200/
-H200 = Hardware("H200", 989e12, 4.8e12, 141e9)
+H200 = Hardware("H200", 989e12, 4.8e12, 141e9, host_link_bytes_per_s=64e9)
 
 PRESETS: dict[str, Hardware] = {hw.name: hw for hw in (A100_80GB, H100_SXM, H200)}
 
@@ -170,4 +172,5 @@ def measure_this_cpu(
         mem_capacity_bytes=_physical_memory_bytes(),
         step_overhead_s=op_overhead_s * ops_per_step,
         dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+        host_link_bytes_per_s=copy_bw,  # "swapping" on a CPU is a copy within the same memory
     )

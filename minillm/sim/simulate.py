@@ -87,7 +87,7 @@ def simulate(
     capacity_tokens = kv_capacity_tokens(hw, shape, kv_fraction)
     config = _fit_to_memory(config, shape, hw, capacity_tokens, kv_fraction)
     kv = make_kv_manager(config, model_config, allocate_pool=False)  # accounting only: no tensors
-    executor = SimExecutor(hw, shape, token_id=_non_eos_token(model_config))
+    executor = SimExecutor(hw, shape, token_id=_non_eos_token(model_config), block_size=config.block_size)
     engine = LLMEngine(model_config, config, kv=kv, scheduler=make_scheduler(config, kv),
                        executor=executor, clock=SimClock())
     engine.expect_more_requests = False  # the trace is all there is: a static batch need not wait to fill

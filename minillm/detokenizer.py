@@ -1,0 +1,52 @@
+"""Turning token ids into text as they arrive, and spotting stop strings in it (chapters 03 and 11).
+
+Decoding the whole output again for every new token costs O(output) per token. Instead, as vLLM and
+TGI do, only a short window is decoded: the tokens since `prefix_offset`, compared with the same
+window without the newest tokens; what the longer decode adds is the new text. A byte-level BPE
+token can end in the middle of a UTF-8 character — then the decode ends in U+FFFD and the text is
+held back until the next token completes the character.
+
+A stop string can only newly appear in the tail that the new text touches, so that tail is all
+`append` searches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.prefix_offset = 0  # the window decoded for context starts here
+        self.read_offset = 0  # tokens before this one are already in `text`
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _next_text(self) -> str:
+        ids = self.token_ids
+        before = self._decode(ids[self.prefix_offset : self.read_offset])
+        after = self._decode(ids[self.prefix_offset :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+            return after[len(before) :]
+        return ""  # nothing yet, or half a character: wait for the next token
+
+    def append(self, token_id: int, stop: list[str] = (), include_stop: bool = False) -> str | None:
+        """Add one token. Returns the output text cut at a stop string if one now appears, else None."""
+        self.token_ids.append(token_id)
+        new = self._next_text()
+        self.text += new
+        if not new or not stop:
+            return None
+        longest = max(len(s) for s in stop)
+        start = max(0, len(self.text) - len(new) - longest + 1)
+        hits = [(i, s) for s in stop if (i := self.text.find(s, start)) >= 0]
+        if not hits:
+            return None
+        cut, s = min(hits)
+        return self.text[: cut + len(s)] if include_stop else self.text[:cut]
