@@ -33,19 +33,19 @@ def filtered_probs(logits: torch.Tensor, requests: list[Request]) -> tuple[torch
     """
     device = logits.device
     temperature = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype, device=device)
-    sorted_logits, order = torch.sort(logits / temperature[:, None], dim=-1, descending=True)
+    sorted_logits, order = torch.sort(logits / temperature.unsqueeze(1), dim=-1, descending=True)
     vocab = logits.shape[-1]
-    rank = torch.arange(vocab, device=device)[None, :]
+    rank = torch.arange(vocab, device=device).unsqueeze(0)
 
     top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in requests], device=device)
-    sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
+    sorted_logits = sorted_logits.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
 
     probs = sorted_logits.softmax(dim=-1)
     top_p = torch.tensor([r.params.top_p for r in requests], dtype=probs.dtype, device=device)
     # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass *before* it
     # already reaches top_p. The first token is always kept.
     mass_before = probs.cumsum(dim=-1) - probs
-    probs = probs.masked_fill(mass_before >= top_p[:, None], 0.0)
+    probs = probs.masked_fill(mass_before >= top_p.unsqueeze(1), 0.0)
     return probs / probs.sum(dim=-1, keepdim=True), order
 
 

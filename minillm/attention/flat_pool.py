@@ -63,14 +63,17 @@ class AttentionMetadata:
     num_tokens: int = 0
 
 
-def decode_mask(group: RowGroup, window: int | None) -> torch.Tensor:
-    """[b, 1, 1, K]: which gathered key slots each decode row may read."""
+def decode_mask(group: RowGroup, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """[b, 1, 1, K] additive mask (0 or -inf): which gathered key slots each decode row may read.
+    Additive rather than boolean, built once per step and shared by every layer: SDPA would
+    otherwise convert a boolean mask again in each call."""
     if window not in group._masks:
         key_pos = torch.arange(group.key_len, device=group.seq_lens.device)[None, :]
         allowed = key_pos < group.seq_lens
         if window is not None:  # the query sits at position len-1; keep keys with q - k < window
             allowed &= key_pos > group.seq_lens - 1 - window
-        group._masks[window] = allowed[:, None, None, :]
+        additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+        group._masks[window] = additive[:, None, None, :]
     return group._masks[window]
 
 
@@ -157,6 +160,10 @@ class FlatPoolAttention:
     def _decode(self, g: RowGroup, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
                 window: int | None) -> torch.Tensor:
         keys, values = self._gather(g, k_blocks, v_blocks)
-        o = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=decode_mask(g, window),
-                                           enable_gqa=True)
-        return o[:, :, 0, :]
+        # GQA folded into the query axis: the G query heads that share KV head j (heads j·G … j·G+G-1,
+        # as HF's repeat_kv pairs them) become G queries of one head, so each key is read once, not G times.
+        b, h_q, d = q.shape
+        h_kv = keys.shape[1]
+        o = F.scaled_dot_product_attention(q.view(b, h_kv, h_q // h_kv, d), keys, values,
+                                           attn_mask=decode_mask(g, window, q.dtype))
+        return o.reshape(b, h_q, d)
