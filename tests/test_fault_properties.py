@@ -95,6 +95,11 @@ def check_blocks(engine: LLMEngine) -> None:
         for b in table:
             holders[b] += 1
     assert holders == alloc.ref_counts
+    filled: dict[int, int] = {}  # used slots recounted the slow way (a shared block once)
+    for rid, table in kv.block_tables.items():
+        for i, b in enumerate(table):
+            filled[b] = max(filled.get(b, 0), min(kv.block_size, kv._tokens_of[rid] - i * kv.block_size))
+    assert kv.usage().used_tokens == sum(filled.values())
     assert all(b in kv.prefix_cache for b in alloc.evictable)  # a cached block holds computed K/V (see reads)
 
 

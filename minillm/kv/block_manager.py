@@ -305,6 +305,10 @@ class BlockManager:
         rid = request.request_id
         if cached is None:
             cached = self._pending_prefix.get(rid)
+        fresh = rid not in self.block_tables
+        if fresh and cached is not None and request.num_computed_tokens < cached.num_tokens:
+            raise ValueError(f"request {rid}: set num_computed_tokens to the cached prefix "
+                             f"({cached.num_tokens} tokens) before allocating the tokens after it")
         total = request.num_computed_tokens + num_new_tokens
         if self._blocks_to_take(request, num_new_tokens + num_lookahead_tokens, cached) > self.allocator.num_free:
             return False
