@@ -86,7 +86,7 @@ class LLMEngine:
         self._in_step = False
         self._deferred_aborts: list[str] = []
         self.num_steps = 0
-        self.time_in_forward_s = 0.0  # wall time inside executor.execute, and in whole steps
+        self.time_in_execute_s = 0.0  # wall time inside executor.execute, and in whole steps (that ran)
         self.time_in_steps_s = 0.0
         # Online (a server) more requests may always come; `LLM.generate` clears this while it
         # replays a fixed set, so a static batcher need not wait for a batch that will never fill.
@@ -217,7 +217,7 @@ class LLMEngine:
             except BaseException:
                 self.scheduler.rollback(plan)
                 raise
-            self.time_in_forward_s += time.perf_counter() - forward_start
+            self.time_in_execute_s += time.perf_counter() - forward_start
             self.clock.advance(self.executor.step_duration_s())
             done_time = self.clock.now()
             num_cached = 0

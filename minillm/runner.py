@@ -15,6 +15,8 @@ of freshly handed-out blocks, swap-in copies (host → device).
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -51,6 +53,7 @@ class ModelRunner:
         self.kv = kv
         self.keys_read = 0  # decode attention, over the runner's life: keys gathered ...
         self.keys_exist = 0  # ... and keys the rows really have
+        self.model_time_s = 0.0  # wall time in the model's forward and lm_head (CPU; a GPU would need syncs)
 
     # ---- inputs ------------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -203,10 +206,13 @@ class ModelRunner:
         # Positions count real tokens only, as HF derives them from the attention mask.
         real_so_far = cache.is_real[:, : cache.length + width].long().cumsum(-1)[:, -width:]
         positions = (real_so_far - 1).clamp(min=0)
+        last = torch.tensor([i * width + width - 1 for i in live_rows], device=device)
+        start = time.perf_counter()
         hidden = self.model.forward(ids.to(device).flatten(), positions.flatten(), attention)
         attention.finish_step()
-        last = torch.tensor([i * width + width - 1 for i in live_rows], device=device)
-        return self.model.compute_logits(hidden.index_select(0, last)), [step.rows[i] for i in live_rows]
+        logits = self.model.compute_logits(hidden.index_select(0, last))
+        self.model_time_s += time.perf_counter() - start
+        return logits, [step.rows[i] for i in live_rows]
 
     def step_duration_s(self) -> float:
         """Time to charge a simulated clock for the last step: 0, real time passes by itself."""
@@ -216,7 +222,9 @@ class ModelRunner:
         """Run the model; return logits [N, vocab] and the request each row belongs to (plan order)."""
         input_ids, positions, meta, logits_rows = self.prepare(batch)
         attention = FlatPoolAttention(self.kv.k_pool, self.kv.v_pool, meta, self.model.config.sliding_windows)
+        rows = torch.tensor(logits_rows, device=input_ids.device)
+        start = time.perf_counter()
         hidden = self.model.forward(input_ids, positions, attention)
-        rows = torch.tensor(logits_rows, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
+        self.model_time_s += time.perf_counter() - start
         return logits, [batch.requests[i] for i in self.last_sampled]
