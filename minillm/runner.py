@@ -208,9 +208,9 @@ class ModelRunner:
         positions = (real_so_far - 1).clamp(min=0)
         last = torch.tensor([i * width + width - 1 for i in live_rows], device=device)
         start = time.perf_counter()
-        hidden = self.model.forward(ids.to(device).flatten(), positions.flatten(), attention)
+        hidden = self.model.forward(ids.to(device).flatten(), positions.flatten(), attention, output_rows=last)
         attention.finish_step()
-        logits = self.model.compute_logits(hidden.index_select(0, last))
+        logits = self.model.compute_logits(hidden)
         self.model_time_s += time.perf_counter() - start
         return logits, [step.rows[i] for i in live_rows]
 
@@ -224,7 +224,7 @@ class ModelRunner:
         attention = FlatPoolAttention(self.kv.k_pool, self.kv.v_pool, meta, self.model.config.sliding_windows)
         rows = torch.tensor(logits_rows, device=input_ids.device)
         start = time.perf_counter()
-        hidden = self.model.forward(input_ids, positions, attention)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        hidden = self.model.forward(input_ids, positions, attention, output_rows=rows)
+        logits = self.model.compute_logits(hidden)
         self.model_time_s += time.perf_counter() - start
         return logits, [batch.requests[i] for i in self.last_sampled]

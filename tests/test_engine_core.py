@@ -257,3 +257,54 @@ def test_requests_sample_with_a_generator_on_the_model_device():
     req = llm.engine.add_request("In the beginning", SamplingParams(temperature=0.8))
     assert req.generator.device == llm.model.device
     llm.engine.abort_request(req.request_id)
+
+
+# ---- point 7: outputs and metrics ------------------------------------------------------------------
+def test_stop_strings_are_looked_for_in_new_text_only():
+    llm = LLM(max_num_seqs=2)
+    tokenizer = llm.tokenizer
+    lengths = []
+    real_decode = tokenizer.decode
+
+    def counting_decode(ids, *args, **kwargs):
+        lengths.append(len(ids))
+        return real_decode(ids, *args, **kwargs)
+
+    tokenizer.decode = counting_decode
+    try:
+        out = llm.generate(["In the beginning"], SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True,
+                                                               stop=["never appears in KJV text ###"]),
+                           use_tqdm=False)[0].outputs[0]
+    finally:
+        tokenizer.decode = real_decode
+    assert len(out.token_ids) == 80
+    # Windows of a few tokens per new token; one full decode when the request finishes (its text).
+    assert sum(1 for n in lengths if n > 8) == 1 and max(lengths) == 80
+    reference = LLM(max_num_seqs=2).generate(["In the beginning"], SamplingParams(max_tokens=80, temperature=0.0,
+                                                                                  ignore_eos=True), use_tqdm=False)
+    text = reference[0].outputs[0].text
+    stop = text[30:36]  # a stop string that does occur: cut exactly where a full decode would cut
+    cut = llm.generate(["In the beginning"], SamplingParams(max_tokens=80, temperature=0.0, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.text == text[: text.find(stop)] and cut.finish_reason == "stop"
+
+
+def test_request_output_metrics_carry_vllm_field_names():
+    out = LLM(max_num_seqs=2).generate(["In the beginning"], SamplingParams(max_tokens=5, temperature=0.0),
+                                       use_tqdm=False)[0]
+    m = out.metrics
+    for name in ("arrival_time", "first_scheduled_time", "first_token_time", "last_token_time", "finished_time",
+                 "time_in_queue"):
+        assert getattr(m, name) is not None, name
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+    assert m.time_in_queue == pytest.approx(m.first_scheduled_time - m.arrival_time)
+
+
+def test_prefix_cache_hit_rate_is_hits_over_queried_tokens_of_every_admission():
+    llm = LLM(max_num_seqs=2, block_size=4, enable_prefix_caching=True)
+    prompt = {"prompt_token_ids": list(range(10, 31))}  # 21 tokens: 5 full blocks can hit (20 tokens)
+    greedy = SamplingParams(max_tokens=2, temperature=0.0)
+    llm.generate([prompt], greedy, use_tqdm=False)
+    llm.generate([prompt], greedy, use_tqdm=False)
+    summary = llm.engine.metrics.summary()
+    assert summary.prefix_cache_hit_rate == pytest.approx(20 / (21 + 21))

@@ -60,6 +60,8 @@ class KVManager(Protocol):
     null_block: int  # a block that is never handed out and stays zero: where -1 entries read
     block_table: BlockTableView
     fresh_blocks: list[int]  # blocks handed out since the runner last zeroed them
+    num_query_tokens: int  # prefix cache: tokens looked up by admissions so far (0 without a cache)
+    num_hit_tokens: int  # ... and found cached
 
     # -- the scheduler's side
     def get_computed_blocks(self, request: Request) -> CachedPrefix:
@@ -113,3 +115,23 @@ class KVManager(Protocol):
     def copy_out(self, request_id: str, blocks: list[int]) -> None: ...
 
     def copy_in(self, request_id: str, blocks: list[int]) -> None: ...
+
+
+class PaddedKV(Protocol):
+    """What static and dynamic batching need: one rectangle per batch, held until the batch ends."""
+
+    cache: object  # minillm.attention.padded.PaddedBatchCache of the running batch
+    num_query_tokens: int
+    num_hit_tokens: int
+
+    def start_batch(self, rows: list[Request], max_len: int) -> None: ...
+
+    def end_batch(self) -> None: ...
+
+    def free(self, request: Request) -> None: ...
+
+    def commit_step(self) -> None: ...
+
+    def rollback_step(self) -> list[str]: ...
+
+    def usage(self) -> KVUsage: ...

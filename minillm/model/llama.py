@@ -98,18 +98,28 @@ class LlamaModel:
         return total + self.lm_head.numel() * self.lm_head.element_size() + self.final_norm.numel() * self.final_norm.element_size()
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for every token in the flattened batch."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for every token in the flattened batch —
+        or only for `output_rows` (the rows whose logits are needed).
+
+        With `output_rows`, the last layer still computes every token's K/V (later steps read them)
+        and its attention, but its output projection and MLP run on those rows only: nothing else
+        would ever read the other rows' results. A prefill of n tokens samples from one row, so this
+        skips ~90 % of the last layer's matmuls for n-1 of them (llama.cpp does the same)."""
         num_tokens = input_ids.shape[0]
         hq, hkv, d, eps = self._q_heads, self._kv_heads, self._head_dim, self._eps
         cos, sin = self.rope.lookup(positions)
         h = F.embedding(input_ids, self.embed)
+        last = len(self.layers) - 1
         for i, lw in enumerate(self.layers):
             x = rms_norm(h, lw.input_norm, eps)
             qkv = F.linear(x, lw.qkv, lw.qkv_bias).view(num_tokens, hq + 2 * hkv, d)
             qk = apply_rotary(qkv[:, : hq + hkv], cos, sin)  # rotate q and k in one go
             out = attention(i, qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :])
-            h = h + F.linear(out.reshape(num_tokens, hq * d), lw.o, lw.o_bias)
+            if i == last and output_rows is not None:
+                out, h = out.index_select(0, output_rows), h.index_select(0, output_rows)
+            h = h + F.linear(out.reshape(h.shape[0], hq * d), lw.o, lw.o_bias)
             x = rms_norm(h, lw.post_attention_norm, eps)
             gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, lw.down, lw.down_bias)
