@@ -164,10 +164,9 @@ def test_faults_and_aborts_leave_every_request_and_block_accounted_for(
     everyone = {f"r{i}" for i in range(len(prompts))}
     assert set(finished) | aborted == everyone and not set(finished) & aborted
     assert all(count == 1 for count in finished.values())
-    for i, (prompt, (_, _, max_tokens, _)) in enumerate(zip(prompts, requests)):
-        m = engine.metrics.requests.get(f"r{i}")
+    for i, (_, _, max_tokens, _) in enumerate(requests):
         if f"r{i}" in finished:
-            assert m.num_output_tokens == max_tokens
+            assert engine.metrics.requests[f"r{i}"].num_output_tokens == max_tokens
     outputs = {rid: list(r.output_token_ids) for rid, r in executor.seen.items()}
     for i, (prompt, (_, _, max_tokens, _)) in enumerate(zip(prompts, requests)):
         if f"r{i}" in finished:
