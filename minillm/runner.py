@@ -110,12 +110,14 @@ class ModelRunner:
         self.keys_exist += int(seq_lens[:nd].sum())
         fresh = [j for j in range(nd, len(order)) if seq_lens[j] == q_lens[j]]
         cached = [j for j in range(nd, len(order)) if seq_lens[j] != q_lens[j]]
+        windowed = any(w is not None for w in self.model.config.sliding_windows)
         for j in fresh:
             g = self._group(j, j + 1, seq_lens, blocks_of, safe_tables, device)
             g.fresh_causal, g.token_slice = True, slice(query_start[j], query_start[j + 1])
-            g.q_max, g.query_lens = int(q_lens[j]), torch.tensor([[int(q_lens[j])]], device=device)
-            g.query_index, g.valid = self._query_rows([j], query_start, q_lens, device)
-            g.out_index = g.query_index
+            if windowed:  # a sliding-window layer cannot take the plain causal path: give it the general form
+                g.q_max, g.query_lens = int(q_lens[j]), torch.tensor([[int(q_lens[j])]], device=device)
+                g.query_index, g.valid = self._query_rows([j], query_start, q_lens, device)
+                g.out_index = g.query_index
             meta.prefill_groups.append(g)
         work = [int(q_lens[j] * blocks_of[j]) for j in cached]
         for a, b in group_by_length(work):

@@ -60,6 +60,9 @@ def test_grouped_rows_equal_per_row_attention(block_size, window):
     class Stub:
         device = torch.device("cpu")
 
+        class config:  # noqa: N801 - stands in for a ModelConfig
+            sliding_windows = (window,)
+
     runner = ModelRunner(Stub(), kv)
     _, _, meta, _ = runner.prepare(plan)
     assert len(meta.decode_groups) >= 2  # lengths 1 … 34 do not share one padded call
