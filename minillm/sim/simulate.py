@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from minillm.clock import SimClock
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine, make_kv_manager, make_scheduler
@@ -86,7 +88,9 @@ def simulate(
 
     capacity_tokens = kv_capacity_tokens(hw, shape, kv_fraction)
     config = _fit_to_memory(config, shape, hw, capacity_tokens, kv_fraction)
-    kv = make_kv_manager(config, model_config, allocate_pool=False)  # accounting only: no tensors
+    # Accounting only (no tensors), in the hardware's KV width: the swap space (GiB) holds as many blocks as it would.
+    kv_dtype = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[hw.dtype_bytes]
+    kv = make_kv_manager(config, model_config, dtype=kv_dtype, allocate_pool=False)
     executor = SimExecutor(hw, shape, token_id=_non_eos_token(model_config), block_size=config.block_size)
     engine = LLMEngine(model_config, config, kv=kv, scheduler=make_scheduler(config, kv),
                        executor=executor, clock=SimClock())
