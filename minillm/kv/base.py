@@ -72,8 +72,10 @@ class KVManager(Protocol):
         """How many tokens `get_computed_blocks` would find (for LPM ranking; changes nothing)."""
         ...
 
-    def can_admit(self, request: Request, num_new_tokens: int, keep_headroom: bool = True) -> bool:
-        """Room to start a new request (keeping the layout's safety margin if `keep_headroom`)?"""
+    def can_admit(self, request: Request, num_new_tokens: int, keep_headroom: bool = True,
+                  cached: CachedPrefix | None = None) -> bool:
+        """Room to start a new request after its cached prefix (keeping the layout's safety margin
+        if `keep_headroom`)?"""
         ...
 
     def allocate(self, request: Request, num_new_tokens: int, cached: CachedPrefix | None = None,

@@ -244,10 +244,8 @@ class BlockManager:
         to compute: the step needs its logits. Lookups are counted (num_query_tokens, num_hit_tokens)
         when the step that admitted the request completes, so a request turned away is not counted."""
         cached = self.get_computed_blocks(request)
-        if cached.blocks:
-            self._pending_prefix[request.request_id] = cached
-        elif self.enable_prefix_caching:
-            self._pending_prefix[request.request_id] = cached  # a miss is a lookup too
+        if self.enable_prefix_caching:
+            self._pending_prefix[request.request_id] = cached  # a miss is a lookup too (counted)
         return cached.num_tokens
 
     def _offer_full_blocks(self, request: Request, num_tokens: int) -> None:
@@ -289,11 +287,14 @@ class BlockManager:
             needed += sum(1 for b in cached.blocks if self.allocator.ref_counts[b] == 0)  # ... but revived
         return needed
 
-    def can_admit(self, request: Request, num_new_tokens: int, keep_headroom: bool = True) -> bool:
+    def can_admit(self, request: Request, num_new_tokens: int, keep_headroom: bool = True,
+                  cached: CachedPrefix | None = None) -> bool:
         """Room for a *new* request, keeping `watermark_blocks` free so running ones can still grow
         (admitting up to the last block would force a preemption at the very next step). With nothing
-        running (`keep_headroom=False`) the headroom protects nobody, so it is not kept."""
-        cached = self._pending_prefix.get(request.request_id)
+        running (`keep_headroom=False`) the headroom protects nobody, so it is not kept. Cached blocks
+        it would revive from the LRU count against the room like new ones."""
+        if cached is None:
+            cached = self._pending_prefix.get(request.request_id)
         needed = self._blocks_to_take(request, num_new_tokens, cached)
         return needed + (self.watermark_blocks if keep_headroom else 0) <= self.allocator.num_free
 

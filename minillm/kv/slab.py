@@ -63,7 +63,8 @@ class SlabKVManager:
         self._tokens_of[rid] = needed
         return True
 
-    def can_admit(self, request: Request, num_new_tokens: int, keep_headroom: bool = True) -> bool:
+    def can_admit(self, request: Request, num_new_tokens: int, keep_headroom: bool = True,
+                  cached: CachedPrefix | None = None) -> bool:
         return request.request_id in self.slab_of or bool(self.free_slabs)
 
     def trim(self, request: Request, num_tokens: int) -> None:

@@ -143,7 +143,7 @@ class ContinuousScheduler(SchedulerBase):
             return n
         cached = self.kv.get_computed_blocks(req)  # a cached prefix is not recomputed
         n = req.num_tokens - cached.num_tokens
-        if n > budget or not self.kv.can_admit(req, n, keep_headroom):
+        if n > budget or not self.kv.can_admit(req, n, keep_headroom, cached):
             return None
         req.num_computed_tokens = cached.num_tokens
         if not self.kv.allocate(req, n, cached=cached):
