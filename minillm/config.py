@@ -22,7 +22,9 @@ DTYPES = ("float32", "float64", "bfloat16", "float16")
 class EngineConfig:
     batching: str = "continuous"
     max_num_seqs: int = 32  # most requests running at once (the batch size)
-    max_num_batched_tokens: int | None = None  # token budget per step; default max(2048, max_model_len)
+    max_num_batched_tokens: int | None = None  # token budget per step; default max(2048, max_model_len), 2048 chunked
+    enable_chunked_prefill: bool = False  # split long prefills across steps so running decodes never stall (ch. 08)
+    long_prefill_token_threshold: int = 0  # chunked prefill: most tokens one request prefills per step (0: no cap)
     max_model_len: int | None = None  # prompt + output; default the model's max_position_embeddings
     max_queue_delay_ms: float = 10.0  # dynamic batching: fire when the oldest request waited this long
     static_batch_timeout_ms: float = math.inf  # static batching: fire a partial batch after this wait
@@ -72,6 +74,14 @@ class EngineConfig:
             _require_int("max_model_len", self.max_model_len, 2)
         if self.max_num_batched_tokens is not None:
             _require_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}")
+        if self.enable_chunked_prefill and self.batching != "continuous":
+            raise ValueError(f"enable_chunked_prefill=True needs batching='continuous' (got {self.batching!r}): "
+                             "a static or dynamic batch prefills its prompts in one padded step")
+        _require_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold caps prefill chunks: it needs enable_chunked_prefill=True")
         if not self.max_queue_delay_ms >= 0:
             raise ValueError(f"max_queue_delay_ms must be >= 0, got {self.max_queue_delay_ms!r}")
         if not self.static_batch_timeout_ms >= 0:
@@ -86,12 +96,12 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={model_max_len}")
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(2048, self.max_model_len)
-        elif self.max_num_batched_tokens < self.max_model_len:
+            self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(2048, self.max_model_len)
+        elif self.max_num_batched_tokens < self.max_model_len and not self.enable_chunked_prefill:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than max_model_len="
                 f"{self.max_model_len}: a long prompt could never be scheduled without chunked prefill; "
-                f"use max_num_batched_tokens >= {self.max_model_len}")
+                f"use max_num_batched_tokens >= {self.max_model_len} or enable_chunked_prefill=True")
         if self.num_kv_blocks is None:
             self.num_kv_blocks = -(-self.max_num_seqs * self.max_model_len // self.block_size)
         elif self.batching == "continuous" and self.kv_layout == "paged" and \

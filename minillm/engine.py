@@ -208,6 +208,8 @@ class LLMEngine:
         if plan is None:
             return []
         prefill_tokens, decode_tokens = plan.num_prefill_and_decode_tokens()
+        chunks = tuple(n for r, n in zip(plan.requests, plan.num_new_tokens)
+                       if not (n == 1 and r.num_computed_tokens == r.num_tokens - 1 and r.num_output_tokens))
         queried_before, hit_before = self._prefix_counters()
         self._in_step = True
         try:
@@ -238,7 +240,7 @@ class LLMEngine:
                 self.abort_request(request_id)
         queried_after, hit_after = self._prefix_counters()
         self._record(plan, prefill_tokens, decode_tokens, num_cached, now, done_time,
-                     queried_after - queried_before, hit_after - hit_before)
+                     queried_after - queried_before, hit_after - hit_before, chunks)
         self.time_in_steps_s += time.perf_counter() - step_start
         return updates
 
@@ -267,7 +269,7 @@ class LLMEngine:
             del self.requests[req.request_id]
 
     def _record(self, batch: ScheduledBatch, prefill: int, decode: int, num_cached: int, start: float,
-                end: float, num_queried: int, num_hit: int) -> None:
+                end: float, num_queried: int, num_hit: int, chunks: tuple[int, ...] = ()) -> None:
         usage = self.kv.usage()
         for req in batch.preempted:
             self.metrics.on_preempted(req.request_id)
@@ -280,5 +282,5 @@ class LLMEngine:
             num_prefix_queried_tokens=num_queried, num_prefix_hit_tokens=num_hit,
             kv_swapped_tokens=usage.swapped_tokens,
             num_swapped_blocks=sum(len(b) for _, b in batch.blocks_to_swap_out) + sum(
-                len(b) for _, b in batch.blocks_to_swap_in)))
+                len(b) for _, b in batch.blocks_to_swap_in), prefill_chunk_sizes=chunks))
         self.num_steps += 1

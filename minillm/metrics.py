@@ -93,6 +93,7 @@ class StepRecord:
     num_prefix_hit_tokens: int = 0  # of those, found cached
     kv_swapped_tokens: int = 0  # tokens held in host memory after the step
     num_swapped_blocks: int = 0  # blocks copied between device and host this step
+    prefill_chunk_sizes: tuple[int, ...] = ()  # new tokens of each row that is (re)filling a prompt
 
     @property
     def num_computed_tokens(self) -> int:

@@ -208,7 +208,7 @@ class ModelRunner:
         # Positions count real tokens only, as HF derives them from the attention mask.
         real_so_far = cache.is_real[:, : cache.length + width].long().cumsum(-1)[:, -width:]
         positions = (real_so_far - 1).clamp(min=0)
-        last = torch.tensor([i * width + width - 1 for i in live_rows], device=device)
+        last = torch.tensor([i * width + width - 1 for i in live_rows], dtype=torch.long, device=device)
         start = time.perf_counter()
         hidden = self.model.forward(ids.to(device).flatten(), positions.flatten(), attention, output_rows=last)
         attention.finish_step()
@@ -224,7 +224,7 @@ class ModelRunner:
         """Run the model; return logits [N, vocab] and the request each row belongs to (plan order)."""
         input_ids, positions, meta, logits_rows = self.prepare(batch)
         attention = FlatPoolAttention(self.kv.k_pool, self.kv.v_pool, meta, self.model.config.sliding_windows)
-        rows = torch.tensor(logits_rows, device=input_ids.device)
+        rows = torch.tensor(logits_rows, dtype=torch.long, device=input_ids.device)
         start = time.perf_counter()
         hidden = self.model.forward(input_ids, positions, attention, output_rows=rows)
         logits = self.model.compute_logits(hidden)

@@ -1,5 +1,5 @@
 """Hypothesis: random arrivals, aborts in every state, recompute and swap preemption, prefix caching,
-and a forward pass that raises at random steps (after writing part of its K/V). Afterwards every
+chunked prefill, and a forward pass that raises at random steps (after writing part of its K/V). Afterwards every
 request finished or was aborted exactly once, the finished ones' tokens equal a fault-free run's,
 no block is held, and free + cached + used = total after every step."""
 
@@ -116,17 +116,19 @@ def check_blocks(engine: LLMEngine) -> None:
     policy=st.sampled_from(["fcfs", "priority"]),
     fail_steps=st.sets(st.integers(1, 120), max_size=12),
     aborts=st.dictionaries(st.integers(0, 13), st.integers(0, 100), max_size=5),
+    chunk_budget=st.sampled_from([None, None, 1, 3, 8]),
 )
 def test_faults_and_aborts_leave_every_request_and_block_accounted_for(
         requests, block_size, spare_blocks, max_num_seqs, prefix_caching, prefix_cache, preemption_mode, policy,
-        fail_steps, aborts):
+        fail_steps, aborts, chunk_budget):
     prompts = [(PREFIXES[k] if k < 2 else []) + [40 + (i * 7 + j) % 20 for j in range(s)]
                for i, (k, s, _, _) in enumerate(requests)]
     longest = max(len(p) + m for p, (_, _, m, _) in zip(prompts, requests))
     config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=longest, block_size=block_size,
                           num_kv_blocks=-(-longest // block_size) + spare_blocks, kv_watermark=0.0,
                           enable_prefix_caching=prefix_caching, prefix_cache=prefix_cache if prefix_caching else "hash",
-                          preemption_mode=preemption_mode, scheduling_policy=policy)
+                          preemption_mode=preemption_mode, scheduling_policy=policy,
+                          enable_chunked_prefill=chunk_budget is not None, max_num_batched_tokens=chunk_budget)
     resolved = config.resolve(MODEL.max_position_embeddings)
     kv = make_kv_manager(resolved, MODEL, allocate_pool=False)
     executor = CheckingExecutor(kv, fail_steps)
@@ -139,7 +141,7 @@ def test_faults_and_aborts_leave_every_request_and_block_accounted_for(
     finished: dict[str, int] = {}
     aborted: set[str] = set()
     faults = 0
-    for iteration in range(3_000):
+    for iteration in range(6_000):
         for i, at in aborts.items():
             rid = f"r{i}"
             if at == iteration and i < len(prompts) and rid in engine.requests:

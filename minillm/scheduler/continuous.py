@@ -61,34 +61,32 @@ class ContinuousScheduler(SchedulerBase):
         plan = ScheduledBatch([], [])
 
         # 1. Running requests first: each wants the rest of its known tokens (1 when decoding).
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = req.num_tokens - req.num_computed_tokens
-            if n == 0:  # nothing to compute (never happens today; a request with 0 tokens is never planned)
-                i += 1
-                continue
+        #    With chunked prefill, decodes go before partly prefilled requests (stall-free, Sarathi-Serve).
+        for req in self._running_order():
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            if n == 0:
+                if budget == 0:
+                    break
+                continue  # nothing to compute (never happens today; a request with 0 tokens is never planned)
             if n > budget:
                 break
             while not self.kv.allocate(req, n):
                 victim = self._pick_victim()
-                at = self.running.index(victim)
                 budget += planned.pop(victim.request_id, 0)  # taken back out of this step's plan
                 self._preempt(victim, plan)
-                if at < i:
-                    i -= 1
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
-                continue  # req itself was the victim: the next running request now sits at index i
+                continue  # req itself was the victim
             planned[req.request_id] = n
             budget -= n
-            i += 1
 
         # 2. Then admit waiting requests in queue order while there is room (LPM ranks them first).
         if self.waiting and not plan.preempted:
             for req in self._admission_order():
-                if len(self.running) >= self.config.max_num_seqs:
+                if len(self.running) >= self.config.max_num_seqs or budget == 0:
                     break
                 n = self._try_admit(req, budget, plan)
                 if n is None:
@@ -109,6 +107,23 @@ class ContinuousScheduler(SchedulerBase):
         plan.requests = [r for r, _ in rows]
         plan.num_new_tokens = [n for _, n in rows]
         return plan
+
+    def _chunk(self, num_tokens: int, budget: int) -> int:
+        """How many of a request's missing tokens it computes this step: all of them, or with chunked
+        prefill as many as the budget (and `long_prefill_token_threshold`) allow."""
+        if not self.config.enable_chunked_prefill:
+            return num_tokens
+        cap = self.config.long_prefill_token_threshold
+        return min(num_tokens, budget, cap) if cap else min(num_tokens, budget)
+
+    def _running_order(self) -> list[Request]:
+        """Admission order; with chunked prefill, decoding requests first, then partly prefilled ones."""
+        if not self.config.enable_chunked_prefill:
+            return list(self.running)
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and r.num_computed_tokens]
+        prefilling = [r for r in self.running if not (r.num_tokens - r.num_computed_tokens == 1
+                                                      and r.num_computed_tokens)]
+        return decoding + prefilling
 
     def _admission_order(self):
         """Queue order; under LPM the longest cached prefix first, then earliest arrival."""
@@ -132,7 +147,7 @@ class ContinuousScheduler(SchedulerBase):
         the number of tokens it computes this step, or None (and nothing changed) if it does not fit.
         With nothing running, the KV headroom (watermark) protects nobody and is not kept."""
         keep_headroom = bool(self.running)
-        n = req.num_tokens - req.num_computed_tokens
+        n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
         if self.kv.is_swapped(req):
             if n > budget:
                 return None
@@ -142,7 +157,7 @@ class ContinuousScheduler(SchedulerBase):
             plan.blocks_to_swap_in.append((req.request_id, blocks))
             return n
         cached = self.kv.get_computed_blocks(req)  # a cached prefix is not recomputed
-        n = req.num_tokens - cached.num_tokens
+        n = self._chunk(req.num_tokens - cached.num_tokens, budget)
         if n > budget or not self.kv.can_admit(req, n, keep_headroom, cached):
             return None
         req.num_computed_tokens = cached.num_tokens
