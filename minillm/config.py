@@ -39,8 +39,16 @@ class EngineConfig:
     # "fcfs"; "priority": lower priority value runs first; "lpm": longest cached prefix first (SGLang)
     scheduling_policy: str = "fcfs"
     seed: int = 0  # seeds requests that sample without their own seed
+    # Speculative decoding (chapter 09), vLLM's dict: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            from minillm.spec.config import SpeculativeConfig
+
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+            if self.batching != "continuous":
+                raise ValueError(f"speculative_config needs batching='continuous' (got {self.batching!r})")
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching={self.batching!r}; choose one of {BATCHING_MODES}")
         if self.kv_layout not in KV_LAYOUTS:

@@ -60,7 +60,7 @@ def make_scheduler(config: EngineConfig, kv) -> Scheduler:
 class LLMEngine:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, *, model: LlamaModel | None = None,
                  tokenizer: Any = None, kv=None, scheduler: Scheduler | None = None, executor=None,
-                 clock=None) -> None:
+                 clock=None, proposer=None) -> None:
         """Every part can be injected (an exercise's scheduler, the simulator's executor and clock);
         by default the real model runs with the KV layout and scheduler the config names."""
         self.model_config = model_config
@@ -75,6 +75,16 @@ class LLMEngine:
         # The executor turns a plan into next tokens: the real model, or the simulator's stand-in.
         self.executor = executor if executor is not None else ModelRunner(model, self.kv)
         self.device = model.device if model is not None else "cpu"
+        # Speculative decoding: who guesses the next tokens (chapter 09). A draft model is loaded by LLM.
+        spec = self.config.speculative_config
+        if proposer is None and spec is not None:
+            if spec.method != "ngram":
+                raise ValueError("speculative_config method 'draft_model' needs a loaded draft: use LLM(...), "
+                                 "or pass proposer=DraftModelProposer(...)")
+            from minillm.spec.ngram import NgramProposer
+
+            proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
+        self.proposer = proposer
         self.clock = clock or WallClock()
         self.metrics = MetricsCollector()
         self.eos_token_ids = tuple(model_config.eos_token_ids)
@@ -189,6 +199,8 @@ class LLMEngine:
             self.metrics.on_finish(request_id, self.clock.now(), "abort")
         req.status = RequestStatus.FINISHED_ABORTED
         del self.requests[request_id]
+        if self.proposer is not None:
+            self.proposer.free(req)
 
     # ---- the loop ------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -231,8 +243,14 @@ class LLMEngine:
                         self.metrics.on_cached(req.request_id, req.num_computed_tokens)
                         num_cached += req.num_computed_tokens
             updates = self.scheduler.update_from_output(plan, output)
+            for req, tokens in zip(plan.requests, output.sampled_token_ids):
+                guesses = plan.spec_token_ids.get(req.request_id)
+                if guesses:
+                    self.metrics.spec_decode.record(len(guesses), len(tokens) - 1)
             for update in updates:
                 self._on_update(update, done_time)
+            if self.proposer is not None:
+                self._propose([u.request for u in updates if not u.finished])
         finally:
             self._in_step = False
             aborts, self._deferred_aborts = self._deferred_aborts, []
@@ -243,6 +261,16 @@ class LLMEngine:
                      queried_after - queried_before, hit_after - hit_before, chunks)
         self.time_in_steps_s += time.perf_counter() - step_start
         return updates
+
+    def _propose(self, requests: list[Request]) -> None:
+        """Guesses for each request's next step (it emits at most guesses + 1 tokens, within its limits)."""
+        for req in requests:
+            self.proposer.after_verify(req)
+        limit = self.config.max_model_len
+        budgets = [min(r.params.max_tokens - r.num_output_tokens, limit - r.num_tokens) - 1 for r in requests]
+        guesses, dists = self.proposer.propose(requests, budgets)
+        for req, g, q in zip(requests, guesses, dists):
+            req.spec_token_ids, req.spec_draft_probs = list(g), q
 
     def _prefix_counters(self) -> tuple[int, int]:
         return self.kv.num_query_tokens, self.kv.num_hit_tokens
@@ -267,6 +295,8 @@ class LLMEngine:
                                    if self.tokenizer is not None else "")
             self.metrics.on_finish(req.request_id, t, req.status.value)
             del self.requests[req.request_id]
+            if self.proposer is not None:
+                self.proposer.free(req)
 
     def _record(self, batch: ScheduledBatch, prefill: int, decode: int, num_cached: int, start: float,
                 end: float, num_queried: int, num_hit: int, chunks: tuple[int, ...] = ()) -> None:

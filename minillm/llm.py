@@ -75,8 +75,27 @@ class LLM:
             resolved = config.resolve(self.model.config.max_position_embeddings)
             kv = make_kv_manager(resolved, self.model.config, self.model.dtype, str(self.model.device))
             scheduler = scheduler_factory(resolved, kv)
+        proposer = self._draft_proposer(config, torch_dtype, device)
         self.engine = LLMEngine(self.model.config, config, model=self.model, tokenizer=self.tokenizer,
-                                kv=None if scheduler is None else kv, scheduler=scheduler)
+                                kv=None if scheduler is None else kv, scheduler=scheduler, proposer=proposer)
+
+    def _draft_proposer(self, config: EngineConfig, dtype: torch.dtype, device: str):
+        """The draft model of `speculative_config={"method": "draft_model", ...}`, with its own KV cache."""
+        spec = config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        from minillm.spec.draft import DraftModelProposer
+
+        draft_dir = Path(spec.model) if spec.model is not None else BUNDLED_DRAFT
+        if not draft_dir.is_dir():
+            raise FileNotFoundError(f"speculative_config model directory {draft_dir} does not exist")
+        resolved = config.resolve(self.model.config.max_position_embeddings)
+        draft = load_model_dir(draft_dir, dtype, device, resolved.max_model_len)
+        if draft.config.vocab_size != self.model.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) differs from the "
+                             f"target's ({self.model.config.vocab_size}): they must share a tokenizer")
+        return DraftModelProposer(draft, spec.num_speculative_tokens, resolved.num_kv_blocks, resolved.block_size,
+                                  resolved.max_model_len)
 
     @property
     def model_config(self) -> ModelConfig:

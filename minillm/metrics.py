@@ -310,12 +310,41 @@ def compare(summaries: dict[str, Summary], baseline: str) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding counters, named as vLLM exports them (vllm:spec_decode_num_drafts, …)."""
+
+    num_drafts: int = 0  # rows that carried guesses
+    num_draft_tokens: int = 0  # guesses verified
+    num_accepted_tokens: int = 0  # guesses accepted
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # accepted at position 0, 1, …
+
+    @property
+    def acceptance_rate(self) -> float:
+        return _ratio(self.num_accepted_tokens, self.num_draft_tokens)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per speculative row: 1 (the target's own) + accepted guesses, on average."""
+        return 1 + _ratio(self.num_accepted_tokens, self.num_drafts) if self.num_drafts else float("nan")
+
+    def record(self, num_guesses: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_guesses
+        self.num_accepted_tokens += num_accepted
+        if len(self.num_accepted_tokens_per_pos) < num_guesses:
+            self.num_accepted_tokens_per_pos += [0] * (num_guesses - len(self.num_accepted_tokens_per_pos))
+        for pos in range(num_accepted):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+
 class MetricsCollector:
     """Collects timestamps from the engine's hot path; each call is a dict lookup and an append."""
 
     def __init__(self) -> None:
         self.requests: dict[str, RequestMetrics] = {}
         self.steps: list[StepRecord] = []
+        self.spec_decode = SpecDecodeStats()
         self.observers: list[Callable[[StepRecord], None]] = []
 
     def add_observer(self, fn: Callable[[StepRecord], None]) -> None:

@@ -98,6 +98,10 @@ class Request:
         self.stop_token_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             self.stop_token_ids.update(eos_token_ids)
+        # Speculative decoding (chapter 09): the proposer's guesses for the next step, not yet
+        # verified (never in all_token_ids), and their draft distribution q [k, vocab] (None: one-hot).
+        self.spec_token_ids: list[int] = []
+        self.spec_draft_probs: Any = None
         # Stop strings are matched on the text as it grows (minillm.detokenizer), new text only.
         self.detokenizer = detokenizer
         self.generator: torch.Generator | None = None

@@ -27,6 +27,7 @@ from minillm.model.llama import LlamaModel
 from minillm.request import Request
 from minillm.sampling import sample, sampled_logprobs
 from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch
+from minillm.spec.rejection import rejection_sample
 
 # Rows share one attention call while the keys it reads stay within this factor of the keys
 # they have (in blocks); beyond it a new group starts. Grouping trades padded reads for calls.
@@ -73,6 +74,7 @@ class ModelRunner:
         positions: list[int] = []
         query_start = [0]
         row_of_plan = [0] * len(reqs)
+        spec = batch.spec_token_ids
         for j, i in enumerate(order):
             req, s, n = reqs[i], starts[i], counts[i]
             row_of_plan[i] = j
@@ -80,11 +82,21 @@ class ModelRunner:
                 token_ids.append(req.all_token_ids[s])
                 positions.append(s)
             else:
-                token_ids.extend(req.all_token_ids[s : s + n])
+                guesses = spec.get(req.request_id, ())
+                token_ids.extend(req.all_token_ids[s : s + n - len(guesses)])
+                token_ids.extend(guesses)  # a speculative row: the pending token, then k unverified guesses
                 positions.extend(range(s, s + n))
             query_start.append(query_start[-1] + n)
-        sampled = [i for i in range(len(reqs)) if lens[i] == reqs[i].num_tokens]
-        logits_rows = [query_start[row_of_plan[i] + 1] - 1 for i in sampled]
+        # Rows that need logits: the last of each request that caught up with its tokens, and for a
+        # speculative row all 1+k of them (the target's verdict on every guess, and the bonus).
+        sampled = [i for i in range(len(reqs)) if lens[i] == reqs[i].num_tokens + len(spec.get(reqs[i].request_id, ()))]
+        logits_rows: list[int] = []
+        self.last_spans = []
+        for i in sampled:
+            end = query_start[row_of_plan[i] + 1]
+            width = 1 + len(spec.get(reqs[i].request_id, ()))
+            self.last_spans.append((len(logits_rows), width))
+            logits_rows.extend(range(end - width, end))
 
         row_ids = np.fromiter((kv.block_table.row_of[reqs[i].request_id] for i in order), np.int64, len(order))
         seq_lens = np.fromiter((lens[i] for i in order), np.int64, len(order))
@@ -165,6 +177,8 @@ class ModelRunner:
             self.apply_kv_moves(batch)
             logits, rows = self.compute_logits(batch)
             sampled_idx = self.last_sampled
+            if batch.spec_token_ids:
+                return self._verify(batch, logits, rows, sampled_idx)
         tokens = sample(logits, rows)
         out: list[list[int]] = [[] for _ in batch.requests]
         for i, t in zip(sampled_idx, tokens):
@@ -175,6 +189,26 @@ class ModelRunner:
             for i, lp in zip(sampled_idx, sampled_logprobs(logits, rows, tokens)):
                 logprobs[i] = lp
         return ModelRunnerOutput(out, logprobs)
+
+    def _verify(self, batch: ScheduledBatch, logits: torch.Tensor, rows: list[Request],
+                sampled_idx: list[int]) -> ModelRunnerOutput:
+        """A step with speculative rows: plain rows sample as usual, speculative rows go through the
+        rejection sampler (0 … k guesses accepted, then a correction or the bonus token)."""
+        out: list[list[int]] = [[] for _ in batch.requests]
+        plain = [(j, i) for j, i in enumerate(sampled_idx) if batch.requests[i].request_id not in batch.spec_token_ids]
+        if plain:
+            first = torch.tensor([self.last_spans[j][0] for j, _ in plain], dtype=torch.long, device=logits.device)
+            for (_, i), t in zip(plain, sample(logits.index_select(0, first), [rows[j] for j, _ in plain])):
+                out[i] = [t]
+        for j, i in enumerate(sampled_idx):
+            req = batch.requests[i]
+            guesses = batch.spec_token_ids.get(req.request_id)
+            if guesses:
+                start, width = self.last_spans[j]
+                q = req.spec_draft_probs
+                out[i] = rejection_sample(req, logits[start : start + width], guesses,
+                                          None if q is None else q[: len(guesses)])
+        return ModelRunnerOutput(out)
 
     def apply_kv_moves(self, batch: ScheduledBatch) -> None:
         """The plan's KV moves, in the only safe order: copy victims out before their blocks are

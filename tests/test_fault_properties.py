@@ -1,5 +1,5 @@
 """Hypothesis: random arrivals, aborts in every state, recompute and swap preemption, prefix caching,
-chunked prefill, and a forward pass that raises at random steps (after writing part of its K/V). Afterwards every
+chunked prefill, n-gram speculation, and a forward pass that raises at random steps (after writing part of its K/V). Afterwards every
 request finished or was aborted exactly once, the finished ones' tokens equal a fault-free run's,
 no block is held, and free + cached + used = total after every step."""
 
@@ -57,6 +57,7 @@ class CheckingExecutor:
         self.kv.fresh_blocks.clear()
         bs = self.kv.block_size
         writes, reads = [], []
+        seqs = {r.request_id: r.all_token_ids + plan.spec_token_ids.get(r.request_id, []) for r in plan.requests}
         for req, n in zip(plan.requests, plan.num_new_tokens):
             table = self.kv.block_tables[req.request_id]
             for p in range(req.num_computed_tokens + n):
@@ -64,13 +65,27 @@ class CheckingExecutor:
                 (reads if p < req.num_computed_tokens else writes).append((req, p, slot))
         failing = self.calls in self.fail_steps
         for req, p, slot in writes[: len(writes) // 2 if failing else len(writes)]:
-            self.slot[slot] = tuple(req.all_token_ids[: p + 1])
+            self.slot[slot] = tuple(seqs[req.request_id][: p + 1])
         if failing:
             raise InjectedFault(f"forward failed at call {self.calls}")
         for req, p, slot in reads:
             assert self.slot.get(slot) == tuple(req.all_token_ids[: p + 1]), f"{req.request_id} reads wrong K/V at {p}"
-        sampled = [[next_token(r.all_token_ids)] if r.num_computed_tokens + n == r.num_tokens else []
-                   for r, n in zip(plan.requests, plan.num_new_tokens)]
+        sampled = []
+        for r, n in zip(plan.requests, plan.num_new_tokens):
+            guesses = plan.spec_token_ids.get(r.request_id, [])
+            if r.num_computed_tokens + n != r.num_tokens + len(guesses):
+                sampled.append([])
+                continue
+            out, seq = [], list(r.all_token_ids)
+            for g in guesses:  # greedy verification: keep guesses while they are what the model says
+                t = next_token(seq)
+                out.append(t)
+                seq.append(t)
+                if t != g:
+                    break
+            else:
+                out.append(next_token(seq))
+            sampled.append(out)
         return ModelRunnerOutput(sampled)
 
     def step_duration_s(self) -> float:
@@ -117,10 +132,11 @@ def check_blocks(engine: LLMEngine) -> None:
     fail_steps=st.sets(st.integers(1, 120), max_size=12),
     aborts=st.dictionaries(st.integers(0, 13), st.integers(0, 100), max_size=5),
     chunk_budget=st.sampled_from([None, None, 1, 3, 8]),
+    spec_k=st.sampled_from([None, None, 1, 3]),
 )
 def test_faults_and_aborts_leave_every_request_and_block_accounted_for(
         requests, block_size, spare_blocks, max_num_seqs, prefix_caching, prefix_cache, preemption_mode, policy,
-        fail_steps, aborts, chunk_budget):
+        fail_steps, aborts, chunk_budget, spec_k):
     prompts = [(PREFIXES[k] if k < 2 else []) + [40 + (i * 7 + j) % 20 for j in range(s)]
                for i, (k, s, _, _) in enumerate(requests)]
     longest = max(len(p) + m for p, (_, _, m, _) in zip(prompts, requests))
@@ -128,7 +144,9 @@ def test_faults_and_aborts_leave_every_request_and_block_accounted_for(
                           num_kv_blocks=-(-longest // block_size) + spare_blocks, kv_watermark=0.0,
                           enable_prefix_caching=prefix_caching, prefix_cache=prefix_cache if prefix_caching else "hash",
                           preemption_mode=preemption_mode, scheduling_policy=policy,
-                          enable_chunked_prefill=chunk_budget is not None, max_num_batched_tokens=chunk_budget)
+                          enable_chunked_prefill=chunk_budget is not None, max_num_batched_tokens=chunk_budget,
+                          speculative_config=None if spec_k is None else {"method": "ngram", "num_speculative_tokens": spec_k,
+                                                                          "prompt_lookup_max": 3})
     resolved = config.resolve(MODEL.max_position_embeddings)
     kv = make_kv_manager(resolved, MODEL, allocate_pool=False)
     executor = CheckingExecutor(kv, fail_steps)

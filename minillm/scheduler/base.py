@@ -38,6 +38,8 @@ class ScheduledBatch:
     # Swap preemption: (request id, device blocks) whose K/V the executor copies out / in before the forward.
     blocks_to_swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
+    # Speculative decoding: request id -> the unverified guesses its row carries after its pending token.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # For rollback: requests admitted by this plan, with the status they had before.
     admitted: list[tuple[Request, RequestStatus]] = field(default_factory=list)
 
@@ -133,7 +135,15 @@ class SchedulerBase:
         logprobs = output.logprobs or [None] * len(plan.requests)
         updates: list[RequestUpdate] = []
         for req, n, tokens, lps in zip(plan.requests, plan.num_new_tokens, output.sampled_token_ids, logprobs):
-            req.num_computed_tokens += n
+            spec = plan.spec_token_ids.get(req.request_id)
+            if spec:
+                # 1 + k tokens ran (the pending one, k guesses); len(tokens) - 1 guesses were accepted.
+                # Their K/V and the pending token's are kept; the rejected guesses' are rolled back.
+                req.num_computed_tokens += len(tokens)
+                self.kv.trim(req, req.num_computed_tokens)
+            else:
+                req.num_computed_tokens += n
+            req.spec_token_ids, req.spec_draft_probs = [], None
             if not tokens:
                 continue  # a prefill chunk that has not reached the end of the prompt
             status = None

@@ -72,7 +72,10 @@ class ContinuousScheduler(SchedulerBase):
                 continue  # nothing to compute (never happens today; a request with 0 tokens is never planned)
             if n > budget:
                 break
-            while not self.kv.allocate(req, n):
+            spec = req.spec_token_ids if n == 1 else []
+            if spec:  # a decode row carries the proposer's guesses: 1 + k tokens, k of them unverified
+                spec = spec[: budget - 1]
+            while not self.kv.allocate(req, n, num_lookahead_tokens=len(spec)):
                 victim = self._pick_victim()
                 budget += planned.pop(victim.request_id, 0)  # taken back out of this step's plan
                 self._preempt(victim, plan)
@@ -80,8 +83,10 @@ class ContinuousScheduler(SchedulerBase):
                     break
             if req.status is not RequestStatus.RUNNING:
                 continue  # req itself was the victim
-            planned[req.request_id] = n
-            budget -= n
+            if spec:
+                plan.spec_token_ids[req.request_id] = spec
+            planned[req.request_id] = n + len(spec)
+            budget -= n + len(spec)
 
         # 2. Then admit waiting requests in queue order while there is room (LPM ranks them first).
         if self.waiting and not plan.preempted:
@@ -103,7 +108,7 @@ class ContinuousScheduler(SchedulerBase):
         # Decode rows (one token after a computed context) first: the attention backend batches them.
         by_id = {r.request_id: r for r in self.running}
         rows = [(by_id[rid], n) for rid, n in planned.items()]
-        rows.sort(key=lambda row: not (row[1] == 1 and row[0].num_computed_tokens))
+        rows.sort(key=lambda row: not (row[1] == 1 and row[0].num_computed_tokens))  # (1+k rows: not decodes)
         plan.requests = [r for r, _ in rows]
         plan.num_new_tokens = [n for _, n in rows]
         return plan
@@ -175,6 +180,8 @@ class ContinuousScheduler(SchedulerBase):
 
     def _preempt(self, req: Request, plan: ScheduledBatch) -> None:
         self.running.remove(req)
+        plan.spec_token_ids.pop(req.request_id, None)
+        req.spec_token_ids, req.spec_draft_probs = [], None  # guesses for a context it no longer holds
         blocks = self.kv.swap_out(req) if self.config.preemption_mode == "swap" else None
         if blocks is not None:
             plan.blocks_to_swap_out.append((req.request_id, blocks))  # keeps num_computed_tokens

@@ -1,0 +1,171 @@
+"""Speculative decoding (chapter 09): exact greedy outputs with n-gram and draft-model proposers,
+the target's distribution under sampling (chi-square), stops inside an accepted run, metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import hf_greedy, make_tiny_hf_model, varied_prompts
+
+from minillm import LLM, SamplingParams
+from minillm.request import Request
+from minillm.spec.config import SpeculativeConfig
+from minillm.spec.ngram import NgramProposer
+from minillm.spec.rejection import rejection_sample, target_probs
+
+GREEDY = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target = make_tiny_hf_model("llama-gqa", seed=0)
+    other = make_tiny_hf_model("llama-gqa", seed=1)  # a different random model: few guesses accepted
+    dirs = {}
+    for name, model in (("same", target), ("other", other)):
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        dirs[name] = str(path)
+    # Repetitive prompts give n-gram lookup something to find.
+    prompts = [p + p[: len(p) // 2] for p in varied_prompts(5, target.config.vocab_size, seed=6, lo=4, hi=24)]
+    expected = [hf_greedy(target, p, GREEDY.max_tokens) for p in prompts]
+    return target, dirs, prompts, expected
+
+
+def run(llm: LLM, prompts, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_ngram_greedy_equals_hf(models, k):
+    target, _, prompts, expected = models
+    llm = LLM(target, dtype="float64", max_num_seqs=4, max_model_len=128,
+              speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3})
+    assert run(llm, prompts) == expected
+    stats = llm.engine.metrics.spec_decode
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    assert llm.engine.kv.allocator.num_in_use == 0
+
+
+@pytest.mark.parametrize("draft, k", [("same", 3), ("same", 5), ("other", 1), ("other", 4)])
+def test_draft_model_greedy_equals_hf(models, draft, k):
+    target, dirs, prompts, expected = models
+    llm = LLM(target, dtype="float64", max_num_seqs=4, max_model_len=128, block_size=4,
+              speculative_config={"method": "draft_model", "model": dirs[draft], "num_speculative_tokens": k})
+    assert run(llm, prompts) == expected
+    stats = llm.engine.metrics.spec_decode
+    if draft == "same":  # the draft is the target: every guess is accepted
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+        assert stats.num_accepted_tokens_per_pos[0] == stats.num_drafts
+    assert llm.engine.kv.allocator.num_in_use == 0 and llm.engine.proposer.kv.allocator.num_in_use == 0
+
+
+def test_speculation_with_prefix_caching_and_preemption_stays_exact(models):
+    target, dirs, prompts, expected = models
+    shared = [prompts[0] + p for p in prompts]
+    want = [hf_greedy(target, p, GREEDY.max_tokens) for p in shared]
+    llm = LLM(target, dtype="float64", max_num_seqs=5, max_model_len=80, block_size=4, num_kv_blocks=24,
+              enable_prefix_caching=True,
+              speculative_config={"method": "draft_model", "model": dirs["same"], "num_speculative_tokens": 3})
+    assert run(llm, shared) == want
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_stops_apply_inside_an_accepted_run(models):
+    target, dirs, prompts, expected = models
+    spec = {"method": "draft_model", "model": dirs["same"], "num_speculative_tokens": 4}
+    llm = LLM(target, dtype="float64", max_num_seqs=4, max_model_len=128, speculative_config=spec)
+    cut = run(llm, prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert cut == [e[:6] for e in expected]  # max_tokens cuts a run of 5 at 6 tokens
+    stop_id = expected[0][3]
+    stopped = run(llm, prompts[:1], SamplingParams(max_tokens=14, temperature=0.0, stop_token_ids=[stop_id]))
+    assert stopped[0] == expected[0][: expected[0].index(stop_id) + 1]
+
+
+def test_seeded_sampling_under_speculation_ignores_the_batch():
+    spec = {"method": "draft_model", "num_speculative_tokens": 3}
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_k=40, seed=11)
+    llm = LLM(max_num_seqs=4, speculative_config=spec)
+    alone = llm.generate(["In the beginning"], params, use_tqdm=False)[0].outputs[0].token_ids
+    crowd = llm.generate(["In the beginning", "And God said", "Blessed are"],
+                         [params, SamplingParams(max_tokens=24, temperature=1.0),
+                          SamplingParams(max_tokens=24, temperature=0.5)], use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == crowd and len(alone) == 24
+
+
+def test_ngram_lookup_prefers_the_longest_and_latest_match():
+    proposer = NgramProposer(3, prompt_lookup_max=3, prompt_lookup_min=1)
+    assert proposer.propose_one([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3]) == [7, 8, 1]  # latest match of (1, 2, 3)
+    assert proposer.propose_one([5, 6, 4, 4, 6]) == [4, 4, 6]  # suffix (6,) seen at index 1
+    assert proposer.propose_one([1, 2, 3]) == []
+
+
+def test_speculative_config_errors_name_what_is_accepted():
+    with pytest.raises(ValueError, match="choose one of"):
+        SpeculativeConfig.from_dict({"method": "medusa", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=">= 1"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="unknown speculative_config"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "k": 3})
+    with pytest.raises(ValueError, match="batching='continuous'"):
+        LLM(batching="static", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+# ---- the rejection sampler keeps the target's distribution ------------------------------------------
+VOCAB = 6
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """P(chi-square >= observed) for counts against expected probabilities (bins with p > 0)."""
+    keep = probs > 0
+    n = counts.sum()
+    expected = probs[keep] * n
+    stat = ((counts[keep] - expected) ** 2 / expected).sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat.double() / 2))
+
+
+def sampler_counts(sampler, num_samples: int = 20_000, seed: int = 7):
+    torch.manual_seed(seed)
+    logits = torch.randn(3, VOCAB, dtype=torch.float64) * 1.5  # target at the pending token and 2 guesses
+    q = torch.softmax(torch.randn(2, VOCAB, dtype=torch.float64) * 1.5, dim=-1)  # the proposer's distributions
+    req = Request("r", [1], SamplingParams(temperature=0.9, seed=seed), 0.0)
+    p = target_probs(logits, req)
+    first = torch.zeros(VOCAB, dtype=torch.float64)
+    second_given_guess = torch.zeros(VOCAB, dtype=torch.float64)
+    draw = torch.Generator().manual_seed(seed + 1)
+    for _ in range(num_samples):
+        guesses = [int(torch.multinomial(q[i], 1, generator=draw)) for i in range(2)]
+        out = sampler(req, logits, guesses, q)
+        first[out[0]] += 1
+        if out[0] == guesses[0] and len(out) > 1:
+            second_given_guess[out[1]] += 1
+    return first, second_given_guess, p
+
+
+def wrong_always_accept(req, logits, guesses, q):
+    return list(guesses) + [int(torch.multinomial(target_probs(logits, req)[-1], 1, generator=req.generator))]
+
+
+def wrong_resample_from_p(req, logits, guesses, q):
+    p = target_probs(logits, req)
+    out = []
+    for i, d in enumerate(guesses):
+        if float(torch.rand((), generator=req.generator)) < min(1.0, float(p[i, d] / q[i, d])):
+            out.append(d)
+            continue
+        return out + [int(torch.multinomial(p[i], 1, generator=req.generator))]  # should be max(0, p - q)
+    return out + [int(torch.multinomial(p[-1], 1, generator=req.generator))]
+
+
+def test_rejection_sampling_emits_the_targets_distribution():
+    first, second, p = sampler_counts(rejection_sample)
+    assert first.sum() == 20_000
+    assert chi_square_p_value(first, p[0]) > 0.01
+    assert second.sum() > 2_000 and chi_square_p_value(second, p[1]) > 0.01
+
+
+@pytest.mark.parametrize("wrong", [wrong_always_accept, wrong_resample_from_p])
+def test_the_distribution_check_rejects_a_wrong_sampler(wrong):
+    first, _, p = sampler_counts(wrong)
+    assert chi_square_p_value(first, p[0]) < 0.01
