@@ -47,8 +47,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     trace = make_trace(args.num_requests, seed=args.seed, vocab_size=4096, rate_per_s=args.rate,
-                       prompt_len=LengthDist.lognormal(60, 1.3), output_len=LengthDist.lognormal(48, 0.4),
-                       min_prompt_len=4, max_prompt_len=1400, min_output_len=8, max_output_len=128,
+                       prompt_len=LengthDist.lognormal(150, 1.4), output_len=LengthDist.lognormal(48, 0.4),
+                       min_prompt_len=4, max_prompt_len=1800, min_output_len=8, max_output_len=128,
                        token_id_range=(6, 4096))
     longest = max(r.prompt_len for r in trace)
     print(f"machine: {describe_machine()}\ntrace: {len(trace)} requests at {args.rate:g}/s, prompts median "
