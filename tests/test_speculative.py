@@ -169,3 +169,16 @@ def test_rejection_sampling_emits_the_targets_distribution():
 def test_the_distribution_check_rejects_a_wrong_sampler(wrong):
     first, _, p = sampler_counts(wrong)
     assert chi_square_p_value(first, p[0]) < 0.01
+
+
+def test_the_simulator_runs_speculative_steps():
+    from minillm.sim import simulate
+    from minillm.workload import make_trace
+
+    trace = make_trace(30, seed=1, vocab_size=32000, rate_per_s=20)
+    plain = simulate(trace, engine_config={"max_num_seqs": 16})
+    spec = simulate(trace, engine_config={"max_num_seqs": 16,
+                                          "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}})
+    assert [r.num_output_tokens for r in spec.requests] == [r.max_tokens for r in trace]
+    assert spec.engine.metrics.spec_decode.num_accepted_tokens > 0
+    assert spec.summary.num_steps < plain.summary.num_steps  # verified guesses: fewer target steps

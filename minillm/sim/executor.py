@@ -38,8 +38,18 @@ class SimExecutor:
         Swap copies are charged at the hardware's host link bandwidth (PCIe), on top of the step.
         """
         # The scheduler advances num_computed_tokens after execute(): here it is each row's start.
-        sampled = [[self.token_id] if req.num_computed_tokens + n == req.num_tokens else []
-                   for req, n in zip(batch.requests, batch.num_new_tokens)]  # caught up: sample one more
+        sampled = []
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            guesses = batch.spec_token_ids.get(req.request_id, [])
+            if req.num_computed_tokens + n != req.num_tokens + len(guesses):
+                sampled.append([])  # a prefill chunk short of its prompt's end: nothing to sample
+                continue
+            # The simulated model always says `token_id`: a guess (speculative decoding) is accepted
+            # while it says the same, then the model's own token follows.
+            accepted = 0
+            while accepted < len(guesses) and guesses[accepted] == self.token_id:
+                accepted += 1
+            sampled.append([self.token_id] * (accepted + 1))
         if batch.padded is not None:
             cost = self._padded_cost(batch)
         else:
