@@ -8,21 +8,19 @@ import signal
 
 import pytest
 import torch
+from test_scheduler_properties import MODEL
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from minillm import LLM, SamplingParams
 from minillm.clock import SimClock
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine, make_kv_manager, make_scheduler
-from minillm.model.config import ModelConfig
 from minillm.request import Request, RequestStatus
 from minillm.sampling import filtered_probs, sampled_logprobs
 from minillm.scheduler.base import ModelRunnerOutput
 from minillm.scheduler.continuous import ContinuousScheduler
 
-TOY = ModelConfig(model_type="llama", vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=1,
-                  num_heads=1, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
-                  max_position_embeddings=256, eos_token_ids=(2,))
+TOY = MODEL  # the stand-in runs' tiny config (the scheduler only reads its limits)
 
 
 class RecordingExecutor:

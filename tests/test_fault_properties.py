@@ -7,17 +7,14 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_scheduler_properties import MODEL
 
 from minillm.clock import SimClock
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine, make_kv_manager, make_scheduler
-from minillm.model.config import ModelConfig
 from minillm.request import SamplingParams
 from minillm.scheduler.base import ModelRunnerOutput
 
-MODEL = ModelConfig(model_type="llama", vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=1,
-                    num_heads=1, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
-                    max_position_embeddings=256, eos_token_ids=(2,))
 PREFIXES = [[11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [30, 31, 32, 33, 34, 35]]
 
 
