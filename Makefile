@@ -14,7 +14,7 @@ export OMP_WAIT_POLICY := PASSIVE
 .PHONY: help install test test-fast lab generate grade exercises check-exercises bench lint clean
 
 help:
-	@echo "make lab        JupyterLab on chapters/ with the bundled model (the main job)"
+	@echo "make lab        JupyterLab on the course (opens chapters/; as root and headless too): the main job"
 	@echo "make test       install everything pinned into $(VENV) and run every test (what CI runs)"
 	@echo "make test-fast  the tests without notebooks"
 	@echo "make generate   one greedy generation from the bundled model on the command line"
@@ -39,7 +39,7 @@ test-fast: install
 	$(PY) -m pytest -n 2 -m "not notebook" tests
 
 lab: install
-	$(VENV)/bin/jupyter lab chapters/
+	$(PY) tools/lab.py
 
 generate: install
 	$(VENV)/bin/minillm generate "Once upon a time" --max-tokens 32
