@@ -195,11 +195,19 @@ class ModelRunner:
         """A step with speculative rows: plain rows sample as usual, speculative rows go through the
         rejection sampler (0 … k guesses accepted, then a correction or the bonus token)."""
         out: list[list[int]] = [[] for _ in batch.requests]
+        logprobs: list | None = None
+        if any(r.params.logprobs is not None for r in rows):
+            logprobs = [None] * len(batch.requests)
         plain = [(j, i) for j, i in enumerate(sampled_idx) if batch.requests[i].request_id not in batch.spec_token_ids]
         if plain:
             first = torch.tensor([self.last_spans[j][0] for j, _ in plain], dtype=torch.long, device=logits.device)
-            for (_, i), t in zip(plain, sample(logits.index_select(0, first), [rows[j] for j, _ in plain])):
+            plain_logits, plain_rows = logits.index_select(0, first), [rows[j] for j, _ in plain]
+            tokens = sample(plain_logits, plain_rows)
+            lps = sampled_logprobs(plain_logits, plain_rows, tokens) if logprobs is not None else [None] * len(plain)
+            for (_, i), t, lp in zip(plain, tokens, lps):
                 out[i] = [t]
+                if logprobs is not None:
+                    logprobs[i] = lp
         for j, i in enumerate(sampled_idx):
             req = batch.requests[i]
             guesses = batch.spec_token_ids.get(req.request_id)
@@ -208,7 +216,11 @@ class ModelRunner:
                 q = req.spec_draft_probs
                 out[i] = rejection_sample(req, logits[start : start + width], guesses,
                                           None if q is None else q[: len(guesses)])
-        return ModelRunnerOutput(out)
+                if logprobs is not None and req.params.logprobs is not None:
+                    # the target's logprobs at each emitted position (before temperature, as for plain rows)
+                    m = len(out[i])
+                    logprobs[i] = [e[0] for e in sampled_logprobs(logits[start : start + m], [req] * m, out[i])]
+        return ModelRunnerOutput(out, logprobs)
 
     def apply_kv_moves(self, batch: ScheduledBatch) -> None:
         """The plan's KV moves, in the only safe order: copy victims out before their blocks are

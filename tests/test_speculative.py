@@ -182,3 +182,14 @@ def test_the_simulator_runs_speculative_steps():
     assert [r.num_output_tokens for r in spec.requests] == [r.max_tokens for r in trace]
     assert spec.engine.metrics.spec_decode.num_accepted_tokens > 0
     assert spec.summary.num_steps < plain.summary.num_steps  # verified guesses: fewer target steps
+
+
+def test_logprobs_under_speculation_match_plain_decoding():
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    plain = LLM(max_num_seqs=2).generate(["In the beginning God"], params, use_tqdm=False)[0].outputs[0]
+    spec = LLM(max_num_seqs=2, speculative_config={"method": "ngram", "num_speculative_tokens": 3}).generate(
+        ["In the beginning God"], params, use_tqdm=False)[0].outputs[0]
+    assert spec.token_ids == plain.token_ids and len(spec.logprobs) == 12
+    for a, b in zip(spec.logprobs, plain.logprobs):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+    assert abs(spec.cumulative_logprob - plain.cumulative_logprob) < 1e-3
