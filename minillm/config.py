@@ -39,6 +39,7 @@ class EngineConfig:
     # "fcfs"; "priority": lower priority value runs first; "lpm": longest cached prefix first (SGLang)
     scheduling_policy: str = "fcfs"
     seed: int = 0  # seeds requests that sample without their own seed
+    attention_backend: str = "auto"  # "torch", "numba" (minillm's kernels, chapter 10), or "auto": numba on CUDA
     # Speculative decoding (chapter 09), vLLM's dict: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
     speculative_config: Any = None
 
@@ -49,6 +50,8 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
             if self.batching != "continuous":
                 raise ValueError(f"speculative_config needs batching='continuous' (got {self.batching!r})")
+        if self.attention_backend not in ("auto", "torch", "numba"):
+            raise ValueError(f"attention_backend={self.attention_backend!r}; choose one of ('auto', 'torch', 'numba')")
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching={self.batching!r}; choose one of {BATCHING_MODES}")
         if self.kv_layout not in KV_LAYOUTS:

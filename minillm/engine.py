@@ -73,7 +73,7 @@ class LLMEngine:
                                                             str(model.device))
         self.scheduler = scheduler if scheduler is not None else make_scheduler(self.config, self.kv)
         # The executor turns a plan into next tokens: the real model, or the simulator's stand-in.
-        self.executor = executor if executor is not None else ModelRunner(model, self.kv)
+        self.executor = executor if executor is not None else ModelRunner(model, self.kv, self.config.attention_backend)
         self.device = model.device if model is not None else "cpu"
         # Speculative decoding: who guesses the next tokens (chapter 09). A draft model is loaded by LLM.
         spec = self.config.speculative_config

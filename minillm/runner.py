@@ -49,9 +49,11 @@ def group_by_length(num_blocks: list[int], slack: float = KEY_READ_SLACK) -> lis
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVManager) -> None:
+    def __init__(self, model: LlamaModel, kv: KVManager, attention_backend: str = "auto") -> None:
         self.model = model
         self.kv = kv
+        on_cuda = torch.device(model.device).type == "cuda"
+        self.attention_backend = ("numba" if on_cuda else "torch") if attention_backend == "auto" else attention_backend
         self.keys_read = 0  # decode attention, over the runner's life: keys gathered ...
         self.keys_exist = 0  # ... and keys the rows really have
         self.model_time_s = 0.0  # wall time in the model's forward and lm_head (CPU; a GPU would need syncs)
@@ -269,7 +271,12 @@ class ModelRunner:
     def compute_logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
         """Run the model; return logits [N, vocab] and the request each row belongs to (plan order)."""
         input_ids, positions, meta, logits_rows = self.prepare(batch)
-        attention = FlatPoolAttention(self.kv.k_pool, self.kv.v_pool, meta, self.model.config.sliding_windows)
+        if self.attention_backend == "numba":
+            from minillm.attention.numba_paged import NumbaPagedAttention
+
+            attention = NumbaPagedAttention(self.kv.k_pool, self.kv.v_pool, meta, self.model.config.sliding_windows)
+        else:
+            attention = FlatPoolAttention(self.kv.k_pool, self.kv.v_pool, meta, self.model.config.sliding_windows)
         rows = torch.tensor(logits_rows, dtype=torch.long, device=input_ids.device)
         start = time.perf_counter()
         hidden = self.model.forward(input_ids, positions, attention, output_rows=rows)

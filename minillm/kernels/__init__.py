@@ -3,9 +3,29 @@
 The kernel sources live in the repository's top-level `kernels/` directory (the course's layout);
 this package only points its search path there, so they import as `minillm.kernels.<name>`.
 `kernels/` itself has no `__init__.py` on purpose: see kernels/README.md. Importing this package
-imports neither numba nor CUDA; each kernel module does that itself.
+imports neither numba nor CUDA; the launchers below import their kernel module (and numba) on
+first use. On a CPU they run only under numba's simulator (NUMBA_ENABLE_CUDASIM=1, set before
+numba is imported).
+
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)            # in place
+    paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale) -> out
+    prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale) -> out
+    rms_norm(x, weight, eps) -> out
+    rotary_embedding(positions, query, key, cos_sin_cache, is_neox=True)          # in place
 """
 
+import importlib
 from pathlib import Path
 
 __path__.append(str(Path(__file__).resolve().parents[2] / "kernels"))  # noqa: F821 - a package's __path__
+
+# launcher -> the module (one file per kernel, in kernels/) that defines it beside its reference
+KERNELS = {"reshape_and_cache": "cache_write", "paged_attention_decode": "decode_attention",
+           "prefill_attention": "varlen_attention", "rms_norm": "rmsnorm", "rotary_embedding": "rope"}
+__all__ = list(KERNELS)
+
+
+def __getattr__(name: str):
+    if name in KERNELS:
+        return getattr(importlib.import_module(f"minillm.kernels.{KERNELS[name]}"), name)
+    raise AttributeError(f"module 'minillm.kernels' has no attribute {name!r}")

@@ -1,0 +1,52 @@
+"""Attention through minillm's numba.cuda kernels: the GPU backend (chapter 10).
+
+Same metadata as the torch backend (`minillm.attention.flat_pool.AttentionMetadata`), handed to
+the kernels as they are: `reshape_and_cache` writes the step's K/V through `slot_mapping`;
+`paged_attention_decode` serves the decode rows (the first `num_decode` sequences, one query each)
+and `prefill_attention` the rest, both reading K/V through `block_tables` with an online softmax
+— no gathers, no padded key runs. Chosen with `attention_backend="numba"` (the default on CUDA);
+on a CPU it runs only under numba's simulator, which is how the tests check it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from minillm.attention.flat_pool import AttentionMetadata
+
+
+class NumbaPagedAttention:
+    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
+                 sliding_windows: tuple[int | None, ...] = ()) -> None:
+        if any(w is not None for w in sliding_windows):
+            raise ValueError("the numba kernels have no sliding-window mask: use attention_backend='torch'")
+        from minillm import kernels
+
+        self.kernels = kernels
+        self.k_pool, self.v_pool, self.meta = k_pool, v_pool, meta
+        m = meta
+        nd = m.num_decode
+        self.decode_tables, self.decode_lens = m.block_tables[:nd].contiguous(), m.seq_lens[:nd].contiguous()
+        self.prefill_tables, self.prefill_lens = m.block_tables[nd:].contiguous(), m.seq_lens[nd:].contiguous()
+        self.prefill_starts = (m.query_start_loc[nd:] - m.query_start_loc[nd]).contiguous()
+        self.first_prefill_row = int(m.query_start_loc[nd]) if nd < len(m.seq_lens) else m.num_tokens
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        m, kern = self.meta, self.kernels
+        bs = m.block_size
+        k_cache = self.k_pool[layer].view(-1, bs, *self.k_pool.shape[2:])
+        v_cache = self.v_pool[layer].view(-1, bs, *self.v_pool.shape[2:])
+        kern.reshape_and_cache(k.contiguous(), v.contiguous(), k_cache, v_cache, m.slot_mapping)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        q = q.contiguous()
+        nd = m.num_decode
+        parts = []
+        if nd:
+            parts.append(kern.paged_attention_decode(q[:nd].contiguous(), k_cache, v_cache, self.decode_tables,
+                                                     self.decode_lens, scale))
+        if self.first_prefill_row < q.shape[0]:
+            parts.append(kern.prefill_attention(q[self.first_prefill_row :].contiguous(), k_cache, v_cache,
+                                                self.prefill_tables, self.prefill_starts, self.prefill_lens, scale))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
