@@ -54,7 +54,7 @@ def main() -> int:
     knobs = dict(max_num_seqs=8, block_size=8, num_kv_blocks=48, max_model_len=256, enable_prefix_caching=True)
     reference = tokens(LLM(device="cpu", max_num_seqs=8, max_model_len=256), greedy)
     for mode in ("recompute", "swap"):
-        llm = LLM(device=args.device, preemption_mode=mode, **knobs)
+        llm = LLM(device=args.device, preemption_mode=mode, attention_backend="torch", **knobs)
         got = tokens(llm, greedy)
         s = llm.engine.metrics.summary()
         check(f"greedy == CPU: paged + prefix cache + {mode} preemption", got == reference,
@@ -66,6 +66,10 @@ def main() -> int:
     check("greedy == CPU: static batching (padded)", sum(a == b for a, b in zip(got, reference)) >= 7,
           f"{sum(a == b for a, b in zip(got, reference))}/{len(got)} equal (left padding may flip a near-tie)")
 
+    if args.device.startswith("cuda"):  # minillm's numba kernels (chapter 10) against the torch backend
+        on_kernels = tokens(LLM(device=args.device, attention_backend="numba", **knobs), greedy)
+        check("greedy == CPU: attention_backend='numba' (kernels)", on_kernels == reference,
+              f"{sum(a == b for a, b in zip(on_kernels, reference))}/{len(on_kernels)} equal")
     sampling = SamplingParams(max_tokens=32, temperature=0.8, top_k=50, top_p=0.9, seed=7)
     llm = LLM(device=args.device, **knobs)
     alone = llm.generate([PROMPTS[0]], sampling, use_tqdm=False)[0].outputs[0].token_ids
