@@ -221,7 +221,7 @@ class LLMEngine:
             return []
         prefill_tokens, decode_tokens = plan.num_prefill_and_decode_tokens()
         chunks = tuple(n for r, n in zip(plan.requests, plan.num_new_tokens)
-                       if not (n == 1 and r.num_computed_tokens == r.num_tokens - 1 and r.num_output_tokens))
+                       if r.num_computed_tokens < r.num_tokens - 1 or not r.num_output_tokens)
         queried_before, hit_before = self._prefix_counters()
         self._in_step = True
         try:
@@ -230,6 +230,8 @@ class LLMEngine:
                 output = self.executor.execute(plan)
             except BaseException:
                 self.scheduler.rollback(plan)
+                for req in plan.preempted:  # those preemptions stand: count them
+                    self.metrics.on_preempted(req.request_id)
                 raise
             self.time_in_execute_s += time.perf_counter() - forward_start
             self.clock.advance(self.executor.step_duration_s())
@@ -250,6 +252,8 @@ class LLMEngine:
             for update in updates:
                 self._on_update(update, done_time)
             if self.proposer is not None:
+                for req in plan.preempted:  # its guesses were dropped; let the draft's KV go too
+                    self.proposer.free(req)
                 self._propose([u.request for u in updates if not u.finished])
         finally:
             self._in_step = False

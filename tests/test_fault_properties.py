@@ -97,6 +97,35 @@ def expected_tokens(prompt: list[int], max_tokens: int) -> list[int]:
     return out
 
 
+def cached_prefix(kv, block: int) -> list[int]:
+    """The tokens from position 0 to the end of a cached block, read from the prefix cache itself."""
+    cache = kv.prefix_cache
+    if hasattr(cache, "parent_of_block"):  # hash chain
+        chain = []
+        while block is not None:
+            chain.append(cache.tokens_of_block[block])
+            block = cache.parent_of_block[block]
+        return [t for chunk in reversed(chain) for t in chunk]
+    node = cache.node_of_block[block]
+    tokens = list(node.tokens[: (node.blocks.index(block) + 1) * kv.block_size])
+    node = node.parent
+    while node is not None and node.parent is not None:
+        tokens = list(node.tokens) + tokens
+        node = node.parent
+    return tokens
+
+
+def check_cache_contents(engine: LLMEngine, executor) -> None:
+    """Every block in the prefix cache holds the K/V of exactly the prefix the cache says it does."""
+    kv, bs = engine.kv, engine.kv.block_size
+    blocks = kv.prefix_cache.hash_of_block if hasattr(kv.prefix_cache, "hash_of_block") else kv.prefix_cache.node_of_block
+    for block in list(blocks):
+        prefix = cached_prefix(kv, block)
+        for i in range(bs):
+            p = len(prefix) - bs + i
+            assert executor.slot.get(block * bs + i) == tuple(prefix[: p + 1]), f"cached block {block} slot {i}"
+
+
 def check_blocks(engine: LLMEngine) -> None:
     kv = engine.kv
     alloc = kv.allocator
@@ -115,7 +144,7 @@ def check_blocks(engine: LLMEngine) -> None:
     assert all(b in kv.prefix_cache for b in alloc.evictable)  # a cached block holds computed K/V (see reads)
 
 
-@settings(max_examples=70, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(
     requests=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 14), st.integers(1, 20), st.floats(0.0, 0.03)),
                       min_size=1, max_size=14),
@@ -125,7 +154,7 @@ def check_blocks(engine: LLMEngine) -> None:
     prefix_caching=st.booleans(),
     prefix_cache=st.sampled_from(["hash", "radix"]),
     preemption_mode=st.sampled_from(["recompute", "swap"]),
-    policy=st.sampled_from(["fcfs", "priority"]),
+    policy=st.sampled_from(["fcfs", "priority", "lpm"]),
     fail_steps=st.sets(st.integers(1, 120), max_size=12),
     aborts=st.dictionaries(st.integers(0, 13), st.integers(0, 100), max_size=5),
     chunk_budget=st.sampled_from([None, None, 1, 3, 8]),
@@ -140,7 +169,8 @@ def test_faults_and_aborts_leave_every_request_and_block_accounted_for(
     config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=longest, block_size=block_size,
                           num_kv_blocks=-(-longest // block_size) + spare_blocks, kv_watermark=0.0,
                           enable_prefix_caching=prefix_caching, prefix_cache=prefix_cache if prefix_caching else "hash",
-                          preemption_mode=preemption_mode, scheduling_policy=policy,
+                          preemption_mode=preemption_mode,
+                          scheduling_policy=policy if prefix_caching or policy != "lpm" else "fcfs",
                           enable_chunked_prefill=chunk_budget is not None, max_num_batched_tokens=chunk_budget,
                           speculative_config=None if spec_k is None else {"method": "ngram", "num_speculative_tokens": spec_k,
                                                                           "prompt_lookup_max": 3})
@@ -175,6 +205,7 @@ def test_faults_and_aborts_leave_every_request_and_block_accounted_for(
             if u.finished:
                 finished[u.request.request_id] = finished.get(u.request.request_id, 0) + 1
         check_blocks(engine)
+        check_cache_contents(engine, executor)
         if engine.num_steps == before:
             assert engine.wait_for_work(), "nothing runs and nothing to wait for"
     assert not engine.has_unfinished(), "the engine stalled"

@@ -210,3 +210,92 @@ def test_the_simulator_charges_swap_copies_at_the_host_link_bandwidth():
     assert charged and moved
     block_bytes = 2 * 32 * 4096 * 2 * 16  # llama-7b K+V per token (fp16) x 16 tokens
     assert sum(charged) == pytest.approx(moved * block_bytes / 32e9)
+
+
+# ---- regressions found in review: each of these handed out wrong K/V or preempted for nothing --------
+def test_a_request_preempted_after_it_was_planned_leaves_no_uncomputed_block_in_the_cache():
+    from test_scheduler_properties import MODEL
+
+    from minillm.config import EngineConfig
+    from minillm.engine import make_kv_manager, make_scheduler
+    from minillm.scheduler.base import ModelRunnerOutput
+
+    cfg = EngineConfig(max_model_len=16, kv_watermark=0.0, block_size=4, num_kv_blocks=4, enable_prefix_caching=True,
+                       scheduling_policy="priority").resolve(MODEL.max_position_embeddings)
+    kv = make_kv_manager(cfg, MODEL, allocate_pool=False)
+    sched = make_scheduler(cfg, kv)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    low, high = Request("L", [1, 2, 3, 4, 5, 6], params, 0.0, priority=9), Request("H", [8, 8, 8, 8], params, 0.1)
+    sched.add_request(low)
+    sched.update_from_output(plan := sched.schedule(0.0), ModelRunnerOutput([[9]]))
+    sched.add_request(high)
+    sched.update_from_output(plan := sched.schedule(0.0), ModelRunnerOutput([[9], [9]]))
+    low.spec_token_ids = [9]  # L's row would fill block 1 (registered when allocated) ...
+    plan = sched.schedule(0.0)  # ... but H needs a block: L, planned first, is the victim
+    assert [r.request_id for r in plan.preempted] == ["L"]
+    sched.update_from_output(plan, ModelRunnerOutput([[9]] * len(plan.requests)))
+    probe = Request("Q", low.all_token_ids + [1], params, 1.0)
+    assert kv.get_computed_blocks(probe).num_tokens == 4  # block 1 (never computed) is not offered
+
+
+def test_a_radix_cursor_goes_stale_when_its_block_is_evicted_and_reused():
+    kv = BlockManager(1, 1, 2, 4, 2, enable_prefix_caching=True, allocate_pool=False, prefix_cache="radix",
+                      watermark=0.0)
+    params = SamplingParams()
+
+    def admit_all(req):
+        cached = kv.get_computed_blocks(req)
+        req.num_computed_tokens = cached.num_tokens
+        assert kv.allocate(req, req.num_tokens - cached.num_tokens, cached=cached)
+        req.num_computed_tokens = req.num_tokens
+        kv.commit_step()
+
+    a, b = Request("A", [1, 1, 2, 2, 3], params, 0), Request("B", [1, 1, 2, 2], params, 0)
+    admit_all(a)
+    admit_all(b)  # B's [2, 2] duplicates A's block: B's cursor is A's block
+    kv.free(a)
+    admit_all(d := Request("D", [5], params, 0))
+    admit_all(Request("C", [1, 1, 9, 9], params, 0))  # evicts A's block and reuses its id for [9, 9]
+    kv.free(d)
+    b.all_token_ids += [7, 7]
+    assert kv.allocate(b, 2)
+    kv.commit_step()
+    assert kv.prefix_cache.match_prefix([1, 1, 9, 9, 7, 7, 0], touch=False) == kv.block_tables["C"][:2]
+
+
+def test_guesses_are_dropped_before_anyone_is_preempted_for_them():
+    from test_scheduler_properties import MODEL
+
+    from minillm.config import EngineConfig
+    from minillm.engine import make_kv_manager, make_scheduler
+    from minillm.scheduler.base import ModelRunnerOutput
+
+    cfg = EngineConfig(max_model_len=8, kv_watermark=0.0, block_size=4, num_kv_blocks=2).resolve(256)
+    kv = make_kv_manager(cfg, MODEL, allocate_pool=False)
+    sched = make_scheduler(cfg, kv)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    first, second = Request("O", [1, 2, 3], params, 0.0), Request("R", [4, 5], params, 1.0)
+    sched.add_request(first)
+    sched.add_request(second)
+    sched.update_from_output(sched.schedule(0.0), ModelRunnerOutput([[9], [9]]))
+    second.spec_token_ids = [6, 7]  # would need a second block; the pending token alone fits
+    plan = sched.schedule(0.0)
+    assert not plan.preempted and plan.num_new_tokens == [1, 1] and not plan.spec_token_ids
+
+
+def test_the_watermark_holds_for_admissions_with_a_prefix_hit():
+    kv = manager(num_blocks=16, block_size=4)
+    kv.watermark_blocks = 5
+    kv.free(admit(kv, "a", list(range(10, 26))))  # 4 full blocks cached (evictable)
+    fillers = [admit(kv, f"f{i}", [100 + i] * 4) for i in range(7)]  # 7 blocks in use
+    assert kv.allocator.num_free == 9 and fillers
+    from minillm.config import EngineConfig
+    from minillm.scheduler.base import ScheduledBatch
+    from minillm.scheduler.continuous import ContinuousScheduler
+
+    sched = ContinuousScheduler(EngineConfig().resolve(256), kv)
+    sched.running = list(fillers)
+    req = Request("b", list(range(10, 26)) + list(range(40, 52)), SamplingParams(max_tokens=4), 0.0)
+    # 3 cached blocks revived + 4 new = 7 of 9 free: only 2 would remain, under the watermark of 5
+    assert sched._try_admit(req, 2048, ScheduledBatch([], [])) is None
+    assert req.num_computed_tokens == 0 and "b" not in kv.block_tables

@@ -186,6 +186,7 @@ class BlockManager:
         self._used_tokens = 0  # slots holding a real token, a shared block once: kept as blocks change
         # What this step did, kept until commit_step() (or undone by rollback_step()).
         self._step_registered: list[int] = []
+        self._registered_by: dict[str, list[int]] = {}  # this step's registrations, per request
         self._step_offers: list[tuple[str, tuple[int, object] | None]] = []
         self._step_lookups: list[tuple[int, int]] = []
         self._step_swapped_in: list[str] = []
@@ -266,6 +267,13 @@ class BlockManager:
         self._step_offers.append((rid, self._offered.get(rid)))
         self._offered[rid] = (num_full, new_cursor)
         self._step_registered.extend(registered)
+        self._registered_by.setdefault(rid, []).extend(registered)
+
+    def _unregister(self, blocks: Sequence[int]) -> None:
+        """Take blocks whose K/V will not be computed back out of the prefix cache (with what hangs below)."""
+        for block in reversed(blocks):
+            for dropped in [block, *self.prefix_cache.remove_block(block)]:
+                self.allocator.uncache(dropped)
 
     def _forget(self, block: int) -> None:
         """The allocator reclaims a cached block: it and the blocks cached below it leave the cache;
@@ -348,7 +356,7 @@ class BlockManager:
     def _cursor_after(self, blocks: Sequence[int]) -> object:
         """The prefix cache's cursor after a matched run of cached blocks."""
         if isinstance(self.prefix_cache, RadixTree):
-            return blocks[-1]
+            return self.prefix_cache.cursor_at(blocks[-1])
         return self.prefix_cache.hash_of_block[blocks[-1]], blocks[-1]
 
     def _release_tail(self, rid: str, keep_blocks: int) -> None:
@@ -364,9 +372,16 @@ class BlockManager:
         del table[keep_blocks:]
 
     def free(self, request: Request) -> None:
-        """Give back every block the request holds (its host copy, if swapped, stays: `drop_swapped`)."""
+        """Give back every block the request holds (its host copy, if swapped, stays: `drop_swapped`).
+
+        Freed during planning (a preemption), the request will not run this step: blocks it
+        registered in the prefix cache this step would never hold computed K/V, so they leave the
+        cache first."""
         rid = request.request_id
         self._pending_prefix.pop(rid, None)
+        registered = self._registered_by.pop(rid, None)
+        if registered:
+            self._unregister(registered)
         self._offered.pop(rid, None)
         if rid not in self.block_tables:
             return
@@ -403,6 +418,7 @@ class BlockManager:
             self._release_swapped(rid)
         self._step_lookups.clear()
         self._step_registered.clear()
+        self._registered_by.clear()
         self._step_offers.clear()
         self._step_swapped_in.clear()
 
@@ -410,9 +426,8 @@ class BlockManager:
         """The step failed before its K/V were computed: take every block it registered back out
         of the prefix cache (the scheduler then frees or trims what it allocated). Returns the
         requests whose swap-out copy never happened (they must recompute instead)."""
-        for block in reversed(self._step_registered):
-            for dropped in [block, *self.prefix_cache.remove_block(block)]:
-                self.allocator.uncache(dropped)
+        self._unregister(self._step_registered)
+        self._registered_by.clear()
         for rid, before in reversed(self._step_offers):
             if rid in self._offered:
                 if before is None:

@@ -47,6 +47,11 @@ class RadixTree:
         self.block_size = block_size
         self.root = RadixNode((), [], None)
         self.node_of_block: dict[int, RadixNode] = {}
+        # Each time a block id enters the tree it gets a new generation: a cursor (block, generation)
+        # held by a request stays valid through splits, and is recognised as stale once that block
+        # was evicted — even if the id was reused for another prefix since.
+        self.generation_of: dict[int, int] = {}
+        self._generations = itertools.count(1)
         self._clock = itertools.count(1)
 
     def __contains__(self, block: int) -> bool:
@@ -79,16 +84,20 @@ class RadixTree:
             node, pos = child, pos + len(child.tokens)
         return matched
 
+    def cursor_at(self, block: int) -> tuple[int, int]:
+        """The cursor that continues an insert after `block` (a block in the tree)."""
+        return block, self.generation_of[block]
+
     def insert(self, tokens: Sequence[int], blocks: Sequence[int], start: int = 0,
-               cursor: int | None = None) -> tuple[int | None | bool, list[int]]:
+               cursor: tuple[int, int] | None = None) -> tuple[tuple[int, int] | None | bool, list[int]]:
         """Cache `blocks[i]` as holding block `start + i` of `tokens`, after the blocks before it.
 
         Where the tree already caches a prefix (another request computed the same blocks), its
         blocks are kept and the caller's duplicates stay uncached; the rest hang below as a new
         node — or extend a leaf, so a decoding request grows one edge instead of a chain of nodes.
-        Incremental: `cursor` is the tree's block for block `start - 1` (what the previous call
+        Incremental: `cursor` names the tree's block for block `start - 1` (what the previous call
         returned; None at the root), so no walk from the root each time a block fills. Returns
-        (the new cursor, the blocks newly registered).
+        (the new cursor — False if the given one is stale —, the blocks newly registered).
         """
         bs, n = self.block_size, len(blocks)
         if n == 0:
@@ -102,10 +111,11 @@ class RadixTree:
                 return False, []
             node, k = self.root, 0
         else:
-            node = self.node_of_block.get(cursor)
-            if node is None:
+            block, generation = cursor
+            node = self.node_of_block.get(block)
+            if node is None or self.generation_of.get(block) != generation:
                 return False, []  # the prefix left the tree meanwhile (evicted): nothing to hang below
-            k = node.blocks.index(cursor) + 1
+            k = node.blocks.index(block) + 1
         registered: list[int] = []
         i = 0
         while i < n:
@@ -134,9 +144,10 @@ class RadixTree:
                 node.children[key] = target
             for block in rest:
                 self.node_of_block[block] = target
+                self.generation_of[block] = next(self._generations)
             registered.extend(rest)
-            return rest[-1], registered
-        return node.blocks[k - 1], registered
+            return self.cursor_at(rest[-1]), registered
+        return self.cursor_at(node.blocks[k - 1]), registered
 
     def touch(self, blocks: Sequence[int]) -> None:
         """Mark the nodes holding `blocks` as just used (a request attached them)."""
@@ -165,6 +176,7 @@ class RadixTree:
             stack.extend(below.children.values())
         for b in dropped:
             del self.node_of_block[b]
+            del self.generation_of[b]
         if j == 0:
             del node.parent.children[node.tokens[: self.block_size]]
         else:

@@ -76,6 +76,9 @@ class ContinuousScheduler(SchedulerBase):
             if spec:  # a decode row carries the proposer's guesses: 1 + k tokens, k of them unverified
                 spec = spec[: budget - 1]
             while not self.kv.allocate(req, n, num_lookahead_tokens=len(spec)):
+                if spec:  # guesses are optional: drop them before anyone is preempted for them
+                    spec = []
+                    continue
                 victim = self._pick_victim()
                 budget += planned.pop(victim.request_id, 0)  # taken back out of this step's plan
                 self._preempt(victim, plan)
@@ -163,10 +166,9 @@ class ContinuousScheduler(SchedulerBase):
             return n
         cached = self.kv.get_computed_blocks(req)  # a cached prefix is not recomputed
         n = self._chunk(req.num_tokens - cached.num_tokens, budget)
-        if n > budget or not self.kv.can_admit(req, n, keep_headroom, cached):
-            return None
-        req.num_computed_tokens = cached.num_tokens
-        if not self.kv.allocate(req, n, cached=cached):
+        req.num_computed_tokens = cached.num_tokens  # (can_admit counts blocks from here on)
+        if n > budget or not self.kv.can_admit(req, n, keep_headroom, cached) or \
+                not self.kv.allocate(req, n, cached=cached):
             req.num_computed_tokens = 0
             return None
         return n
