@@ -278,7 +278,7 @@ def make_measured_llm(model_dir: Path, device: str, batching: str, batch_size: i
     llm = make_llm(model_dir, device, batching, batch_size)
     runner, engine = llm.engine.executor, llm.engine
     runner.keys_read = runner.keys_exist = 0
-    runner.model_time_s = engine.time_in_steps_s = engine.time_in_execute_s = 0.0
+    runner.model_time_s = engine.time_in_steps_s = 0.0
     return llm
 
 

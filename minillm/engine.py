@@ -96,22 +96,12 @@ class LLMEngine:
         self._in_step = False
         self._deferred_aborts: list[str] = []
         self.num_steps = 0
-        self.time_in_execute_s = 0.0  # wall time inside executor.execute, and in whole steps (that ran)
-        self.time_in_steps_s = 0.0
+        self.time_in_steps_s = 0.0  # wall time in the steps that ran (bench/ladder.py reports it)
         # Online (a server) more requests may always come; `LLM.generate` clears this while it
         # replays a fixed set, so a static batcher need not wait for a batch that will never fill.
         self.expect_more_requests = True
 
     # ---- requests in -------------------------------------------------------------------------
-    def max_request_tokens(self) -> int:
-        """The most tokens (prompt + output) one request may ever hold: the context limit, or
-        what the KV pool can hold for a single request if that is less."""
-        limit = self.config.max_model_len
-        if self.config.batching == "continuous":
-            limit = min(limit, self.config.num_kv_blocks * self.config.block_size
-                        if self.config.kv_layout == "paged" else self.config.max_model_len)
-        return limit
-
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None, *,
                     request_id: str | None = None, arrival_time: float | None = None,
                     priority: int = 0) -> Request:
@@ -123,12 +113,8 @@ class LLMEngine:
         if total > max_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens and max_tokens={params.max_tokens}: together "
                              f"{total}, more than max_model_len={max_len}")
-        pool = self.max_request_tokens()
-        if total > pool:
-            raise ValueError(f"prompt has {len(token_ids)} tokens and max_tokens={params.max_tokens}: together "
-                             f"{total}, more than the KV pool holds for one request ({self.config.num_kv_blocks} "
-                             f"blocks x {self.config.block_size} = {pool} tokens); it could never finish. Raise "
-                             f"num_kv_blocks or lower max_tokens")
+        # (No request can outgrow the KV pool either: EngineConfig.resolve refuses a pool that holds
+        # less than one max_model_len request.)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={params.stop!r} needs a tokenizer to see text, and this engine has none: "
                              "use stop_token_ids instead")
@@ -193,7 +179,6 @@ class LLMEngine:
             self._pending = [p for p in self._pending if p[2].request_id != request_id]
             heapq.heapify(self._pending)
             self._pending_ids.discard(request_id)
-            req.status = RequestStatus.FINISHED_ABORTED
         else:
             self.scheduler.abort(request_id)
             self.metrics.on_finish(request_id, self.clock.now(), "abort")
@@ -225,7 +210,6 @@ class LLMEngine:
         queried_before, hit_before = self._prefix_counters()
         self._in_step = True
         try:
-            forward_start = time.perf_counter()
             try:
                 output = self.executor.execute(plan)
             except BaseException:
@@ -233,7 +217,6 @@ class LLMEngine:
                 for req in plan.preempted:  # those preemptions stand: count them
                     self.metrics.on_preempted(req.request_id)
                 raise
-            self.time_in_execute_s += time.perf_counter() - forward_start
             self.clock.advance(self.executor.step_duration_s())
             done_time = self.clock.now()
             num_cached = 0

@@ -153,7 +153,7 @@ class ModelRunner:
         nb = int(blocks_of[rows].max())
         key_len = int(seq_lens[rows].max()) if nb == 1 else nb * self.kv.block_size
         ids = torch.from_numpy(np.ascontiguousarray(tables[rows, :nb]).reshape(-1)).to(device)
-        return RowGroup(first_row=start, num_rows=len(rows), num_blocks=nb, key_len=key_len, block_ids=ids,
+        return RowGroup(first_row=start, num_rows=len(rows), key_len=key_len, block_ids=ids,
                         seq_lens=torch.from_numpy(seq_lens[rows][:, None]).to(device))
 
     @staticmethod

@@ -34,7 +34,6 @@ class RowGroup:
 
     first_row: int  # index into the step's sequences (the B dimension)
     num_rows: int
-    num_blocks: int  # blocks read per row
     key_len: int  # keys per row read (num_blocks * block_size, or less for one partial block)
     block_ids: torch.Tensor  # [num_rows * num_blocks] pool blocks, padding → the null block
     seq_lens: torch.Tensor  # [num_rows, 1]
@@ -92,19 +91,6 @@ def multi_token_mask(group: RowGroup, window: int | None) -> torch.Tensor:
         allowed |= (q_idx >= qlens) & (k_pos == 0)
         group._masks[window] = allowed[:, None]
     return group._masks[window]
-
-
-def prefill_mask(num_new: int, context_len: int, window: int | None,
-                 device: torch.device | str = "cpu") -> torch.Tensor | None:
-    """Causal mask [n, ctx] for queries at positions ctx-n … ctx-1; None means plain causal."""
-    if window is None and num_new == context_len:
-        return None
-    q_pos = torch.arange(context_len - num_new, context_len, device=device)[:, None]
-    k_pos = torch.arange(context_len, device=device)[None, :]
-    allowed = k_pos <= q_pos
-    if window is not None:
-        allowed &= k_pos > q_pos - window
-    return allowed
 
 
 class FlatPoolAttention:

@@ -217,11 +217,10 @@ class BlockManager:
     def is_cached(self, block: int) -> bool:
         return block in self.prefix_cache
 
-    def _match(self, request: Request, touch: bool = False, num_tokens: int | None = None) -> list[int]:
+    def _match(self, request: Request, touch: bool = False) -> list[int]:
         """Cached blocks for the longest prefix of the request's tokens, leaving >= 1 token to compute."""
         tokens = request.all_token_ids
-        limit = len(tokens) if num_tokens is None else num_tokens + 1
-        max_blocks = (limit - 1) // self.block_size  # the last token must run: its logits are needed
+        max_blocks = (len(tokens) - 1) // self.block_size  # the last token must run: its logits are needed
         return self.prefix_cache.match_prefix(tokens[: max_blocks * self.block_size], touch=touch)
 
     def cached_prefix_tokens(self, request: Request) -> int:

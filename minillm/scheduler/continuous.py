@@ -57,7 +57,7 @@ class ContinuousScheduler(SchedulerBase):
 
     def schedule(self, now: float, more_arrivals: bool = True) -> ScheduledBatch | None:
         budget = self.config.max_num_batched_tokens
-        planned: dict[str, int] = {}  # request id -> new tokens, in planning order
+        planned: dict[str, tuple[Request, int]] = {}  # request id -> (request, new tokens), in planning order
         plan = ScheduledBatch([], [])
 
         # 1. Running requests first: each wants the rest of its known tokens (1 when decoding).
@@ -80,7 +80,7 @@ class ContinuousScheduler(SchedulerBase):
                     spec = []
                     continue
                 victim = self._pick_victim()
-                budget += planned.pop(victim.request_id, 0)  # taken back out of this step's plan
+                budget += planned.pop(victim.request_id, (None, 0))[1]  # taken back out of this step's plan
                 self._preempt(victim, plan)
                 if victim is req:
                     break
@@ -88,7 +88,7 @@ class ContinuousScheduler(SchedulerBase):
                 continue  # req itself was the victim
             if spec:
                 plan.spec_token_ids[req.request_id] = spec
-            planned[req.request_id] = n + len(spec)
+            planned[req.request_id] = (req, n + len(spec))
             budget -= n + len(spec)
 
         # 2. Then admit waiting requests in queue order while there is room (LPM ranks them first).
@@ -103,15 +103,14 @@ class ContinuousScheduler(SchedulerBase):
                 plan.admitted.append((req, req.status))
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                planned[req.request_id] = n
+                planned[req.request_id] = (req, n)
                 budget -= n
 
         if not planned:
             return None
         # Decode rows (one token after a computed context) first: the attention backend batches them.
-        by_id = {r.request_id: r for r in self.running}
-        rows = [(by_id[rid], n) for rid, n in planned.items()]
-        rows.sort(key=lambda row: not (row[1] == 1 and row[0].num_computed_tokens))  # (1+k rows: not decodes)
+        # (a speculative row of 1+k tokens is not a decode row)
+        rows = sorted(planned.values(), key=lambda row: not (row[1] == 1 and row[0].num_computed_tokens))
         plan.requests = [r for r, _ in rows]
         plan.num_new_tokens = [n for _, n in rows]
         return plan
@@ -128,9 +127,9 @@ class ContinuousScheduler(SchedulerBase):
         """Admission order; with chunked prefill, decoding requests first, then partly prefilled ones."""
         if not self.config.enable_chunked_prefill:
             return list(self.running)
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and r.num_computed_tokens]
-        prefilling = [r for r in self.running if not (r.num_tokens - r.num_computed_tokens == 1
-                                                      and r.num_computed_tokens)]
+        decoding, prefilling = [], []
+        for r in self.running:
+            (decoding if r.num_tokens - r.num_computed_tokens == 1 and r.num_computed_tokens else prefilling).append(r)
         return decoding + prefilling
 
     def _admission_order(self):
