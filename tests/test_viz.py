@@ -303,3 +303,112 @@ def test_live_view_on_a_running_engine(tiny_llm):
     assert drawn == sum(s.num_computed_tokens for s in steps) == sum(prompt_lens) + sum(max_tokens) - 3
     assert max(occupancy.get_lines()[0].get_ydata()) == 2
     assert len(cdf.get_lines()[0].get_xdata()) == 3  # TTFT of every finished request
+
+
+# ---- style: one color per system, a provenance label per panel -------------------------------
+from minillm.viz.style import (  # noqa: E402
+    label_measured,
+    label_provenance,
+    label_simulated,
+    provenance,
+    system_color,
+    system_colors,
+)
+
+
+def test_one_color_per_system_whatever_the_label_says_around_it():
+    assert system_color("dynamic 100 ms") == system_color("dynamic: p99") == SYSTEM_COLORS["dynamic"]
+    assert system_color("speculative (ngram, k=4)") == SYSTEM_COLORS["spec"]
+    assert system_color("prefix-cached") == system_color("radix LPM") == SYSTEM_COLORS["prefix"]
+    assert system_color("HF transformers generate()") == SYSTEM_COLORS["hf"]
+    assert system_color("continuous + paged") == SYSTEM_COLORS["paged"]  # the rung the label adds
+    assert len(set(SYSTEM_COLORS.values())) == len(SYSTEM_COLORS)  # no two systems share a color
+    with pytest.raises(KeyError, match="names no known system"):
+        system_color("shift")  # "hf" inside a word is not HF transformers
+    colors = system_colors(["static", "mystery A", "mystery B"])
+    assert colors["static"] == SYSTEM_COLORS["static"]
+    assert colors["mystery A"] != colors["mystery B"] and colors["mystery A"] not in SYSTEM_COLORS.values()
+
+
+def test_provenance_labels_say_where_numbers_come_from():
+    fig, (a, b, c) = plt.subplots(1, 3)
+    label_measured(a)
+    label_simulated(b)
+    assert provenance(a) == "measured: this CPU, tiny model"
+    assert provenance(b) == "simulated: 7B on A100-80GB"
+    assert provenance(c) is None
+    label_simulated(b, model="70B", hardware="H200")  # replaces, does not stack
+    assert provenance(b) == "simulated: 70B on H200" and len(b.texts) == 1
+    with pytest.raises(ValueError, match="kind"):
+        label_provenance(c, "guessed", "anything")
+    with pytest.raises(ValueError, match="say what"):
+        label_provenance(c, "measured", " ")
+
+
+# ---- playground: controls → draw(fig, **values) → one PNG in an Output widget ------------------
+from ipywidgets import Dropdown, IntSlider  # noqa: E402
+
+from minillm.viz.playground import Playground, make_control, playground  # noqa: E402
+
+
+def bars(fig, height, color):
+    ax = fig.subplots()
+    ax.bar([0, 1], [1, height], color=color)
+    ax.set_ylim(0, 10)
+
+
+def test_playground_redraws_when_a_knob_moves():
+    pg = playground(bars, height=IntSlider(3, 1, 9), color=["C0", "C1"])
+    first = pg.last_png
+    assert first[:8] == b"\x89PNG\r\n\x1a\n" and pg.num_draws == 1
+    assert pg.output.outputs[0]["data"]["image/png"]  # the Output widget shows it
+    assert pg.controls["height"].continuous_update is False
+    shown = pg.figure.axes[0].patches[1].get_height()
+    assert shown == 3
+    pg.controls["height"].value = 7  # what the browser does on release of the slider
+    assert pg.num_draws == 2 and pg.last_png != first
+    assert pg.figure.axes[0].patches[1].get_height() == 7
+    assert len(pg.figure.axes) == 1  # the figure is cleared before each draw
+    assert pg.set(color="C1") != first and pg.num_draws == 3
+
+
+def test_playground_caches_settings_and_skips_unchanged_ones():
+    pg = playground(bars, height=(1, 9), color=["C0", "C1"])
+    assert isinstance(pg.controls["height"], IntSlider) and isinstance(pg.controls["color"], Dropdown)
+    start = pg.last_png
+    pg.set(height=2)
+    pg.redraw()  # nothing moved: not drawn again
+    assert pg.num_draws == 2
+    pg.set(height=5)  # back to the initial value: from the cache, identical picture
+    assert pg.num_draws == 2 and pg.last_png == start
+    uncached = playground(bars, cache=False, height=(1, 9), color=["C0"])
+    uncached.set(height=2)
+    uncached.set(height=5)
+    assert uncached.num_draws == 3
+
+
+def test_playground_shows_a_failing_setting_and_recovers():
+    def fragile(fig, n):
+        if n == 0:
+            raise ValueError("n must be positive")
+        bars(fig, n, "C0")
+
+    pg = playground(fragile, n=IntSlider(2, 0, 5))
+    good = pg.last_png
+    assert pg.set(n=0) is None
+    assert isinstance(pg.last_error, ValueError)
+    assert "ValueError: n must be positive" in pg.output.outputs[0]["text"]
+    pg.set(n=2)
+    assert pg.last_error is None and pg.last_png == good
+
+
+def test_playground_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="at least one control"):
+        Playground(bars, {})
+    with pytest.raises(TypeError, match="draw must be a function"):
+        Playground("bars", {"height": (1, 9)})
+    with pytest.raises(ValueError, match="cannot make a widget"):
+        make_control("height", None)
+    pg = playground(bars, height=(1, 9), color=["C0"])
+    with pytest.raises(KeyError, match="no control named"):
+        pg.set(width=3)
