@@ -6,6 +6,13 @@ show what a 7B model on an A100 would do. It follows the same contract as `Model
 needs a next token gets `token_id`, and the trace's output lengths are enforced by
 `SamplingParams(max_tokens=..., ignore_eos=True)`. What it does compute is how long the step would
 have taken (`minillm.sim.cost_model.step_time`), which the engine adds to its clock.
+
+Chunked prefill (chapter 08) needs nothing special: a chunk is a prefill row of `n` tokens after
+`start` computed ones, and a step mixing decodes with a chunk is costed as one batch, so its
+arithmetic intensity lies between a pure decode step's and a pure prefill's. Speculative decoding
+(chapter 09): a row of 1 + k tokens is costed as a small prefill (the verification), and with
+`draft_shape` the draft model's k forward passes are added to the step (`spec_cost.draft_time_s`;
+n-gram lookup, `draft_shape=None`, is free).
 """
 
 from __future__ import annotations
@@ -16,13 +23,18 @@ from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch
 from minillm.sim.cost_model import StepCost, step_time
 from minillm.sim.hardware import Hardware
 from minillm.sim.model_shapes import ModelShape
+from minillm.sim.spec_cost import draft_time_s
 
 
 class SimExecutor:
-    def __init__(self, hw: Hardware, shape: ModelShape, token_id: int = 0, block_size: int = 16) -> None:
+    def __init__(self, hw: Hardware, shape: ModelShape, token_id: int = 0, block_size: int = 16,
+                 draft_shape: ModelShape | None = None) -> None:
         """`token_id`: the dummy token every sampled row receives (keep it a non-EOS id);
-        `block_size`: the KV block size, to size swap copies."""
+        `block_size`: the KV block size, to size swap copies; `draft_shape`: the speculative draft
+        model, whose forward passes each step's guesses cost (None: guesses are free, as n-gram's)."""
         self.block_size = block_size
+        self.draft_shape = draft_shape
+        self.draft_s: list[float] = []  # per executed step: time the draft spent guessing (aligned with costs)
         self.hw = hw
         self.shape = shape
         self.token_id = token_id
@@ -71,6 +83,10 @@ class SimExecutor:
             swap_s = swapped_blocks * block_bytes / self.hw.host_link_bytes_per_s
             cost = dataclasses.replace(cost, swap_s=swap_s)
         self.costs.append(cost)
+        guessing = [(req.num_computed_tokens + 1, len(batch.spec_token_ids[req.request_id]))
+                    for req in batch.requests if batch.spec_token_ids.get(req.request_id)]
+        self.draft_s.append(draft_time_s(self.hw, self.draft_shape, [c for c, _ in guessing],
+                                         [g for _, g in guessing]))
         return ModelRunnerOutput(sampled)
 
     def _padded_cost(self, batch: ScheduledBatch) -> StepCost:
@@ -93,5 +109,5 @@ class SimExecutor:
         return step_time(self.hw, self.shape, decode_context_lens=[prompt_width + decodes_done + 1] * num_rows)
 
     def step_duration_s(self) -> float:
-        """Predicted time of the last executed step: the simulated clock advances by it."""
-        return self.costs[-1].time_s if self.costs else 0.0
+        """Predicted time of the last executed step, drafting included: the simulated clock advances by it."""
+        return self.costs[-1].time_s + self.draft_s[-1] if self.costs else 0.0

@@ -40,6 +40,7 @@ from minillm.sim.cost_model import StepCost
 from minillm.sim.executor import SimExecutor
 from minillm.sim.hardware import Hardware, get_hardware
 from minillm.sim.model_shapes import ModelShape, from_hf_config, get_model_shape
+from minillm.sim.spec_cost import SimSpeculation
 from minillm.workload import Trace
 
 
@@ -62,6 +63,7 @@ def simulate(
     dtype_bytes: int | None = None,
     kv_fraction: float = 0.9,
     slo: SLO | None = None,
+    speculation: SimSpeculation | None = None,
 ) -> SimResult:
     """Replay `trace` through the engine on simulated `hardware` running `model`.
 
@@ -73,6 +75,8 @@ def simulate(
     dtype_bytes: width of weights and KV entries; default the hardware's (2 for the presets).
     kv_fraction: share of device memory the engine may use for weights + KV.
     slo: passed to the summary to compute goodput.
+    speculation: speculative decoding (chapter 09): k guesses per row accepted with probability α,
+        drafted by a draft model's shape (its passes are charged) or n-gram lookup (free).
     """
     if len(trace) == 0:
         raise ValueError("the trace is empty: nothing to simulate")
@@ -91,9 +95,12 @@ def simulate(
     # Accounting only (no tensors), in the hardware's KV width: the swap space (GiB) holds as many blocks as it would.
     kv_dtype = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[hw.dtype_bytes]
     kv = make_kv_manager(config, model_config, dtype=kv_dtype, allocate_pool=False)
-    executor = SimExecutor(hw, shape, token_id=_non_eos_token(model_config), block_size=config.block_size)
+    token_id = _non_eos_token(model_config)
+    executor = SimExecutor(hw, shape, token_id=token_id, block_size=config.block_size,
+                           draft_shape=speculation.draft_shape if speculation else None)
+    proposer = speculation.proposer(token_id, shape.vocab_size, model_config.eos_token_ids) if speculation else None
     engine = LLMEngine(model_config, config, kv=kv, scheduler=make_scheduler(config, kv),
-                       executor=executor, clock=SimClock())
+                       executor=executor, clock=SimClock(), proposer=proposer)
     engine.expect_more_requests = False  # the trace is all there is: a static batch need not wait to fill
     for r in trace:
         params = SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
