@@ -226,6 +226,7 @@ def make_trace(
     token_id_range: tuple[int, int] | None = None,
     shared_prefix_len: int = 0,
     num_prefixes: int = 1,
+    shared_prefix_fraction: float = 1.0,
     num_priorities: int = 1,
 ) -> Trace:
     """A seeded trace of `num_requests` requests.
@@ -236,6 +237,9 @@ def make_trace(
     from `prompt_len`; the total prompt stays within [min_prompt_len, max_prompt_len].
     Requests with the same `prefix_id` share exactly `shared_prefix_len` leading tokens; prompts
     from different prefixes share none (first tokens are drawn distinct while the range allows).
+    `shared_prefix_fraction` < 1 gives the prefix to that share of requests only (each request
+    independently); the others are the suffix alone (prefix_id None), so their prompts are shorter
+    by `shared_prefix_len`: the prefix is extra content, like a system prompt some apps send.
 
     Arrivals, lengths and tokens use separate child streams of the seed, so changing the rate or
     burstiness replays the same prompts at different times.
@@ -245,8 +249,11 @@ def make_trace(
         raise ValueError(f"token_id_range {(lo, hi)} must lie within [0, {vocab_size})")
     if shared_prefix_len >= max_prompt_len:
         raise ValueError("shared_prefix_len must leave room for a suffix below max_prompt_len")
+    if not 0.0 <= shared_prefix_fraction <= 1.0:
+        raise ValueError(f"shared_prefix_fraction must be in [0, 1], got {shared_prefix_fraction!r}")
     prompt_dist, output_dist = as_length_dist(prompt_len), as_length_dist(output_len)
-    arrival_rng, prompt_rng, output_rng, token_rng, priority_rng = np.random.default_rng(seed).spawn(5)
+    # A sixth stream for who gets the prefix: the first five are those of older traces, unchanged.
+    arrival_rng, prompt_rng, output_rng, token_rng, priority_rng, share_rng = np.random.default_rng(seed).spawn(6)
 
     arrivals = gamma_arrivals(num_requests, rate_per_s, burstiness, arrival_rng)
     suffix_lens = prompt_dist.sample(num_requests, prompt_rng,
@@ -262,11 +269,18 @@ def make_trace(
     else:
         prefixes = np.zeros((1, 0), dtype=np.int64)
         prefix_ids = np.zeros(num_requests, dtype=np.int64)
+    if shared_prefix_len > 0 and shared_prefix_fraction < 1.0:
+        has_prefix = share_rng.random(num_requests) < shared_prefix_fraction
+    else:
+        has_prefix = np.ones(num_requests, dtype=bool)
     # Within a prefix group the first suffix tokens are distinct, so the common prefix is exact.
     first_suffix_tokens = np.zeros(num_requests, dtype=np.int64)
     for group in range(len(prefixes)):
-        members = np.flatnonzero(prefix_ids == group)
+        members = np.flatnonzero((prefix_ids == group) & has_prefix)
         first_suffix_tokens[members] = _distinct_tokens(len(members), lo, hi, token_rng)
+    loners = np.flatnonzero(~has_prefix)  # no prefix: their first tokens need not differ
+    if len(loners):
+        first_suffix_tokens[loners] = token_rng.integers(lo, hi, size=len(loners))
 
     priorities = priority_rng.integers(0, num_priorities, size=num_requests)
     requests = []
@@ -274,12 +288,13 @@ def make_trace(
         suffix = token_rng.integers(lo, hi, size=int(suffix_lens[i]))
         suffix[0] = first_suffix_tokens[i]
         group = int(prefix_ids[i])
+        prefix = prefixes[group].tolist() if has_prefix[i] else []
         requests.append(TraceRequest(
             request_id=f"req-{i}",
             arrival_time_s=float(arrivals[i]),
-            prompt_token_ids=prefixes[group].tolist() + suffix.tolist(),
+            prompt_token_ids=prefix + suffix.tolist(),
             max_tokens=int(output_lens[i]),
-            prefix_id=group if shared_prefix_len > 0 else None,
+            prefix_id=group if shared_prefix_len > 0 and has_prefix[i] else None,
             priority=int(priorities[i]),
         ))
     meta = dict(
@@ -287,7 +302,8 @@ def make_trace(
         burstiness=burstiness, prompt_len=asdict(prompt_dist), output_len=asdict(output_dist),
         min_prompt_len=min_prompt_len, max_prompt_len=max_prompt_len,
         min_output_len=min_output_len, max_output_len=max_output_len, token_id_range=[lo, hi],
-        shared_prefix_len=shared_prefix_len, num_prefixes=num_prefixes, num_priorities=num_priorities,
+        shared_prefix_len=shared_prefix_len, num_prefixes=num_prefixes,
+        shared_prefix_fraction=shared_prefix_fraction, num_priorities=num_priorities,
     )
     return Trace(requests, meta)
 
@@ -306,3 +322,63 @@ def trace_from_prompts(
     requests = [TraceRequest(f"req-{i}", times[i], [int(t) for t in p], int(outs[i]))
                 for i, p in enumerate(prompts)]
     return Trace(requests, {"source": "prompts", "num_requests": n})
+
+
+def make_chat_trace(
+    num_conversations: int,
+    *,
+    seed: int,
+    vocab_size: int,
+    turns: int | tuple[int, int] = (2, 6),
+    system_prompt_len: int = 0,
+    user_len: LengthSpec = ("lognormal", 60, 0.6),
+    reply_len: LengthSpec = ("lognormal", 120, 0.6),
+    think_time_s: float = 10.0,
+    rate_per_s: float = 1.0,
+    max_user_len: int = 512,
+    max_reply_len: int = 512,
+    token_id_range: tuple[int, int] | None = None,
+) -> Trace:
+    """A multi-turn chat trace (chapter 07): every turn re-sends the whole conversation so far.
+
+    Conversations start as a Poisson process at `rate_per_s`; each has `turns` turns (an int, or a
+    uniform (lo, hi) range). Turn k's prompt is the optional shared system prompt, then every
+    earlier user message and assistant reply, then the new user message; the reply is `max_tokens`
+    long. Turn k + 1 arrives `think_time_s` (exponential with that mean) plus an estimate of the
+    reply time after turn k, so a replayed trace sends it about when a user would.
+
+    The replies in later prompts are fixed random tokens from the trace, not what the engine
+    generated, so a prefix cache can serve a turn's previous *prompt* from cache but not the
+    reply tokens the engine produced: real chat reuses those too, so hits here are a lower bound.
+    `prefix_id` is the conversation's index.
+    """
+    lo, hi = token_id_range if token_id_range is not None else (0, vocab_size)
+    if not 0 <= lo < hi <= vocab_size:
+        raise ValueError(f"token_id_range {(lo, hi)} must lie within [0, {vocab_size})")
+    if num_conversations < 1 or think_time_s < 0 or not rate_per_s > 0:
+        raise ValueError("num_conversations must be >= 1, think_time_s >= 0 and rate_per_s > 0")
+    turn_lo, turn_hi = (turns, turns) if isinstance(turns, int) else turns
+    if not 1 <= turn_lo <= turn_hi:
+        raise ValueError(f"turns must be >= 1 (an int or a (lo, hi) range), got {turns!r}")
+    start_rng, turn_rng, len_rng, token_rng, think_rng = np.random.default_rng(seed).spawn(5)
+    starts = gamma_arrivals(num_conversations, rate_per_s, 1.0, start_rng)
+    system = token_rng.integers(lo, hi, size=system_prompt_len).tolist()
+    user_dist, reply_dist = as_length_dist(user_len), as_length_dist(reply_len)
+    requests = []
+    for c in range(num_conversations):
+        n_turns = int(turn_rng.integers(turn_lo, turn_hi + 1))
+        users = user_dist.sample(n_turns, len_rng, 1, max_user_len, "prompt")
+        replies = reply_dist.sample(n_turns, len_rng, 1, max_reply_len, "output")
+        history, t = list(system), float(starts[c])
+        for k in range(n_turns):
+            history += token_rng.integers(lo, hi, size=int(users[k])).tolist()
+            requests.append(TraceRequest(f"chat-{c}-turn-{k}", t, list(history), int(replies[k]), prefix_id=c))
+            history += token_rng.integers(lo, hi, size=int(replies[k])).tolist()
+            # the user reads the reply (~20 ms a token of streaming), thinks, then answers
+            t += 0.02 * int(replies[k]) + (float(think_rng.exponential(think_time_s)) if think_time_s else 0.0)
+    requests.sort(key=lambda r: r.arrival_time_s)
+    meta = dict(kind="chat", num_conversations=num_conversations, seed=seed, vocab_size=vocab_size,
+                turns=[turn_lo, turn_hi], system_prompt_len=system_prompt_len,
+                user_len=asdict(user_dist), reply_len=asdict(reply_dist), think_time_s=think_time_s,
+                rate_per_s=rate_per_s, token_id_range=[lo, hi])
+    return Trace(requests, meta)

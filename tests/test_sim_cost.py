@@ -212,3 +212,56 @@ def test_max_batch_for_kv():
     assert max_batch_for_kv(H200, LLAMA_70B, 4096) == 0
     fp32_cpu = dataclasses.replace(A100_80GB, dtype_bytes=torch.float32.itemsize)
     assert max_batch_for_kv(fp32_cpu, LLAMA_7B, 4096) == 10
+
+
+# --- efficiency factors (chapter 04, section 6) -------------------------------------------------
+
+
+def test_efficiency_factors_scale_the_roofs_and_add_per_request_cost():
+    from minillm.sim.hardware import Hardware
+
+    slow = dataclasses.replace(A100_80GB, mfu=0.5, mbu=0.25, step_overhead_s=1e-3, per_request_overhead_s=2e-4)
+    ideal_decode = decode_step_time(A100_80GB, LLAMA_7B, batch=4, context_len=100)
+    decode = decode_step_time(slow, LLAMA_7B, batch=4, context_len=100)
+    assert decode.memory_time_s == pytest.approx(4 * ideal_decode.memory_time_s)
+    assert decode.compute_time_s == pytest.approx(2 * ideal_decode.compute_time_s)
+    assert decode.overhead_s == pytest.approx(1e-3 + 4 * 2e-4)  # one fixed cost, four sequences
+    assert decode.time_s == pytest.approx(4 * ideal_decode.memory_time_s + 1.8e-3)
+    # a prefill of 2 prompts: two sequences, however many tokens
+    assert step_time(slow, LLAMA_7B, prefill_tokens=[300, 5]).overhead_s == pytest.approx(1e-3 + 2 * 2e-4)
+    assert A100_80GB.is_ideal and not slow.is_ideal
+    for bad in (dict(mfu=0.0), dict(mbu=1.5), dict(per_request_overhead_s=-1.0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Hardware("x", 1e12, 1e12, 1e9, **bad)
+
+
+def test_physical_floor_of_7b_on_a100_is_about_7_ms():
+    # The seed's floor: ~14 GB of fp16 weights over 2 TB/s, once per decode step at batch 1.
+    step = decode_step_time(A100_80GB, LLAMA_7B, batch=1, context_len=512)
+    assert step.bound == "memory"
+    assert 6e-3 < step.time_s < 7.5e-3
+
+
+def test_practical_preset_is_the_fit_to_nemo_measurements():
+    from minillm.sim.cost_model import batch_latency_s, fit_efficiency
+    from minillm.sim.hardware import (
+        A100_80GB_PRACTICAL,
+        NEMO_LLAMA2_7B_A100_LATENCY_MS,
+        NEMO_OUTPUT_TOKENS,
+        NEMO_PROMPT_TOKENS,
+    )
+
+    fit = fit_efficiency(A100_80GB, LLAMA_7B, NEMO_LLAMA2_7B_A100_LATENCY_MS, NEMO_PROMPT_TOKENS, NEMO_OUTPUT_TOKENS)
+    assert fit.max_relative_error < 0.01
+    for knob in ("mfu", "mbu", "step_overhead_s", "per_request_overhead_s"):
+        assert getattr(fit.hardware, knob) == pytest.approx(getattr(A100_80GB_PRACTICAL, knob)), knob
+    for batch, measured_ms in NEMO_LLAMA2_7B_A100_LATENCY_MS.items():
+        predicted_ms = 1e3 * batch_latency_s(A100_80GB_PRACTICAL, LLAMA_7B, batch, NEMO_PROMPT_TOKENS, NEMO_OUTPUT_TOKENS)
+        assert predicted_ms == pytest.approx(measured_ms, rel=0.01)
+    # the ideal roofline is far faster than the measured engine: the floor, not a prediction
+    assert batch_latency_s(A100_80GB, LLAMA_7B, 1, 128, 20) < 0.6 * NEMO_LLAMA2_7B_A100_LATENCY_MS[1] / 1e3
+    with pytest.raises(ValueError, match="batch"):
+        batch_latency_s(A100_80GB, LLAMA_7B, 0, 128, 20)
+    with pytest.raises(ValueError, match="measured_ms"):
+        fit_efficiency(A100_80GB, LLAMA_7B, {}, 128, 20)
+    assert get_hardware("a100-80gb-practical") is A100_80GB_PRACTICAL

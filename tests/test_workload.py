@@ -149,3 +149,60 @@ def test_trace_from_prompts():
     t2 = trace_from_prompts([[1], [2], [3]], max_tokens=4)
     assert [r.max_tokens for r in t2] == [4, 4, 4] and all(r.arrival_time_s == 0 for r in t2)
     assert len({r.request_id for r in t2}) == 3
+
+
+def test_shared_prefix_fraction_gives_the_prefix_to_some_requests_only():
+    kw = dict(seed=11, vocab_size=32000, shared_prefix_len=16, num_prefixes=2, prompt_len=("uniform", 4, 30))
+    full = make_trace(200, **kw)
+    assert [r.prompt_token_ids for r in make_trace(200, shared_prefix_fraction=1.0, **kw)] == \
+        [r.prompt_token_ids for r in full]
+    half = make_trace(200, shared_prefix_fraction=0.5, **kw)
+    with_prefix = [r for r in half if r.prefix_id is not None]
+    assert 70 < len(with_prefix) < 130  # binomial(200, 0.5): 100 ± 15 at 3 sigma
+    assert [r.arrival_time_s for r in half] == [r.arrival_time_s for r in full]  # arrivals untouched
+    for a in with_prefix:
+        for b in with_prefix:
+            if a is not b:
+                expected = 16 if a.prefix_id == b.prefix_id else 0
+                assert _common_prefix_len(a.prompt_token_ids, b.prompt_token_ids) == expected
+    prefixes = {tuple(r.prompt_token_ids[:16]) for r in with_prefix}
+    assert all(tuple(r.prompt_token_ids[:16]) not in prefixes for r in half if r.prefix_id is None)
+    assert all(r.prefix_id is None for r in make_trace(50, shared_prefix_fraction=0.0, **kw))
+    with pytest.raises(ValueError, match="shared_prefix_fraction"):
+        make_trace(5, shared_prefix_fraction=1.5, **kw)
+
+
+def test_older_traces_are_unchanged_by_the_prefix_fraction_stream():
+    # Digests of these two traces as make_trace produced them before shared_prefix_fraction existed
+    # (commit b4b1a9f): chapters' saved outputs depend on the same seed giving the same trace.
+    import hashlib
+    import json
+
+    digests = []
+    for kw in (dict(shared_prefix_len=0), dict(shared_prefix_len=12, num_prefixes=3)):
+        t = make_trace(40, seed=3, vocab_size=1000, rate_per_s=5.0, max_prompt_len=64, **kw)
+        text = json.dumps([(r.prompt_token_ids, r.max_tokens, round(r.arrival_time_s, 9), r.prefix_id) for r in t])
+        digests.append(hashlib.sha256(text.encode()).hexdigest()[:16])
+    assert digests == ["935dc35e8e30a349", "e43b87502f7cd778"]
+
+
+def test_chat_trace_resends_the_conversation():
+    from minillm.workload import make_chat_trace
+
+    t = make_chat_trace(10, seed=2, vocab_size=5000, turns=(2, 4), system_prompt_len=32, think_time_s=5.0)
+    by_conv: dict[int, list] = {}
+    for r in t:
+        by_conv.setdefault(r.prefix_id, []).append(r)
+    assert len(by_conv) == 10 and all(2 <= len(v) <= 4 for v in by_conv.values())
+    system = t.requests[0].prompt_token_ids[:32]
+    for turns in by_conv.values():
+        turns.sort(key=lambda r: int(r.request_id.rsplit("-", 1)[1]))
+        for prev, nxt in zip(turns, turns[1:]):
+            # the next prompt starts with the whole previous prompt, then the reply, then a new message
+            assert nxt.prompt_token_ids[: prev.prompt_len] == prev.prompt_token_ids
+            assert nxt.prompt_len > prev.prompt_len + prev.max_tokens
+            assert nxt.arrival_time_s > prev.arrival_time_s
+        assert turns[0].prompt_token_ids[:32] == system
+    assert [r.arrival_time_s for r in t] == sorted(r.arrival_time_s for r in t)
+    with pytest.raises(ValueError, match="turns"):
+        make_chat_trace(2, seed=0, vocab_size=100, turns=0)

@@ -8,7 +8,12 @@ One step runs a batch of *query tokens* through the model: new prompt tokens of 
 sequences (a whole prompt, or one chunk of it with chunked prefill) and one token per decoding
 sequence. Its time is
 
-    time = max(flops / peak_flops, bytes / mem_bandwidth) + step_overhead
+    time = max(flops / (peak_flops * mfu), bytes / (mem_bandwidth * mbu))
+           + step_overhead + per_request_overhead * sequences in the step
+
+With the presets' defaults (mfu = mbu = 1, no overheads) this is the physical floor; the factors
+and where their values come from are documented on `Hardware` (minillm.sim.hardware), and
+`fit_efficiency` fits them to published end-to-end latencies (chapter 04 shows the result).
 
 FLOPs (a multiply-add counts as 2):
   * linear layers: 2 * num_layer_params per query token (every token meets every weight once);
@@ -29,8 +34,11 @@ Activations are left out: they are small next to weights at decode, and prefill 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from minillm.sim.hardware import Hardware
 from minillm.sim.model_shapes import ModelShape
@@ -48,7 +56,7 @@ class StepCost:
     kv_write_bytes: float
     compute_time_s: float
     memory_time_s: float
-    overhead_s: float
+    overhead_s: float  # fixed per-step cost plus the per-sequence cost of this step's sequences
     num_tokens: int  # query tokens in the step, padding included
     swap_s: float = 0.0  # KV copies to/from host memory (swap preemption), at the host link's bandwidth
 
@@ -149,9 +157,9 @@ def step_time(
         weight_bytes=weight_bytes,
         kv_read_bytes=kv_read_bytes,
         kv_write_bytes=kv_write_bytes,
-        compute_time_s=flops / hw.peak_flops,
-        memory_time_s=bytes_moved / hw.mem_bandwidth_bytes_per_s,
-        overhead_s=hw.step_overhead_s,
+        compute_time_s=flops / (hw.peak_flops * hw.mfu),
+        memory_time_s=bytes_moved / (hw.mem_bandwidth_bytes_per_s * hw.mbu),
+        overhead_s=hw.step_overhead_s + hw.per_request_overhead_s * rows_with_logits,
         num_tokens=num_tokens,
     )
 
@@ -175,3 +183,77 @@ def max_batch_for_kv(hw: Hardware, shape: ModelShape, seq_len: int, kv_fraction:
     free_bytes = hw.mem_capacity_bytes * kv_fraction - shape.weight_bytes(hw.dtype_bytes)
     per_seq_bytes = shape.kv_bytes(seq_len, 1, hw.dtype_bytes)
     return max(0, int(free_bytes // per_seq_bytes))
+
+
+# --- end-to-end latency of a static batch, and fitting the efficiency factors to it -------------
+
+
+def batch_latency_s(hw: Hardware, shape: ModelShape, batch: int, prompt_tokens: int, output_tokens: int) -> float:
+    """End-to-end time of `batch` equal requests served together: one prefill step of every prompt
+    (it yields the first token), then `output_tokens - 1` decode steps. This is what offline
+    benchmarks such as NeMo's report as "average latency" for a batch."""
+    if batch < 1 or prompt_tokens < 1 or output_tokens < 1:
+        raise ValueError("batch, prompt_tokens and output_tokens must all be >= 1")
+    total = step_time(hw, shape, prefill_tokens=[prompt_tokens] * batch).time_s
+    for i in range(1, output_tokens):
+        total += decode_step_time(hw, shape, batch, prompt_tokens + i).time_s
+    return total
+
+
+@dataclass(frozen=True)
+class EfficiencyFit:
+    """The factors `fit_efficiency` found, and how well they reproduce the measurements."""
+
+    hardware: Hardware  # the input hardware with the fitted factors
+    predicted_ms: dict[int, float]  # batch size -> predicted latency
+    measured_ms: dict[int, float]
+
+    @property
+    def max_relative_error(self) -> float:
+        return max(abs(self.predicted_ms[b] / self.measured_ms[b] - 1) for b in self.measured_ms)
+
+
+def fit_efficiency(
+    hw: Hardware,
+    shape: ModelShape,
+    measured_ms: dict[int, float],
+    prompt_tokens: int,
+    output_tokens: int,
+    *,
+    mfu: float = 0.5,
+    mbu_grid: Sequence[float] = tuple(np.round(np.arange(0.30, 1.0001, 0.01), 2)),
+    step_overhead_ms_grid: Sequence[float] = tuple(np.round(np.arange(0.0, 2.0001, 0.1), 1)),
+    per_request_ms_grid: Sequence[float] = tuple(np.round(np.arange(0.0, 2.0001, 0.05), 2)),
+) -> EfficiencyFit:
+    """Grid-search `mbu`, `step_overhead_s` and `per_request_overhead_s` (at a fixed `mfu`) so that
+    `batch_latency_s` matches published end-to-end latencies by batch size, minimizing the largest
+    relative error. `hw` should be an ideal preset (its factors are replaced)."""
+    if not measured_ms:
+        raise ValueError("measured_ms is empty: give {batch size: latency in ms}")
+    ideal = dataclasses.replace(hw, mfu=1.0, mbu=1.0, step_overhead_s=0.0, per_request_overhead_s=0.0)
+    batches = sorted(measured_ms)
+    # Every step's compute and memory time at the ideal roofs; factors only rescale and add.
+    rows = []  # (batch index, compute s, memory s, sequences) per step
+    for j, b in enumerate(batches):
+        steps = [step_time(ideal, shape, prefill_tokens=[prompt_tokens] * b)]
+        steps += [decode_step_time(ideal, shape, b, prompt_tokens + i) for i in range(1, output_tokens)]
+        rows += [(j, c.compute_time_s, c.memory_time_s, b) for c in steps]
+    index, compute, memory, seqs = (np.array(col) for col in zip(*rows))
+    measured = np.array([measured_ms[b] for b in batches]) / 1e3
+    best = (np.inf, None)
+    for mbu in mbu_grid:
+        roof = np.maximum(compute / mfu, memory / mbu)
+        roof_per_batch = np.bincount(index, roof, minlength=len(batches))
+        steps_per_batch = np.bincount(index, minlength=len(batches))
+        seq_steps = np.bincount(index, seqs, minlength=len(batches))
+        for so in step_overhead_ms_grid:
+            for pr in per_request_ms_grid:
+                predicted = roof_per_batch + steps_per_batch * so / 1e3 + seq_steps * pr / 1e3
+                err = float(np.max(np.abs(predicted / measured - 1)))
+                if err < best[0]:
+                    best = (err, (mbu, so, pr))
+    mbu, so, pr = best[1]
+    fitted = dataclasses.replace(hw, name=f"{hw.name}-fitted", mfu=float(mfu), mbu=float(mbu),
+                                 step_overhead_s=float(so) / 1e3, per_request_overhead_s=float(pr) / 1e3)
+    predicted_ms = {b: 1e3 * batch_latency_s(fitted, shape, b, prompt_tokens, output_tokens) for b in batches}
+    return EfficiencyFit(fitted, predicted_ms, dict(measured_ms))
