@@ -28,6 +28,8 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output; default the model's max_position_embeddings
     max_queue_delay_ms: float = 10.0  # dynamic batching: fire when the oldest request waited this long
     static_batch_timeout_ms: float = math.inf  # static batching: fire a partial batch after this wait
+    # static/dynamic: a finished request is returned only when its whole batch ends (Orca's second waste)
+    static_hold_finished: bool = False
     kv_layout: str = "paged"  # continuous batching only: "paged" blocks, or one "slab" per request
     block_size: int = 16  # token slots per KV block
     num_kv_blocks: int | None = None  # pool size; default: as much KV as max_num_seqs slabs would hold
@@ -97,6 +99,11 @@ class EngineConfig:
             raise ValueError(f"max_queue_delay_ms must be >= 0, got {self.max_queue_delay_ms!r}")
         if not self.static_batch_timeout_ms >= 0:
             raise ValueError(f"static_batch_timeout_ms must be >= 0, got {self.static_batch_timeout_ms!r}")
+        if not isinstance(self.static_hold_finished, bool):
+            raise ValueError(f"static_hold_finished must be True or False, got {self.static_hold_finished!r}")
+        if self.static_hold_finished and self.batching == "continuous":
+            raise ValueError("static_hold_finished=True holds results until a batch ends: it needs batching='static' "
+                             "or 'dynamic' (continuous batching has no batch end)")
 
     def resolve(self, model_max_len: int) -> EngineConfig:
         """A copy with the defaults that depend on the model filled in, the knobs checked together."""

@@ -5,6 +5,12 @@ every row, including rows that already finished, until the slowest row is done. 
 arrive meanwhile wait for the whole batch (head-of-line blocking). A batch starts when
 `max_num_seqs` requests wait, when the oldest waited `static_batch_timeout_ms`, or when no more
 requests are coming.
+
+Orca (Yu et al., OSDI 2022) names two wastes of request-level batching: finished rows computed
+until the batch ends, and finished *results* held back until the batch ends (the server returns
+the batch's answers together, as `generate()` on a padded batch does). minillm returns each request
+at its own last token by default; `static_hold_finished=True` holds them instead: a finished
+request's last token and its completion are delivered in the step that ends its batch.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from dataclasses import dataclass
 from minillm.config import EngineConfig
 from minillm.kv.padded import PaddedKVManager
 from minillm.request import Request, RequestStatus
-from minillm.scheduler.base import ScheduledBatch, SchedulerBase
+from minillm.scheduler.base import ModelRunnerOutput, RequestUpdate, ScheduledBatch, SchedulerBase
 
 
 @dataclass
@@ -33,6 +39,7 @@ class StaticScheduler(SchedulerBase):
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.rows: list[Request] = []  # the batch now running, fixed until it ends
+        self.held: list[RequestUpdate] = []  # static_hold_finished: finished, not yet returned
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -85,6 +92,17 @@ class StaticScheduler(SchedulerBase):
                               padded=PaddedStep(rows, width, is_prefill=True),
                               admitted=[(r, RequestStatus.WAITING) for r in rows])
 
+    def update_from_output(self, plan: ScheduledBatch, output: ModelRunnerOutput) -> list[RequestUpdate]:
+        updates = super().update_from_output(plan, output)
+        if not self.config.static_hold_finished:
+            return updates
+        # Hold each finishing update (its last token and its status) until no row is live.
+        self.held += [u for u in updates if u.finished]
+        updates = [u for u in updates if not u.finished]
+        if self.rows and all(r.status.finished for r in self.rows):
+            updates, self.held = updates + self.held, []
+        return updates
+
     def finish(self, request: Request) -> None:
         """The row stays in the batch (and keeps being computed) until the batch ends."""
 
@@ -99,9 +117,15 @@ class StaticScheduler(SchedulerBase):
             self.kv.end_batch()
 
     def has_request(self, request_id: str) -> bool:
-        return any(r.request_id == request_id and not r.status.finished for r in list(self.waiting) + self.rows)
+        return any(r.request_id == request_id and not r.status.finished for r in list(self.waiting) + self.rows) \
+            or any(u.request.request_id == request_id for u in self.held)
 
     def abort(self, request_id: str) -> Request | None:
+        for update in self.held:  # finished but held: aborting it drops what was held
+            if update.request.request_id == request_id:
+                self.held.remove(update)
+                update.request.status = RequestStatus.FINISHED_ABORTED
+                return update.request
         for req in list(self.waiting) + self.rows:
             if req.request_id == request_id and not req.status.finished:
                 if req in self.waiting:
