@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--burstiness", type=float, default=1.0)
     sim.add_argument("--seed", type=int, default=0)
     sim.set_defaults(func=_simulate)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    from minillm.benchmark import serve as bench_serve
+
+    bench_serve_parser = bench.add_parser("serve", help="load-test an OpenAI-compatible server (as vllm bench serve)")
+    bench_serve.add_arguments(bench_serve_parser)
+    bench_serve_parser.set_defaults(func=bench_serve.main)
     return parser
 
 
