@@ -412,3 +412,16 @@ def test_playground_rejects_bad_arguments():
     pg = playground(bars, height=(1, 9), color=["C0"])
     with pytest.raises(KeyError, match="no control named"):
         pg.set(width=3)
+
+
+def test_provenance_label_does_not_cover_the_title():
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.set_title("a long title that reaches the right edge of the panel", fontsize="small")
+    size = ax.title.get_fontsize()
+    label_simulated(ax)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    label = next(t for t in ax.texts if provenance(ax) == t.get_text())
+    title_box, label_box = ax.title.get_window_extent(renderer), label.get_window_extent(renderer)
+    assert title_box.y0 >= label_box.y1 - 1  # the title sits above the label
+    assert ax.title.get_text().startswith("a long title") and ax.title.get_fontsize() == size

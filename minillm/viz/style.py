@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 from itertools import cycle
 
+from matplotlib import rcParams
 from matplotlib.axes import Axes
 from matplotlib.text import Text
 
@@ -117,10 +118,13 @@ def system_colors(labels: list[str]) -> dict[str, str]:
 # ---- where a panel's numbers come from ---------------------------------------------------------
 PROVENANCE_GID = "minillm-provenance"
 PROVENANCE_KINDS = ("measured", "simulated")
+_LABEL_PAD_PT = 9  # the label's line height at x-small, in points
 
 
 def label_provenance(ax: Axes, kind: str, what: str) -> Text:
     """Write "<kind>: <what>" in small grey type above the panel's top-right corner.
+
+    The panel's title moves up a line to make room, so call this after `set_title`.
 
     `kind` is "measured" (a wall clock on the machine running the notebook) or "simulated"
     (minillm.sim's cost model). Calling it again on the same panel replaces the label.
@@ -131,8 +135,12 @@ def label_provenance(ax: Axes, kind: str, what: str) -> Text:
         raise ValueError("say what was measured or simulated, e.g. 'this CPU, tiny model'")
     for old in [t for t in ax.texts if t.get_gid() == PROVENANCE_GID]:
         old.remove()
-    text = ax.text(1.0, 1.0, f"{kind}: {what}", transform=ax.transAxes, ha="right", va="bottom",
+    text = ax.text(1.0, 1.005, f"{kind}: {what}", transform=ax.transAxes, ha="right", va="bottom",
                    fontsize="x-small", color="#555555", style="italic", gid=PROVENANCE_GID)
+    title = ax.title
+    if title.get_text():  # lift the title one small line, above the label (label after set_title)
+        ax.set_title(title.get_text(), fontsize=title.get_fontsize(), fontweight=title.get_fontweight(),
+                     pad=rcParams["axes.titlepad"] + _LABEL_PAD_PT)
     return text
 
 
