@@ -11,14 +11,15 @@ export TOKENIZERS_PARALLELISM := false
 # threads slow torch down several times over (measured while training the bundled models).
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: help install test test-fast lab generate grade exercises check-exercises bench lint clean
+.PHONY: help install test test-fast lab generate serve grade exercises check-exercises bench lint clean
 
 help:
 	@echo "make lab        JupyterLab on the course (opens chapters/; as root and headless too): the main job"
 	@echo "make test       install everything pinned into $(VENV) and run every test (what CI runs)"
 	@echo "make test-fast  the tests without notebooks"
 	@echo "make generate   one greedy generation from the bundled model on the command line"
-	@echo "make grade      grade the exercises with nbval (EX=05 for one)"
+	@echo "make serve      the OpenAI-compatible server on the bundled model, http://127.0.0.1:8000/v1 (ARGS=...)"
+	@echo "make grade      grade the exercises against solutions/ and minillm/grading (EX=05 for one)"
 	@echo "make exercises  regenerate exercises/ from solutions/"
 	@echo "make bench      run the benchmarks in bench/"
 	@echo "make lint       ruff"
@@ -44,15 +45,20 @@ lab: install
 generate: install
 	$(VENV)/bin/minillm generate "Once upon a time" --max-tokens 32
 
+serve: install
+	$(VENV)/bin/minillm serve $(ARGS)
+
 exercises: install
 	$(PY) tools/build_exercises.py
 
-check-exercises: install
+check-serve: install
+	$(VENV)/bin/minillm serve $(ARGS)
+
+exercises: install
 	$(PY) tools/build_exercises.py --check
 
 grade: install
-	$(PY) -m pytest --nbval-lax --nbval-current-env --nbval-sanitize-with tools/nbval_sanitize.cfg \
-		-p no:cacheprovider exercises/$(if $(EX),ex$(EX)_*.ipynb,)
+	$(PY) tools/grade.py $(if $(EX),--only $(EX),)
 
 bench: install
 	$(PY) bench/forward.py

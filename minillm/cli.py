@@ -1,7 +1,8 @@
-"""`minillm` on the command line: generate text, or simulate a trace on chosen hardware.
+"""`minillm` on the command line: generate text, serve the OpenAI API, or simulate a trace.
 
     minillm generate "Once upon a time" --max-tokens 32
     minillm generate "What is a KV cache?" --chat --temperature 0.8 --seed 1
+    minillm serve --port 8000 --max-num-seqs 16          # also: python -m minillm serve
     minillm simulate --hardware A100-80GB --model llama-7b --batching continuous --num-requests 200
 """
 
@@ -48,6 +49,12 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from minillm.server.serve import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minillm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -68,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--show-ids", action="store_true", help="also print prompt and output token ids")
     gen.set_defaults(func=_generate)
+
+    from minillm.server.serve import __doc__ as serve_doc
+    from minillm.server.serve import add_serve_arguments
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (FastAPI + uvicorn)",
+                           description=serve_doc,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_serve_arguments(serve)
+    serve.set_defaults(func=_serve)
 
     sim = sub.add_parser("simulate", help="run a seeded trace through the scheduler on a simulated GPU")
     sim.add_argument("--hardware", default="A100-80GB")

@@ -7,7 +7,9 @@ token can end in the middle of a UTF-8 character — then the decode ends in U+F
 held back until the next token completes the character.
 
 A stop string can only newly appear in the tail that the new text touches, so that tail is all
-`append` searches.
+`append` searches. A streaming client must not see the start of a stop string that later
+completes (it would be cut from the final text), so `emittable()` holds back the last
+`longest stop - 1` characters until the request finishes, as vLLM does.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class IncrementalDetokenizer:
         self.text = ""
         self.prefix_offset = 0  # the window decoded for context starts here
         self.read_offset = 0  # tokens before this one are already in `text`
+        self.matched_stop: str | None = None  # the stop string that cut the text, once one did
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -49,4 +52,13 @@ class IncrementalDetokenizer:
         if not hits:
             return None
         cut, s = min(hits)
-        return self.text[: cut + len(s)] if include_stop else self.text[:cut]
+        self.matched_stop = s
+        self.text = self.text[: cut + len(s)] if include_stop else self.text[:cut]
+        return self.text
+
+    def emittable(self, stop: list[str] = (), include_stop: bool = False) -> str:
+        """The text a stream may show now: all but the tail a stop string could still begin in."""
+        if not stop or include_stop:
+            return self.text
+        hold = max(len(s) for s in stop) - 1
+        return self.text[: len(self.text) - hold] if hold else self.text

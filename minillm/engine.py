@@ -1,8 +1,18 @@
 """The engine loop: one `step()` = schedule → execute (prepare, forward, sample) → update → record.
 
-Taught across chapters 02–07; the loop itself is shown in chapter 04. Requests can be added while
-the engine runs (`add_request` between steps), which is what the server does; `LLM.generate`
-(in `minillm.llm`) simply adds a whole trace and steps until everything has finished.
+Taught across chapters 02–07; the loop itself is shown in chapter 04, the threaded core in chapter
+11. Requests can be added while the engine runs (`add_request` between steps); `LLM.generate` (in
+`minillm.llm`) adds a whole trace and steps until everything has finished, on the caller's thread.
+
+The server runs the same engine in a thread of its own (`run_forever`): that thread is the only
+one that touches engine state. Other threads never call `add_request` or `abort_request`; they
+`submit_add` / `submit_abort` commands into a thread-safe inbox, which `step()` drains first, and
+receive `RequestOutput`s through the callback (`sink`) they gave. With nothing to do, the loop
+blocks on the inbox (no spinning). Why a thread and not a process, as vLLM V1 does (its EngineCore
+is a separate process talking ZMQ): the bundled model is tiny, torch releases the GIL inside its
+ops, and a thread needs no serialization of requests and outputs — what is left to teach is the
+ownership rule, which a thread shows just as well. The price: the HTTP side and the engine share
+one interpreter, so tokenizing or JSON work in the server takes time from the engine loop.
 
 The engine owns no request state itself: the scheduler plans and applies results
 (`update_from_output`), the executor computes. If the executor raises, the scheduler rolls the
@@ -14,7 +24,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
+import queue
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,12 +42,24 @@ from minillm.kv.slab import SlabKVManager
 from minillm.metrics import MetricsCollector, StepRecord
 from minillm.model.config import ModelConfig
 from minillm.model.llama import LlamaModel
-from minillm.request import Request, RequestStatus, SamplingParams, derive_seed
+from minillm.request import (
+    CompletionOutput,
+    Request,
+    RequestOutput,
+    RequestOutputKind,
+    RequestStatus,
+    SamplingParams,
+    derive_seed,
+)
 from minillm.runner import ModelRunner
 from minillm.scheduler.base import RequestUpdate, ScheduledBatch, Scheduler
 from minillm.scheduler.continuous import ContinuousScheduler
 from minillm.scheduler.dynamic import DynamicScheduler
 from minillm.scheduler.static import StaticScheduler
+
+logger = logging.getLogger("minillm.engine")
+
+OutputSink = Callable[[RequestOutput], None]
 
 
 def make_kv_manager(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype = torch.float32,
@@ -87,6 +113,10 @@ class LLMEngine:
         self.proposer = proposer
         self.clock = clock or WallClock()
         self.metrics = MetricsCollector()
+        # Commands from other threads: ("add", prompt, params, request_id, sink, priority),
+        # ("abort", request_id) or ("call", fn); see submit_add / submit_abort / call_soon.
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.command_observers: list[Callable[[], None]] = []  # called after commands were applied
         self.eos_token_ids = tuple(model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}  # every unfinished request, arrived or not
         self._pending: list[tuple[float, int, Request]] = []  # not yet arrived, a heap by arrival time
@@ -104,9 +134,16 @@ class LLMEngine:
     # ---- requests in -------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None, *,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    priority: int = 0) -> Request:
-        """Queue one prompt (text, token ids, or {"prompt_token_ids": [...]}) and return its Request."""
+                    priority: int = 0, sink: OutputSink | None = None) -> Request:
+        """Queue one prompt (text, token ids, {"prompt_token_ids": [...]} or {"prompt": "..."}) and
+        return its Request. `sink(output)` receives its `RequestOutput`s as `params.output_kind` says."""
         params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"the engine runs one sequence per request; n={params.n} is fanned out by the caller "
+                             "(LLM.generate, the server) into n requests with SamplingParams.for_child(i)")
+        if self.config.speculative_config is not None and (params.has_penalties or params.min_tokens):
+            raise ValueError("presence_penalty, frequency_penalty, repetition_penalty and min_tokens are not "
+                             "supported with speculative_config (the rejection sampler does not apply them)")
         text, token_ids = self._tokenize(prompt)
         max_len = self.config.max_model_len
         total = len(token_ids) + params.max_tokens
@@ -128,9 +165,13 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         now = self.clock.now()
         arrival = now if arrival_time is None else arrival_time
-        detokenizer = IncrementalDetokenizer(self.tokenizer) if params.stop else None
+        streams = sink is not None and params.output_kind is not RequestOutputKind.FINAL_ONLY
+        detokenizer = None
+        if self.tokenizer is not None and (params.stop or streams):
+            detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         req = Request(request_id, token_ids, params, arrival, self.eos_token_ids, priority, text,
                       derive_seed(self.config.seed, request_id), device=self.device, detokenizer=detokenizer)
+        req.sink = sink
         self.requests[request_id] = req
         if arrival <= now:
             self._arrive(req)
@@ -148,9 +189,13 @@ class LLMEngine:
 
     def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError(f"a dict prompt needs 'prompt_token_ids', got keys {sorted(prompt)}")
-            prompt = prompt["prompt_token_ids"]
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif isinstance(prompt.get("prompt"), str):
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"a dict prompt needs 'prompt_token_ids' (a list of ints) or 'prompt' (a string), "
+                                 f"got keys {sorted(prompt)}")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty; give at least one character or token id")
@@ -179,13 +224,92 @@ class LLMEngine:
             self._pending = [p for p in self._pending if p[2].request_id != request_id]
             heapq.heapify(self._pending)
             self._pending_ids.discard(request_id)
+            record = None
         else:
             self.scheduler.abort(request_id)
+            record = self.metrics.requests.get(request_id)
             self.metrics.on_finish(request_id, self.clock.now(), "abort")
         req.status = RequestStatus.FINISHED_ABORTED
         del self.requests[request_id]
         if self.proposer is not None:
             self.proposer.free(req)
+        if req.sink is not None:
+            self._emit(req, [], None, record)
+
+    # ---- other threads: the inbox --------------------------------------------------------------
+    def submit_add(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
+                   sink: OutputSink, priority: int = 0) -> None:
+        """Thread-safe: queue an add for the engine thread. A prompt it refuses reaches `sink` as
+        a finished output with `error` set (finish_reason "abort")."""
+        self.inbox.put(("add", prompt, params, request_id, sink, priority))
+
+    def submit_abort(self, request_id: str) -> None:
+        """Thread-safe: abort `request_id` at the start of the next step (no-op if it is gone)."""
+        self.inbox.put(("abort", request_id))
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Thread-safe: run `fn()` on the engine thread between steps (a consistent snapshot)."""
+        self.inbox.put(("call", fn))
+
+    def _drain_inbox(self, block: bool = False, timeout: float | None = None) -> None:
+        """Apply queued commands; with `block`, wait (up to `timeout`) for the first one."""
+        try:
+            command = self.inbox.get(True, timeout) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(command)
+            try:
+                command = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+        for fn in self.command_observers:
+            fn()
+
+    def _apply(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "abort":
+            self.abort_request(command[1])
+        elif kind == "add":
+            _, prompt, params, request_id, sink, priority = command
+            try:
+                self.add_request(prompt, params, request_id=request_id, sink=sink, priority=priority)
+            except ValueError as err:
+                sink(RequestOutput(request_id, None, [], [CompletionOutput(0, "", [], "abort")], True,
+                                   error=str(err)))
+        elif kind == "call":
+            command[1]()
+        else:
+            raise ValueError(f"unknown engine command {kind!r}")
+
+    def run_forever(self, stop: threading.Event) -> None:
+        """The engine thread's loop: step while there is work, block on the inbox while there is none.
+
+        A step that raises (a bug, out of memory) is rolled back by the scheduler; every request
+        is then aborted (its sink sees finish_reason "abort" with the error), so one bad step
+        cannot repeat forever, and the loop goes on serving new requests."""
+        while not stop.is_set():
+            if not self.requests:
+                self._drain_inbox(block=True, timeout=0.5)
+                continue
+            steps_before = self.num_steps
+            try:
+                self.step()
+            except Exception as err:  # noqa: BLE001 - the loop must survive any one step
+                logger.exception("engine step failed; aborting the requests it held")
+                self._abort_all(f"engine step failed: {type(err).__name__}: {err}")
+                continue
+            if self.num_steps == steps_before:  # nothing could run: sleep until a timer or a command
+                now = self.clock.now()
+                times = [t for t in (self._pending[0][0] if self._pending else None,
+                                     self.scheduler.next_wakeup(now)) if t is not None]
+                timeout = max(0.0, min(times) - now) if times else 0.5
+                self._drain_inbox(block=True, timeout=timeout)
+
+    def _abort_all(self, error: str) -> None:
+        for request_id, req in list(self.requests.items()):
+            req.error = error
+            self.abort_request(request_id)
 
     # ---- the loop ------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -196,6 +320,7 @@ class LLMEngine:
         ones included); `num_steps` tells whether a step ran at all (a prefill chunk runs but
         samples nothing)."""
         step_start = time.perf_counter()
+        self._drain_inbox()
         now = self.clock.now()
         while self._pending and self._pending[0][0] <= now:
             req = heapq.heappop(self._pending)[2]
@@ -276,14 +401,50 @@ class LLMEngine:
     def _on_update(self, update: RequestUpdate, t: float) -> None:
         req = update.request
         self.metrics.on_token(req.request_id, t, len(update.new_token_ids))
+        record = None
         if update.finished:
             if req.output_text is None:  # not already cut at a stop string
-                req.output_text = (self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+                req.output_text = (self.tokenizer.decode(req.output_token_ids,
+                                                         skip_special_tokens=req.params.skip_special_tokens)
                                    if self.tokenizer is not None else "")
+            record = self.metrics.requests.get(req.request_id)
             self.metrics.on_finish(req.request_id, t, req.status.value)
             del self.requests[req.request_id]
             if self.proposer is not None:
                 self.proposer.free(req)
+        if req.sink is not None:
+            self._emit(req, update.new_token_ids, update.new_logprobs, record)
+
+    def _emit(self, req: Request, new_ids: list[int], new_logprobs: list | None, record: Any) -> None:
+        """Hand `req.sink` what this step added (DELTA), everything so far (CUMULATIVE), or, once
+        finished, everything (FINAL_ONLY). Text a stop string may still claim is held back."""
+        kind = req.params.output_kind
+        finished = req.status.finished
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return
+        if finished:
+            text = req.output_text if req.output_text is not None else (
+                req.detokenizer.text if req.detokenizer is not None else "")
+        elif req.detokenizer is not None:
+            text = req.detokenizer.emittable(req.params.stop, req.params.include_stop_str_in_output)
+        else:
+            text = ""
+        if kind is RequestOutputKind.DELTA:
+            # What was streamed is a prefix of the final text (the windowed decode of a full decode).
+            completion = CompletionOutput(0, text[len(req.sent_text):], list(new_ids), req.finish_reason,
+                                          req.cumulative_logprob, new_logprobs, req.stop_reason)
+            req.sent_text = text
+        else:
+            completion = CompletionOutput(0, text, list(req.output_token_ids), req.finish_reason,
+                                          req.cumulative_logprob,
+                                          None if req.output_logprobs is None else list(req.output_logprobs),
+                                          req.stop_reason)
+        out = RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion], finished,
+                            record if finished else None, error=req.error)
+        try:
+            req.sink(out)
+        except Exception:  # noqa: BLE001 - a consumer's failure must not stop the engine
+            logger.exception("output sink of request %s failed", req.request_id)
 
     def _record(self, batch: ScheduledBatch, prefill: int, decode: int, num_cached: int, start: float,
                 end: float, num_queried: int, num_hit: int, chunks: tuple[int, ...] = ()) -> None:

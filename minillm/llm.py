@@ -6,6 +6,12 @@
     outs[0].outputs[0].text
 
 Engine knobs are keyword arguments with vLLM's names (`max_num_seqs`, `batching`, …).
+
+`generate` runs on the same engine core as the server (`minillm.engine`), on the caller's thread:
+it adds every request, then steps until all have finished. `n > 1` fans a prompt out into n
+requests (vLLM's parallel sampling) and gathers them back into one `RequestOutput`. `chat` renders
+messages with the tokenizer's chat template (the bundled tokenizer has one; a tokenizer without
+one gets `DEFAULT_CHAT_TEMPLATE`). `get_metrics()` reads vLLM-named Prometheus metrics back.
 """
 
 from __future__ import annotations
@@ -23,10 +29,36 @@ from minillm.model.config import ModelConfig
 from minillm.model.loader import load_hf_model, load_model_dir
 from minillm.model.tokenizer import generation_eos_ids, load_tokenizer
 from minillm.request import CompletionOutput, Request, RequestOutput, SamplingParams
+from minillm.server.metrics import PrometheusMetrics
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_TARGET = REPO_ROOT / "models" / "minillm-target"
 BUNDLED_DRAFT = REPO_ROOT / "models" / "minillm-draft"
+
+# For a tokenizer that ships no chat template: the bundled tokenizer's own format, written with
+# the tokenizer's bos/eos strings — "<s>", then per message "<|role|>\n{content}</s>\n", then
+# "<|assistant|>\n" when a reply is wanted.
+DEFAULT_CHAT_TEMPLATE = (
+    "{{ bos_token }}{%- for message in messages -%}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|assistant|>\n' }}{%- endif -%}"
+)
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> list[int]:
+    """Token ids of `messages` ([{"role": ..., "content": ...}]) rendered by the chat template."""
+    if tokenizer is None:
+        raise ValueError("chat needs a tokenizer; this model has none")
+    template = chat_template or getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}] must be a dict with string 'role' and 'content', got {m!r}")
+    # The template renders text (its bos token included); the post-processor must not add another.
+    text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
            "float16": torch.float16}
@@ -78,6 +110,21 @@ class LLM:
         proposer = self._draft_proposer(config, torch_dtype, device)
         self.engine = LLMEngine(self.model.config, config, model=self.model, tokenizer=self.tokenizer,
                                 kv=None if scheduler is None else kv, scheduler=scheduler, proposer=proposer)
+        self.prometheus = PrometheusMetrics(self.engine, "minillm")
+
+    def get_metrics(self) -> list:
+        """vLLM's `LLM.get_metrics()`: every series as Counter / Gauge / Histogram / Vector objects
+        with vLLM's names (`vllm:prompt_tokens`, `vllm:time_to_first_token_seconds`, …)."""
+        return self.prometheus.snapshot()
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list | None = None,
+             *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation ([{"role", "content"}, …]) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": chat_prompt_ids(self.tokenizer, c, add_generation_prompt, chat_template)}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _draft_proposer(self, config: EngineConfig, dtype: torch.dtype, device: str):
         """The draft model of `speculative_config={"method": "draft_model", ...}`, with its own KV cache."""
@@ -125,18 +172,29 @@ class LLM:
         engine = self.engine
         start = engine.clock.now()
         requests: list[Request] = []
+        groups: list[list[Request]] = []  # per prompt, its n samples
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 arrival = None if arrival_times is None else start + arrival_times[i]
-                requests.append(engine.add_request(prompt, params, arrival_time=arrival,
-                                                   priority=0 if priority is None else priority[i]))
+                group = []
+                for child in ([params] if params.n == 1 else [params.for_child(j) for j in range(params.n)]):
+                    req = engine.add_request(prompt, child, arrival_time=arrival,
+                                             priority=0 if priority is None else priority[i])
+                    group.append(req)
+                    requests.append(req)
+                groups.append(group)
             self._run(len(requests), use_tqdm)
         except BaseException:
             # A bad prompt, a failing step, Ctrl-C: leave the engine as it was, nothing half-done.
             for req in requests:
                 engine.abort_request(req.request_id)
             raise
-        return [to_request_output(req, engine.metrics.requests.get(req.request_id)) for req in requests]
+        outs = []
+        for group in groups:
+            out = to_request_output(group[0], engine.metrics.requests.get(group[0].request_id))
+            out.outputs = [to_completion(req, j) for j, req in enumerate(group)]
+            outs.append(out)
+        return outs
 
     def _run(self, total: int, use_tqdm: bool) -> None:
         engine = self.engine
@@ -170,8 +228,11 @@ class LLM:
                 f"check max_num_seqs, num_kv_blocks and max_num_batched_tokens={engine.config.max_num_batched_tokens}")
 
 
+def to_completion(req: Request, index: int = 0) -> CompletionOutput:
+    return CompletionOutput(index, req.output_text or "", list(req.output_token_ids), req.finish_reason,
+                            req.cumulative_logprob, req.output_logprobs, req.stop_reason)
+
+
 def to_request_output(req: Request, metrics: Any = None) -> RequestOutput:
-    completion = CompletionOutput(0, req.output_text or "", list(req.output_token_ids), req.finish_reason,
-                                  req.cumulative_logprob, req.output_logprobs)
-    return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion],
+    return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [to_completion(req)],
                          req.status.finished, metrics)

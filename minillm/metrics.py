@@ -16,6 +16,7 @@ follow `vllm bench serve`:
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -339,17 +340,36 @@ class SpecDecodeStats:
 
 
 class MetricsCollector:
-    """Collects timestamps from the engine's hot path; each call is a dict lookup and an append."""
+    """Collects timestamps from the engine's hot path; each call is a dict lookup and an append.
+
+    Offline (`LLM.generate`, the benchmarks) everything is kept for the summary. A server that runs
+    for days must not grow: `retain(finished_requests=False, max_steps=N)` drops a request's record
+    as it finishes (after the request observers saw it) and keeps only the last N step records;
+    the Prometheus exporter (minillm.server.metrics) has folded them into its counters by then."""
 
     def __init__(self) -> None:
         self.requests: dict[str, RequestMetrics] = {}
-        self.steps: list[StepRecord] = []
+        self.steps: list[StepRecord] | deque[StepRecord] = []
         self.spec_decode = SpecDecodeStats()
         self.observers: list[Callable[[StepRecord], None]] = []
+        self.request_observers: list = []
+        self.keep_finished = True
+
+    def retain(self, finished_requests: bool, max_steps: int | None) -> None:
+        self.keep_finished = finished_requests
+        if max_steps is not None:
+            self.steps = deque(self.steps, maxlen=max_steps)
+        if not finished_requests:
+            self.requests = {k: r for k, r in self.requests.items() if r.finished_time is None}
 
     def add_observer(self, fn: Callable[[StepRecord], None]) -> None:
         """`fn(step_record)` is called after every step (live plots, Prometheus)."""
         self.observers.append(fn)
+
+    def add_request_observer(self, observer) -> None:
+        """`observer.on_token(record, num_tokens)` after each chunk of tokens a request receives,
+        `observer.on_finish(record)` when it finishes (any reason, abort included)."""
+        self.request_observers.append(observer)
 
     def on_arrival(self, request_id: str, t: float, num_prompt_tokens: int) -> None:
         self.requests[request_id] = RequestMetrics(request_id, t, num_prompt_tokens)
@@ -367,6 +387,8 @@ class MetricsCollector:
         r.token_times.append(t)
         if num_tokens != 1 or r.output_tokens is not None:
             r.output_tokens = (len(r.token_times) - 1 if r.output_tokens is None else r.output_tokens) + num_tokens
+        for obs in self.request_observers:
+            obs.on_token(r, num_tokens)
 
     def on_cached(self, request_id: str, num_cached_prompt_tokens: int) -> None:
         self.requests[request_id].num_cached_prompt_tokens += num_cached_prompt_tokens
@@ -378,6 +400,10 @@ class MetricsCollector:
         r = self.requests[request_id]
         r.finished_time = t
         r.finish_reason = reason
+        for obs in self.request_observers:
+            obs.on_finish(r)
+        if not self.keep_finished:
+            del self.requests[request_id]
 
     def record_step(self, step: StepRecord) -> None:
         self.steps.append(step)

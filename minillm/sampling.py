@@ -1,4 +1,4 @@
-"""Turning logits into tokens: greedy, temperature, top-k, top-p (chapter 00).
+"""Turning logits into tokens: greedy, temperature, top-k, top-p, min-p (chapter 00); penalties (chapter 11).
 
 All rows of a step are sampled together, but each request draws its random numbers from its own
 seeded `torch.Generator`, so what a request generates never depends on what else is in the batch.
@@ -14,7 +14,11 @@ from minillm.request import Request
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """One next token per row of `logits` [N, vocab]; row i belongs to requests[i]."""
+    """One next token per row of `logits` [N, vocab]; row i belongs to requests[i].
+
+    `logits` is not changed (logprobs are reported from the model's own distribution): penalties
+    and the min_tokens mask work on a copy."""
+    logits = apply_logits_processors(logits, requests)
     greedy_tokens = logits.argmax(dim=-1)
     if all(r.params.greedy for r in requests):
         return greedy_tokens.tolist()
@@ -24,6 +28,37 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     chosen = order.gather(1, torch.stack(picks)).squeeze(1)  # [len(rows)], still on the device
     tokens = greedy_tokens.index_copy(0, torch.tensor(rows, device=logits.device), chosen)
     return tokens.tolist()  # the step's one device → host copy
+
+
+def apply_logits_processors(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Penalties and the min_tokens mask, on a copy of the rows that need them (else `logits` itself)."""
+    rows = [i for i, r in enumerate(requests) if r.params.has_penalties or r.num_output_tokens < r.params.min_tokens]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        req = requests[i]
+        if req.params.has_penalties:
+            logits[i] = apply_penalties(logits[i], req.prompt_token_ids, req.output_token_ids, req.params)
+        if req.num_output_tokens < req.params.min_tokens and req.stop_token_ids:
+            banned = torch.tensor(sorted(req.stop_token_ids), device=logits.device)
+            logits[i].index_fill_(0, banned, float("-inf"))
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int], params) -> torch.Tensor:
+    """One row [vocab]: repetition penalty over prompt + output (HF/CTRL: positive logits divided,
+    negative multiplied), then frequency (× count in the output) and presence (once if present)."""
+    device, vocab = logits.device, logits.shape[-1]
+    out = logits.clone()
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=device)
+        vals = out[seen]
+        out[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if output_ids and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(torch.tensor(output_ids, device=device), minlength=vocab).to(out.dtype)
+        out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(out.dtype)
+    return out
 
 
 def filtered_probs(logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,6 +81,10 @@ def filtered_probs(logits: torch.Tensor, requests: list[Request]) -> tuple[torch
     # already reaches top_p. The first token is always kept.
     mass_before = probs.cumsum(dim=-1) - probs
     probs = probs.masked_fill(mass_before >= top_p.unsqueeze(1), 0.0)
+    if any(r.params.min_p > 0 for r in requests):
+        # min-p: drop tokens below min_p × the most likely token's probability (sorted: column 0).
+        min_p = torch.tensor([r.params.min_p for r in requests], dtype=probs.dtype, device=device)
+        probs = probs.masked_fill(probs < min_p.unsqueeze(1) * probs[:, :1], 0.0)
     return probs / probs.sum(dim=-1, keepdim=True), order
 
 

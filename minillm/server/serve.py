@@ -1,0 +1,89 @@
+"""`minillm serve`: flags with vLLM's names, then uvicorn (chapter 11).
+
+    minillm serve                                  # the bundled model on http://127.0.0.1:8000
+    minillm serve models/minillm-target --port 8001 --max-num-seqs 16 --enable-prefix-caching
+    minillm serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+    MINILLM_API_KEY=secret minillm serve           # or --api-key secret: /v1/* then needs the key
+
+It binds 127.0.0.1 unless `--host` says otherwise (a toy server should not face a network by
+accident). `--max-num-queued-reqs N` caps waiting + running requests; beyond it the answer is
+503 with Retry-After (see `minillm.server.errors`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+# Engine flags: (flag, EngineConfig name, type, help). The names are vLLM's engine arguments.
+ENGINE_FLAGS = [
+    ("--max-num-seqs", "max_num_seqs", int, "most requests running at once (the batch)"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget per step"),
+    ("--max-model-len", "max_model_len", int, "prompt + output tokens per request (default: the model's)"),
+    ("--block-size", "block_size", int, "tokens per KV block"),
+    ("--num-gpu-blocks-override", "num_kv_blocks", int, "KV blocks in the pool (vLLM's name; minillm's num_kv_blocks)"),
+    ("--swap-space", "swap_space", float, "GiB of host memory for swapped-out KV"),
+    ("--preemption-mode", "preemption_mode", str, "recompute or swap"),
+    ("--scheduling-policy", "scheduling_policy", str, "fcfs, priority or lpm"),
+    ("--long-prefill-token-threshold", "long_prefill_token_threshold", int, "cap on one request's prefill chunk"),
+    ("--seed", "seed", int, "seed of requests that give none"),
+    ("--batching", "batching", str, "continuous (default), dynamic or static (minillm's teaching knob)"),
+    ("--kv-layout", "kv_layout", str, "paged (default) or slab"),
+    ("--prefix-cache", "prefix_cache", str, "hash (vLLM) or radix (SGLang), with --enable-prefix-caching"),
+]
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_tag", nargs="?", default=None, help="HF model directory (default: the bundled target)")
+    p.add_argument("--model", default=None, help="same as the positional model")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: minillm)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (or MINILLM_API_KEY)")
+    p.add_argument("--max-num-queued-reqs", type=int, default=None,
+                   help="most requests held (waiting + running); beyond it 503 + Retry-After")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default=None)
+    for flag, _, typ, help_text in ENGINE_FLAGS:
+        p.add_argument(flag, type=typ, default=None, help=help_text)
+    p.add_argument("--enable-prefix-caching", action="store_true", default=None)
+    p.add_argument("--enable-chunked-prefill", action="store_true", default=None)
+    p.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    p.add_argument("--uvicorn-log-level", default="warning")
+
+
+def engine_knobs(args: argparse.Namespace) -> dict:
+    knobs = {name: getattr(args, flag[2:].replace("-", "_")) for flag, name, _, _ in ENGINE_FLAGS}
+    knobs["enable_prefix_caching"] = args.enable_prefix_caching
+    knobs["enable_chunked_prefill"] = args.enable_chunked_prefill
+    if args.speculative_config is not None:
+        try:
+            knobs["speculative_config"] = json.loads(args.speculative_config)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--speculative-config must be JSON, e.g. "
+                             f"'{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}': {err}") from None
+    return {k: v for k, v in knobs.items() if v is not None}
+
+
+def build_app(args: argparse.Namespace):
+    from minillm import LLM
+    from minillm.server.app import create_app
+
+    if args.max_num_queued_reqs is not None and args.max_num_queued_reqs < 1:
+        raise ValueError(f"--max-num-queued-reqs must be >= 1, got {args.max_num_queued_reqs}")
+    model = args.model or args.model_tag
+    llm = LLM(model, dtype=args.dtype, device=args.device, **engine_knobs(args))
+    api_key = args.api_key or os.environ.get("MINILLM_API_KEY") or None
+    name = args.served_model_name or "minillm"
+    return create_app(llm, served_model_name=name, api_key=api_key, max_num_queued_reqs=args.max_num_queued_reqs)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    app = build_app(args)
+    print(f"minillm serve: http://{args.host}:{args.port}/v1 (model {app.state.server.model_name}, "
+          f"max_model_len={app.state.server.max_model_len})", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    return 0
