@@ -1,38 +1,77 @@
-"""The exercises as graded: every solution passes nbval, every untouched exercise fails it.
+"""The exercises as graded by `make grade` (tools/grade.py, minillm/grading/runner.py).
 
 For each `solutions/exNN_*.ipynb` in the repository (picked up by glob, so a new exercise needs no
 edit here):
 
-- the solved notebook passes `pytest --nbval-lax` (its graded cells reproduce their stored
-  `task N (...): PASS` lines);
-- the exercise generated from it, left untouched, FAILS, and the report shows why: a stub's
-  `NotImplementedError` or a `FAIL` line. A grader that passes an untouched stub grades nothing;
-- the generated exercise is byte-identical to what `tools/build_exercises.py` makes from the
-  solution now (a stale exercise would grade against stale outputs).
+- the solved notebook passes every task;
+- the exercise generated from it, left untouched, fails every task, and says why (a stub's
+  `NotImplementedError`);
+- cheat (a), every graded cell of the untouched exercise replaced by a `print` of its stored PASS
+  text, fails: graded cells come from solutions/, and the verdict is the check's return value;
+- cheat (b), an added cell that redefines the checks (`grader.check_task_N = lambda ...: PASS`,
+  patched into the grading module too), fails: added cells are not run, and the runner captured
+  the checks before any learner code ran;
+- cheat (c), the same patch placed inside the learner's own cell of the *solved* notebook, fails
+  every task with "your code changed the grader": the runner compares the grader and minillm with
+  a snapshot before each check;
+- the generated exercise is byte-identical to what `tools/build_exercises.py` makes now.
 
-The nbval runs execute whole notebooks (tens of seconds each), hence the notebook and slow marks.
-The tests of the build tool itself, on a synthetic notebook, are in test_grading.py.
+Each grade runs a notebook's cells in a fresh process (seconds for a stubbed one, up to a minute
+for a solution), hence the notebook and slow marks. The known-wrong implementations of every task
+are in test_grading_known_wrong.py; the build tool and the runner's pieces in test_grading.py.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from conftest import load_build_exercises
 
+from minillm.grading.runner import grade
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((REPO_ROOT / "solutions").glob("ex[0-9][0-9]_*.ipynb"))
-NBVAL_TIMEOUT_S = 900  # an exercise targets 60 s; CI machines are shared
-
-
-
+# TEMPORARY while ex02-ex07 move to minillm/grading (removed once every exercise has a grading module)
+SOLUTIONS = [s for s in SOLUTIONS if (REPO_ROOT / "minillm" / "grading" / f"ex{s.name[2:4]}.py").exists()]
+GRADE_TIMEOUT_S = 900  # an exercise targets 60 s; CI machines are shared
 
 bx = load_build_exercises()
+
+CHEAT_B = """
+import minillm.grading.ex{nn} as _grading
+from minillm.grading import TaskResult as _Result
+
+for _name in [n for n in vars(_grading) if n.startswith("check_task_")]:
+    _number = int(_name.rsplit("_", 1)[1])
+    setattr(_grading, _name, lambda *args, _n=_number: _Result(_n, "cheat", True, ["redefined"]))
+grader = _grading
+"""
 
 
 def _ids(paths: list[Path]) -> list[str]:
     return [p.stem for p in paths]
+
+
+def _graded(cell: dict) -> bool:
+    return cell["cell_type"] == "code" and any(line.strip() == "# NBVAL_CHECK_OUTPUT"
+                                                for line in "".join(cell["source"]).splitlines())
+
+
+def _stored_text(cell: dict) -> str:
+    parts = []
+    for output in cell.get("outputs", []):
+        if "text" in output:
+            parts.append("".join(output["text"]))
+        elif "text/plain" in output.get("data", {}):
+            parts.append("".join(output["data"]["text/plain"]))
+    return "".join(parts)
+
+
+def _write(notebook: dict, path: Path) -> Path:
+    path.write_text(json.dumps(notebook, indent=1), encoding="utf-8")
+    return path
 
 
 def test_there_are_exercises() -> None:
@@ -42,25 +81,54 @@ def test_there_are_exercises() -> None:
 @pytest.mark.notebook
 @pytest.mark.slow
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=_ids(SOLUTIONS))
-def test_solution_passes_nbval(solution: Path) -> None:
-    result = bx.run_nbval(solution, timeout_s=NBVAL_TIMEOUT_S)
-    assert result.passed, f"nbval failed on {solution.name}:\n{result.output[-6000:]}"
+def test_solution_passes(solution: Path) -> None:
+    report = grade(solution, solution, timeout_s=GRADE_TIMEOUT_S)
+    assert report.passed, f"{solution.name} does not pass:\n{report.text()}\n{report.output[-4000:]}"
 
 
 @pytest.mark.notebook
 @pytest.mark.slow
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=_ids(SOLUTIONS))
-def test_untouched_exercise_fails_nbval(solution: Path) -> None:
+def test_untouched_exercise_and_both_cheats_fail(solution: Path, tmp_path: Path) -> None:
     exercise = REPO_ROOT / "exercises" / solution.name
     assert exercise.exists(), f"{exercise.name} is missing: run `python tools/build_exercises.py`"
-    result = bx.run_nbval(exercise, timeout_s=NBVAL_TIMEOUT_S)
-    assert not result.passed, f"the untouched {exercise.name} passes nbval: its graders check nothing"
-    assert "timed out" not in result.output, (
-        f"{exercise.name} timed out instead of failing:\n{result.output[-3000:]}"
-    )
-    assert "NotImplementedError" in result.output or "FAIL" in result.output, (
-        f"{exercise.name} failed for another reason than its stubs:\n{result.output[-6000:]}"
-    )
+    untouched = grade(exercise, solution, timeout_s=GRADE_TIMEOUT_S)
+    assert untouched.results and not any(r["passed"] for r in untouched.results), untouched.text()
+    assert all("NotImplementedError" in " ".join(r["lines"]) for r in untouched.results), untouched.text()
+
+    # (a) every graded cell replaced by a print of its stored PASS text
+    notebook = json.loads(exercise.read_text(encoding="utf-8"))
+    graded = [cell for cell in notebook["cells"] if _graded(cell)]
+    assert graded and all("PASS" in _stored_text(cell) for cell in graded)
+    for cell in graded:
+        cell["source"] = f"print({_stored_text(cell)!r})"
+    cheat_a = grade(_write(notebook, tmp_path / solution.name), solution, timeout_s=GRADE_TIMEOUT_S)
+    assert not cheat_a.passed and not any(r["passed"] for r in cheat_a.results), cheat_a.text()
+    assert any("graded) differs" in note for note in cheat_a.notes), cheat_a.notes
+
+    # (b) an added cell that redefines the checks, right after the setup cell
+    notebook = json.loads(exercise.read_text(encoding="utf-8"))
+    first_code = next(i for i, c in enumerate(notebook["cells"]) if c["cell_type"] == "code")
+    notebook["cells"].insert(first_code + 1, {"cell_type": "code", "execution_count": None, "id": "cheat-b",
+                                              "metadata": {}, "outputs": [],
+                                              "source": CHEAT_B.format(nn=solution.name[2:4])})
+    cheat_b = grade(_write(notebook, tmp_path / solution.name), solution, timeout_s=GRADE_TIMEOUT_S)
+    assert not cheat_b.passed and not any(r["passed"] for r in cheat_b.results), cheat_b.text()
+    assert any("you added were not run" in note for note in cheat_b.notes), cheat_b.notes
+
+
+@pytest.mark.notebook
+@pytest.mark.slow
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=_ids(SOLUTIONS))
+def test_patching_the_grader_from_a_learner_cell_fails(solution: Path, tmp_path: Path) -> None:
+    # (c) the solved notebook, with the redefinition inside the learner's first own cell
+    notebook = json.loads(solution.read_text(encoding="utf-8"))
+    mine = next(c for c in notebook["cells"]
+                if c["cell_type"] == "code" and "# BEGIN SOLUTION" in "".join(c["source"]))
+    mine["source"] = "".join(mine["source"]) + "\n" + CHEAT_B.format(nn=solution.name[2:4])
+    report = grade(_write(notebook, tmp_path / solution.name), solution, timeout_s=GRADE_TIMEOUT_S)
+    assert report.results and not any(r["passed"] for r in report.results), report.text()
+    assert all("your code changed the grader" in " ".join(r["lines"]) for r in report.results), report.text()
 
 
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=_ids(SOLUTIONS))

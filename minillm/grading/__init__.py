@@ -1,0 +1,305 @@
+"""The graders of the exercises (`exercises/exNN_*.ipynb`): checks that live outside the notebooks.
+
+A learner's notebook only holds the learner's code. Every check lives here, in
+`minillm/grading/exNN.py`, and `make grade` (`tools/grade.py`, which runs `minillm.grading.runner`)
+grades what the learner wrote, not what the notebook says about itself:
+
+- it keeps ONLY the learner's cells (the cells that hold a `raise NotImplementedError` stub in the
+  generated exercise, matched by cell id) and takes every other cell from `solutions/`; cells the
+  learner added are dropped, edited helper or graded cells are replaced by the solution's;
+- it runs them in a fresh process with plain `exec`, and where a graded cell stands it calls the
+  check function it captured *before* any learner code ran, so a redefined, reloaded or
+  monkeypatched checker has no effect; the verdict is the check's return value, never printed text;
+- before each check it compares the grader and minillm (the reference) with a snapshot taken before
+  the learner's code ran: a learner cell that patched them fails every remaining task;
+- while learner code runs under a check, the reference it is compared with raises (`forbid`), so a
+  solution that delegates to it (`super()._preempt(req)`, `BlockAllocator.allocate(self)`,
+  `reference.pad_batch(...)`, `class LearnerScheduler(ContinuousScheduler): pass`) fails, saying so.
+
+What this does not defend against: code that attacks the grading process itself (it runs in the
+learner's process). It defeats editing cells, redefining or patching checks and references, and
+delegating to the reference, which is what a grade has to survive.
+
+How to add an exercise (ex08, ex09, ex10 are added this way; nothing outside your files changes)
+------------------------------------------------------------------------------------------------
+1. `solutions/exNN_topic.ipynb`: the solved notebook. Its setup cell imports the grader:
+   `from minillm.grading import exNN as grader`. Learner code goes between `# BEGIN SOLUTION` and
+   `# END SOLUTION` lines (`tools/build_exercises.py` turns each region into a stub). Each graded
+   cell holds exactly two lines, the marker and one call whose arguments are names the learner's
+   cells define:
+
+       # NBVAL_CHECK_OUTPUT
+       grader.check_task_2(LearnerScheduler)
+
+   Execute the solution so the graded cells store their `task N (...): PASS` output, then run
+   `.venv/bin/python tools/build_exercises.py` (CI runs `--check`).
+   Hints: tiered, in markdown cells, `<details><summary>Hint 1</summary>…</details>` (a nudge),
+   then `Hint 2` (stronger); never the solution's code.
+
+2. `minillm/grading/exNN.py`: one function per task, decorated with `@task`:
+
+       from minillm.grading import Fail, forbid, task
+
+       @task(2, "admit")
+       def check_task_2(scheduler_class) -> str:
+           ...                              # build cases; compute the expected answers first
+           with forbid(ContinuousScheduler):  # then run the learner's code, reference disabled
+               got = run(scheduler_class)
+           if got != expected:
+               raise Fail(f"case 3: you planned {got}, expected {expected}")
+           return "69 seeded traces agree with ContinuousScheduler"   # PASS detail line(s)
+
+   The function takes the learner's objects (positionally, as the graded cell passes them) and
+   returns the PASS detail (a str or list of str) or raises `Fail(message)`. `@task` turns that into
+   a `TaskResult` (`passed`, `lines`; its repr is the `task N (name): PASS` report) and turns any
+   exception from learner code into a FAIL that names it (`NotImplementedError` says "not written
+   yet"). `forbid(*targets)` takes functions, classes (all their methods) or `(owner, "name")`
+   pairs; while active, calling any of them raises and the task FAILs with "your code called the
+   reference X: write it yourself", even if the learner's code swallowed the exception.
+   `refuse_subclass(cls, Reference)` fails a class that inherits what it should implement.
+   Checks must be deterministic (fixed seeds) and fail on the first difference, with a message that
+   shows it. `check_time_limit_s=` on `@task` bounds a check (default 180 s).
+
+3. `tests/known_wrong/exNN.py`: `KNOWN_WRONG = [Mutant(...), ...]` (see tests/known_wrong/__init__.py):
+   for every task, a few wrong implementations of the bug classes it is about, written either as
+   text edits of the solution's learner cells (`edits=[("budget -= n", "")]`) or as a cell the
+   learner might write (`code="class LearnerScheduler(ContinuousScheduler): pass"`).
+   `tests/test_grading_known_wrong.py` globs these files: it executes the solution's cells with the
+   mutant applied, in-process, and asserts that the mutant's task FAILS (and, with `expect=`, that
+   the message says why), and that the unmodified solution passes every task. Every task needs at
+   least two mutants; every exercise needs one delegation mutant.
+
+4. Nothing else: `tests/test_exercises.py` globs `solutions/ex*.ipynb` and, for each, grades the
+   solution (must pass), the untouched exercise (must fail), and the two cheats (a graded cell
+   replaced by a print of its PASS text; an added cell that redefines the checker; both must fail).
+"""
+
+from __future__ import annotations
+
+import functools
+import signal
+import sys
+import types
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_TIME_LIMIT_S = 180
+
+
+class Fail(Exception):
+    """Raised by a check: the learner's answer is wrong; the message says how."""
+
+
+class DelegationError(RuntimeError):
+    """Raised when learner code calls a reference that `forbid` disabled."""
+
+
+@dataclass
+class TaskResult:
+    task: int
+    name: str
+    passed: bool
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def headline(self) -> str:
+        return f"task {self.task} ({self.name}): {'PASS' if self.passed else 'FAIL'}"
+
+    def report(self) -> str:
+        return "\n".join([self.headline, *(f"  {line}" for line in self.lines)])
+
+    def __repr__(self) -> str:  # what a notebook shows under the graded cell
+        return self.report()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"task": self.task, "name": self.name, "passed": self.passed, "lines": list(self.lines)}
+
+
+# --- the reference, disabled while learner code runs ---------------------------------------------
+
+# id(code object installed in a reference) -> the reference's name; the hits of the running check
+_TRIPWIRES: dict[int, tuple[types.CodeType, str]] = {}
+_HITS: list[str] = []
+
+
+def _tripwire(*args, **kwargs):  # its code is installed into disabled references
+    raise __import__("minillm.grading", fromlist=["_tripped"])._tripped(__import__("sys")._getframe(0).f_code)
+
+
+def _tripped(code: types.CodeType) -> DelegationError:
+    label = _TRIPWIRES.get(id(code), (None, "a reference function"))[1]
+    _HITS.append(label)
+    return DelegationError(f"your code called the reference {label}: write it yourself")
+
+
+def _label(owner: Any, name: str) -> str:
+    return f"{getattr(owner, '__qualname__', getattr(owner, '__name__', owner))}.{name}"
+
+
+def _functions_of(target: Any) -> Iterator[tuple[types.FunctionType, str]]:
+    """The Python functions behind a target (a function, a class, or (owner, name)), with labels."""
+    if isinstance(target, tuple):
+        owner, name = target
+        raw = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        items = [(name, raw)]
+        prefix_owner = owner
+    elif isinstance(target, type):
+        items = list(vars(target).items())
+        prefix_owner = target
+    elif isinstance(target, types.FunctionType):
+        yield target, f"{target.__module__}.{target.__qualname__}"
+        return
+    else:
+        raise TypeError(f"forbid() takes functions, classes or (owner, name) pairs, not {target!r}")
+    for name, raw in items:
+        if isinstance(raw, (staticmethod, classmethod)):
+            raw = raw.__func__
+        if isinstance(raw, property):
+            for accessor in (raw.fget, raw.fset):
+                if isinstance(accessor, types.FunctionType):
+                    yield accessor, _label(prefix_owner, name)
+        elif isinstance(raw, types.FunctionType):
+            yield raw, _label(prefix_owner, name)
+
+
+@contextmanager
+def forbid(*targets: Any) -> Iterator[None]:
+    """While active, every Python function behind `targets` raises DelegationError when called, and
+    the call is recorded: the enclosing `@task` check FAILs naming it, even if the learner's code
+    caught the exception. The functions' code objects are swapped, so references the learner took
+    earlier (`f = Reference.method`) are disabled too."""
+    swapped: list[tuple[types.FunctionType, types.CodeType]] = []
+    try:
+        for target in targets:
+            for function, label in _functions_of(target):
+                if function.__closure__:  # a code swap needs equal free variables: leave closures alone
+                    continue
+                if any(function is done for done, _ in swapped):
+                    continue
+                code = _tripwire.__code__.replace(co_name=function.__code__.co_name)
+                _TRIPWIRES[id(code)] = (code, label)
+                swapped.append((function, function.__code__))
+                function.__code__ = code
+        yield
+    finally:
+        for function, original in reversed(swapped):
+            _TRIPWIRES.pop(id(function.__code__), None)
+            function.__code__ = original
+
+
+def refuse_subclass(cls: Any, *references: type) -> None:
+    """Fail a learner class that inherits from the reference it is meant to replace."""
+    if not isinstance(cls, type):
+        raise Fail(f"expected a class, got {type(cls).__name__}")
+    for reference in references:
+        if issubclass(cls, reference):
+            raise Fail(f"{cls.__name__} inherits from the reference {reference.__name__}: "
+                       f"write it yourself instead of reusing {reference.__name__}'s code")
+
+
+# --- tasks ---------------------------------------------------------------------------------------
+
+
+class _TimeLimit(BaseException):
+    pass
+
+
+@contextmanager
+def _time_limit(seconds: int) -> Iterator[None]:
+    if not hasattr(signal, "SIGALRM") or seconds <= 0:
+        yield
+        return
+
+    def expire(*_):
+        raise _TimeLimit()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def task(number: int, name: str, check_time_limit_s: int = DEFAULT_TIME_LIMIT_S) -> Callable:
+    """Register a check: `@task(2, "admit")` on `def check_task_2(...) -> str | list[str]`."""
+
+    def decorate(check: Callable) -> Callable:
+        @functools.wraps(check)
+        def run(*args: Any) -> TaskResult:
+            del _HITS[:]
+            try:
+                with _time_limit(check_time_limit_s):
+                    detail = check(*args)
+                problem = None
+            except Fail as failure:
+                problem = str(failure)
+            except NotImplementedError as error:
+                problem = f"not written yet (NotImplementedError: {error})"
+            except DelegationError as error:
+                problem = str(error)
+            except _TimeLimit:
+                problem = f"no answer within {check_time_limit_s} s: does a loop never end?"
+            except RecursionError as error:
+                problem = f"RecursionError: {error}"
+            except Exception as error:  # noqa: BLE001  (the learner's code failed: that is the report)
+                problem = f"{type(error).__name__}: {error}"
+            if _HITS:
+                problem = f"your code called the reference {_HITS[0]}: write it yourself" + (
+                    "" if problem is None or "reference" in problem else f" ({problem})")
+                del _HITS[:]
+            if problem is not None:
+                return TaskResult(number, name, False, [problem])
+            lines = [detail] if isinstance(detail, str) else list(detail or [])
+            return TaskResult(number, name, True, lines)
+
+        run.grading_task = (number, name)
+        return run
+
+    return decorate
+
+
+def tasks_of(module: types.ModuleType) -> dict[int, Callable]:
+    """The `@task` checks of a grading module, by task number."""
+    found = {}
+    for value in vars(module).values():
+        info = getattr(value, "grading_task", None)
+        if info is not None and getattr(value, "__module__", None) == module.__name__:
+            found[info[0]] = value
+    return dict(sorted(found.items()))
+
+
+# --- tamper evidence -----------------------------------------------------------------------------
+
+
+def _identity(value: Any) -> tuple:
+    code = getattr(value, "__code__", None)
+    return (id(value), id(code) if code is not None else None)
+
+
+def snapshot(prefixes: Iterable[str] = ("minillm",)) -> dict[str, tuple]:
+    """Identity of every function, class attribute and code object in the loaded modules whose name
+    starts with one of `prefixes`: what a learner could monkeypatch."""
+    prefixes = tuple(prefixes)
+    state: dict[str, tuple] = {}
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith(prefixes):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, (types.FunctionType, type)):
+                state[f"{module_name}.{attr}"] = _identity(value)
+            if isinstance(value, type) and value.__module__ == module_name:
+                for name, raw in list(vars(value).items()):
+                    if isinstance(raw, (types.FunctionType, property, staticmethod, classmethod)):
+                        inner = raw.fget if isinstance(raw, property) else getattr(raw, "__func__", raw)
+                        state[f"{module_name}.{attr}.{name}"] = (id(raw), *_identity(inner))
+    return state
+
+
+def tampered(before: dict[str, tuple], prefixes: Iterable[str] = ("minillm",)) -> list[str]:
+    """The names in `before` whose function, attribute or code has changed since."""
+    now = snapshot(prefixes)
+    return sorted(name for name, identity in before.items() if now.get(name) != identity)

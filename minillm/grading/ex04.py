@@ -1,0 +1,264 @@
+"""Grader of exercise 04 (chapter 04: continuous batching): retire, admit, the whole step, the engine.
+
+Tasks 1–3 need no model: a stand-in executor emits token 7 for every row that needs a token and
+each step takes 1 ms of simulated time, so only the scheduling is exercised. The reference is
+minillm's `ContinuousScheduler`, disabled (`forbid`) while the learner's code runs.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+from minillm import LLM, SamplingParams
+from minillm.clock import SimClock
+from minillm.config import EngineConfig
+from minillm.engine import LLMEngine
+from minillm.grading import Fail, forbid, refuse_subclass, task
+from minillm.kv.slab import SlabKVManager
+from minillm.llm import BUNDLED_TARGET
+from minillm.model.config import ModelConfig
+from minillm.request import Request, RequestStatus
+from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch, SchedulerBase
+from minillm.scheduler.continuous import ContinuousScheduler
+
+# A small model config for the stand-in runs: the scheduler only reads its context limit.
+TOY_MODEL = ModelConfig(model_type="llama", vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=1,
+                        num_heads=1, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
+                        max_position_embeddings=256, eos_token_ids=(2,))
+
+
+class StandInExecutor:
+    """Token 7 for every row that needs one (never EOS); every step takes 1 ms; it remembers each plan."""
+
+    def __init__(self):
+        self.plans = []
+
+    def execute(self, batch):
+        self.plans.append((tuple(r.request_id for r in batch.requests), tuple(batch.num_new_tokens),
+                           tuple(r.status.name for r in batch.requests), tuple(r.request_id for r, _ in batch.admitted)))
+        rows = [r for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens]
+        return ModelRunnerOutput.from_rows(batch, rows, [7] * len(rows))
+
+    def step_duration_s(self):
+        return 0.001
+
+
+def _request(rid, prompt_len, max_tokens=8, arrival=0.0):
+    return Request(rid, [5] * prompt_len, SamplingParams(max_tokens=max_tokens, temperature=0.0), arrival)
+
+
+def _retire_case(seed):
+    # A running batch after a step: some requests have just finished (any finished status).
+    rng = random.Random(seed)
+    num_slabs = rng.randint(1, 8)
+    kv = SlabKVManager(1, 1, 8, num_slabs=num_slabs, slab_len=64, allocate_pool=False)
+    running = []
+    for i in range(rng.randint(0, num_slabs)):
+        req = _request(f"r{i}", rng.randint(1, 40))
+        assert kv.allocate(req, req.num_prompt_tokens)
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = req.num_prompt_tokens
+        running.append(req)
+    rng.shuffle(running)
+    for req in running:
+        if rng.random() < 0.4:
+            req.status = rng.choice([RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                                     RequestStatus.FINISHED_ABORTED])
+    return running, kv
+
+
+@task(1, "retire")
+def check_task_1(retire, num_cases: int = 200) -> str:
+    for seed in range(num_cases):
+        mine_running, mine_kv = _retire_case(seed)
+        ref_running, ref_kv = _retire_case(seed)
+        reference = ContinuousScheduler(EngineConfig(kv_layout="slab").resolve(256), ref_kv)
+        reference.running = list(ref_running)
+        for req in ref_running:
+            if req.status.finished:
+                reference.finish(req)  # update_from_output calls finish() for every request that finished
+        expected = [r.request_id for r in reference.running]
+        with forbid(ContinuousScheduler):
+            kept = retire(list(mine_running), mine_kv)
+        if not isinstance(kept, list):
+            raise Fail(f"case {seed}: retire returned {type(kept).__name__}, not the list of requests still running")
+        got = [getattr(r, "request_id", r) for r in kept]
+        if got != expected:
+            raise Fail(f"case {seed}: kept {got}, expected {expected} (unfinished requests, in their order)")
+        if mine_kv.slab_of != ref_kv.slab_of or sorted(mine_kv.free_slabs) != sorted(ref_kv.free_slabs):
+            raise Fail(f"case {seed}: KV slabs held afterwards {sorted(mine_kv.slab_of)}, expected "
+                       f"{sorted(ref_kv.slab_of)}: free every finished request's slab, and only theirs")
+    return f"{num_cases} seeded batches agree with ContinuousScheduler.finish"
+
+
+# Named scenarios first (each stresses one rule), then random ones. A scenario is
+# (name, max_num_seqs, max_num_batched_tokens, num_slabs, [(prompt_len, max_tokens, arrival_s), ...]).
+NAMED_SCENARIOS = [
+    ("max_num_seqs caps the batch", 2, 256, 6, [(5, 4, 0.0)] * 6),
+    ("the token budget caps a step", 8, 64, 8, [(40, 3, 0.0), (30, 3, 0.0), (20, 2, 0.0), (50, 2, 0.0)]),
+    ("the KV pool can say no", 8, 256, 2, [(6, 5, 0.0), (7, 3, 0.0), (8, 4, 0.0), (3, 2, 0.0)]),
+    ("oldest first: no overtaking", 8, 64, 8, [(10, 6, 0.0)] * 3 + [(62, 2, 0.0005), (3, 2, 0.0005)]),
+    ("seats are reused at once", 2, 256, 2, [(4, 2, 0.0), (4, 6, 0.0), (5, 2, 0.0), (6, 3, 0.0), (4, 2, 0.004)]),
+    ("running requests first, budget exactly spent", 4, 64, 4, [(30, 9, 0.0), (34, 4, 0.0), (20, 3, 0.0015),
+                                                              (62, 2, 0.0015), (1, 2, 0.003)]),
+]
+
+
+def _random_scenario(seed):
+    rng = random.Random(seed)
+    requests = [(rng.randint(1, 52), rng.randint(1, 12), round(rng.uniform(0, 0.02), 4))
+                for _ in range(rng.randint(1, 24))]
+    return (f"random scenario {seed}", rng.randint(1, 8), rng.choice([64, 80, 128, 256]), rng.randint(1, 8),
+            requests)
+
+
+def run_plans(make_scheduler, scenario):
+    """Replays one scenario through the real engine loop; returns every step's plan."""
+    _, max_num_seqs, budget, num_slabs, requests = scenario
+    config = EngineConfig(batching="continuous", kv_layout="slab", max_num_seqs=max_num_seqs,
+                          max_model_len=64, max_num_batched_tokens=budget).resolve(TOY_MODEL.max_position_embeddings)
+    kv = SlabKVManager(1, 1, 8, num_slabs=num_slabs, slab_len=64, allocate_pool=False)
+    executor = StandInExecutor()
+    engine = LLMEngine(TOY_MODEL, config, kv=kv, scheduler=make_scheduler(config, kv), executor=executor,
+                       clock=SimClock())
+    engine.expect_more_requests = False
+    for i, (prompt_len, max_tokens, arrival) in enumerate(requests):
+        engine.add_request({"prompt_token_ids": [5] * prompt_len}, request_id=f"r{i}", arrival_time=arrival,
+                           params=SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    for _ in range(2_000):
+        if not engine.has_unfinished():
+            break
+        before = engine.num_steps
+        engine.step()
+        if engine.num_steps == before:
+            engine.wait_for_work()
+    if engine.has_unfinished():
+        raise Fail(f"the engine stalled with {len(engine.requests)} unfinished request(s)")
+    return executor.plans
+
+
+def _compare_plans(make_scheduler, num_random, what):
+    scenarios = NAMED_SCENARIOS + [_random_scenario(seed) for seed in range(num_random)]
+    for scenario in scenarios:
+        expected = run_plans(ContinuousScheduler, scenario)
+        with forbid(ContinuousScheduler):
+            try:
+                plans = run_plans(make_scheduler, scenario)
+            except Fail as failure:
+                raise Fail(f"{scenario[0]}: {failure}") from None
+            except Exception as error:  # noqa: BLE001
+                raise Fail(f"{scenario[0]}: {type(error).__name__}: {error}") from None
+        limits = f"max_num_seqs={scenario[1]}, budget={scenario[2]}, slabs={scenario[3]}"
+        for step, (mine, ref) in enumerate(zip(plans + [None] * len(expected), expected)):
+            if mine != ref:
+                raise Fail(f"{scenario[0]} ({limits}), step {step}: {what} planned {mine}, "
+                           f"ContinuousScheduler {ref} (request ids, new tokens, statuses, admitted)")
+        if len(plans) != len(expected):
+            raise Fail(f"{scenario[0]}: {len(plans)} steps, ContinuousScheduler took {len(expected)}")
+    return len(scenarios)
+
+
+class AdmitHarness(SchedulerBase):
+    """A continuous scheduler that is the course's in everything but `admit`: task 2 grades the
+    learner's `admit` alone, before the learner's own `schedule` exists."""
+
+    def __init__(self, config, kv):
+        self.config, self.kv = config, kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add_request(self, request):
+        self.waiting.append(request)
+
+    @property
+    def num_waiting(self):
+        return len(self.waiting)
+
+    @property
+    def num_running(self):
+        return len(self.running)
+
+    def next_wakeup(self, now):
+        return None
+
+    def has_request(self, request_id):
+        return any(r.request_id == request_id for r in (*self.waiting, *self.running))
+
+    def finish(self, request):
+        for req in [r for r in self.running if r.status.finished]:
+            self.kv.free(req)
+        self.running = [r for r in self.running if not r.status.finished]
+
+    def rollback(self, plan):
+        raise RuntimeError("the stand-in executor never fails a step")
+
+    def abort(self, request_id):
+        return None
+
+    def schedule(self, now, more_arrivals=True):
+        budget, rows = self.config.max_num_batched_tokens, []
+        for req in self.running:
+            n = req.num_tokens - req.num_computed_tokens
+            if n > budget:
+                break
+            self.kv.allocate(req, n)
+            rows.append((req, n))
+            budget -= n
+        admitted = list(self.admit(budget))
+        rows += [(req, n) for req, n in admitted]
+        if not rows:
+            return None
+        rows.sort(key=lambda row: not (row[1] == 1 and row[0].num_computed_tokens))
+        return ScheduledBatch([r for r, _ in rows], [n for _, n in rows],
+                              admitted=[(req, RequestStatus.WAITING) for req, _ in admitted])
+
+
+@task(2, "admit")
+def check_task_2(scheduler_class, num_random: int = 64) -> str:
+    refuse_subclass(scheduler_class, ContinuousScheduler)
+    if "admit" not in {name for klass in scheduler_class.__mro__ for name in vars(klass)}:
+        raise Fail(f"{scheduler_class.__name__} has no admit method")
+    probe = type("YourAdmit", (AdmitHarness, scheduler_class), {})  # the harness's step, your admit
+    count = _compare_plans(probe, num_random, "your admit")
+    return f"{count} seeded traces, every step's admissions identical to ContinuousScheduler's"
+
+
+@task(3, "the whole step")
+def check_task_3(scheduler_class, num_random: int = 64) -> str:
+    refuse_subclass(scheduler_class, ContinuousScheduler)
+    count = _compare_plans(scheduler_class, num_random, "your schedule")
+    return f"{count} seeded traces, every step's plan identical to ContinuousScheduler's"
+
+
+PROMPTS = ["Once upon a time", "The little robot", "In the morning the market", "She opened the door and",
+           "A long time ago", "The rain fell on", "He looked at the map", "Every evening the old man",
+           "The train was late", "Under the bridge", "They walked to the river", "The garden was quiet"]
+OUTPUT_LENS = [24, 3, 40, 9, 16, 2, 31, 12, 6, 20, 4, 27]
+ENGINE_KNOBS = dict(max_num_seqs=4, max_model_len=256, kv_layout="slab")
+
+
+def _engine_run(llm):
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in OUTPUT_LENS]
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)  # all requests waiting at t = 0
+    steps = llm.engine.metrics.steps
+    return [o.outputs[0].token_ids for o in outputs], len(steps), sum(s.num_computed_tokens for s in steps)
+
+
+@task(4, "real engine")
+def check_task_4(make_llm, scheduler_class) -> list[str]:
+    refuse_subclass(scheduler_class, ContinuousScheduler)
+    ref_tokens, ref_steps, ref_computed = _engine_run(LLM(BUNDLED_TARGET, batching="continuous", **ENGINE_KNOBS))
+    with forbid(ContinuousScheduler):
+        llm = make_llm(**ENGINE_KNOBS)
+        used = type(llm.engine.scheduler).__name__
+        if not isinstance(llm.engine.scheduler, scheduler_class):
+            raise Fail(f"the engine runs {used}, not your {scheduler_class.__name__}")
+        tokens, steps, computed = _engine_run(llm)
+    lines = [f"scheduler in the engine: {used}",
+             f"greedy outputs identical to minillm's continuous engine: {tokens == ref_tokens}",
+             f"engine steps: yours {steps}, minillm {ref_steps}",
+             f"tokens computed: yours {computed}, minillm {ref_computed}"]
+    if (tokens, steps, computed) != (ref_tokens, ref_steps, ref_computed):
+        raise Fail("your engine run differs from minillm's: " + "; ".join(lines[1:]))
+    return lines

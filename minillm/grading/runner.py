@@ -1,0 +1,263 @@
+"""Grade one learner notebook against its solution: what `make grade` runs (see minillm.grading).
+
+`compose()` rebuilds the notebook to run: the learner's cells (those holding a `# BEGIN SOLUTION`
+region in the solution, matched by cell id) from the learner's notebook, every other cell from the
+solution. `grade()` runs that plan in a fresh Python process (`python -m minillm.grading.runner`),
+which imports the exercise's grading module before any learner code runs, executes the cells with
+plain `exec`, and at each graded cell calls the check it captured, on the objects the graded
+cell's call names. The verdicts come back as JSON, never as printed text.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# The markers of tools/build_exercises.py (the one tool that writes exercises).
+_BEGIN = re.compile(r"^[ \t]*#\s*BEGIN SOLUTION\s*$", re.MULTILINE)
+_GRADED = re.compile(r"^[ \t]*#\s*NBVAL_CHECK_OUTPUT\s*$", re.MULTILINE)
+_NUMBER = re.compile(r"^ex(\d\d)_")
+CELL_TIME_LIMIT_S = 300
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+class GradingSetupError(ValueError):
+    """The solution or the learner notebook cannot be graded (not the learner's answer being wrong)."""
+
+
+def _source(cell: dict) -> str:
+    source = cell.get("source", "")
+    return "".join(source) if isinstance(source, list) else source
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise GradingSetupError(f"{path}: cannot read the notebook: {error}") from error
+
+
+def grader_module_for(notebook: Path) -> str:
+    match = _NUMBER.match(Path(notebook).name)
+    if not match:
+        raise GradingSetupError(f"{notebook}: an exercise is named exNN_topic.ipynb")
+    return f"minillm.grading.ex{match[1]}"
+
+
+def parse_graded_call(source: str, where: str) -> tuple[int, list[str]]:
+    """`grader.check_task_N(a, b)` -> (N, ["a", "b"]): the task and the argument expressions."""
+    try:
+        body = ast.parse(source).body
+    except SyntaxError as error:
+        raise GradingSetupError(f"{where}: graded cell does not parse: {error}") from error
+    calls = [node.value for node in body if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)]
+    ok = (len(body) == 1 and len(calls) == 1 and isinstance(calls[0].func, ast.Attribute)
+          and isinstance(calls[0].func.value, ast.Name) and calls[0].func.value.id == "grader"
+          and re.fullmatch(r"check_task_\d+", calls[0].func.attr) and not calls[0].keywords)
+    if not ok:
+        raise GradingSetupError(f"{where}: a graded cell holds one call `grader.check_task_N(name, ...)`, "
+                                f"not:\n{source}")
+    call = calls[0]
+    return int(call.func.attr.rsplit("_", 1)[1]), [ast.unparse(arg) for arg in call.args]
+
+
+@dataclass
+class Plan:
+    grader: str
+    cells: list[dict[str, Any]]  # {"kind": "setup" | "learner" | "graded", "source", "where", ...}
+    notes: list[str] = field(default_factory=list)
+
+
+def compose(solution_path: Path, learner_path: Path) -> Plan:
+    """The cells to run: the learner's own cells, everything else from the solution."""
+    solution, learner = _read(solution_path), _read(learner_path)
+    learner_cells = {cell.get("id"): cell for cell in learner.get("cells", []) if cell.get("cell_type") == "code"}
+    cells, notes, used = [], [], set()
+    for index, cell in enumerate(solution.get("cells", [])):
+        if cell.get("cell_type") != "code":
+            continue
+        source, where = _source(cell), f"cell {index}"
+        if _GRADED.search(source):
+            number, args = parse_graded_call("\n".join(
+                line for line in source.splitlines() if not _GRADED.match(line)), f"{solution_path}: {where}")
+            cells.append({"kind": "graded", "task": number, "args": args, "where": where})
+            mine = learner_cells.get(cell.get("id"))
+            used.add(cell.get("id"))
+            if mine is not None and _source(mine) != source:
+                notes.append(f"{where} (graded) differs from the course's; the course's check was run")
+        elif _BEGIN.search(source):
+            mine = learner_cells.get(cell.get("id"))
+            used.add(cell.get("id"))
+            if mine is None:
+                notes.append(f"{where} (your code) is missing from your notebook (cell id {cell.get('id')})")
+                cells.append({"kind": "learner", "source": "raise NotImplementedError('this cell is missing')",
+                              "where": where})
+            else:
+                cells.append({"kind": "learner", "source": _source(mine), "where": where})
+        else:
+            mine = learner_cells.get(cell.get("id"))
+            used.add(cell.get("id"))
+            if mine is not None and _source(mine) != source:
+                notes.append(f"{where} (given code) differs from the course's; the course's was run")
+            cells.append({"kind": "setup", "source": source, "where": where})
+    extra = [cid for cid in learner_cells if cid not in used]
+    if extra:
+        notes.append(f"{len(extra)} code cell(s) you added were not run: only the cells that held a stub are yours")
+    if not any(cell["kind"] == "graded" for cell in cells):
+        raise GradingSetupError(f"{solution_path}: no graded cell")
+    return Plan(grader_module_for(solution_path), cells, notes)
+
+
+# --- the child process ---------------------------------------------------------------------------
+
+
+def _run_plan(plan: dict, result_file) -> None:
+    # Everything the loop needs is bound here, before any learner code runs.
+    import importlib
+
+    from minillm.grading import TaskResult, snapshot, tampered, tasks_of
+
+    dumps, write, flush, monotonic = json.dumps, result_file.write, result_file.flush, time.monotonic
+    grader = importlib.import_module(plan["grader"])
+    checks = tasks_of(grader)
+    before = snapshot()
+    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+    results, notes = [], []
+    for cell in plan["cells"]:
+        where = cell["where"]
+        if cell["kind"] == "graded":
+            number = cell["task"]
+            check = checks.get(number)
+            started = monotonic()
+            changed = tampered(before)
+            if check is None:
+                result = TaskResult(number, "?", False, [f"{plan['grader']} has no check for task {number}"])
+            elif changed:
+                shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+                result = TaskResult(number, check.grading_task[1], False,
+                                    [f"your code changed the grader or minillm ({shown}): graded as FAIL"])
+            else:
+                try:
+                    args = [eval(expression, namespace) for expression in cell["args"]]  # noqa: S307
+                except Exception as error:  # noqa: BLE001
+                    result = TaskResult(number, check.grading_task[1], False,
+                                        [f"the check needs {', '.join(cell['args'])}: {type(error).__name__}: {error}"])
+                else:
+                    result = check(*args)
+                    changed = tampered(before)  # learner code runs inside the check too
+                    if changed:
+                        result = TaskResult(number, check.grading_task[1], False,
+                                            [f"your code changed the grader or minillm ({', '.join(changed[:3])}) "
+                                             "while it was checked: graded as FAIL"])
+            entry = result.to_json()
+            entry["seconds"] = round(monotonic() - started, 2)
+            results.append(entry)
+            continue
+        previous = signal.signal(signal.SIGALRM, _cell_too_slow) if hasattr(signal, "SIGALRM") else None
+        if previous is not None:
+            signal.alarm(CELL_TIME_LIMIT_S)
+        try:
+            exec(compile(cell["source"], f"<{where}>", "exec"), namespace)  # noqa: S102
+        except BaseException as error:  # noqa: BLE001  (SystemExit and friends too)
+            owner = "your code" if cell["kind"] == "learner" else "given code"
+            notes.append(f"{where} ({owner}) raised {type(error).__name__}: {str(error)[:300]}")
+        finally:
+            if previous is not None:
+                signal.alarm(0)
+                signal.signal(signal.SIGALRM, previous)
+    write(dumps({"results": results, "notes": notes}))
+    flush()
+
+
+def _cell_too_slow(*_):
+    raise TimeoutError(f"the cell ran longer than {CELL_TIME_LIMIT_S} s")
+
+
+def child_main(argv: list[str]) -> int:
+    plan_path, result_path = argv
+    plan = json.loads(Path(plan_path).read_text(encoding="utf-8"))
+    os.chdir(plan["cwd"])
+    with open(result_path, "w", encoding="utf-8") as result_file:  # opened before learner code runs
+        _run_plan(plan, result_file)
+    return 0
+
+
+# --- the parent ----------------------------------------------------------------------------------
+
+
+@dataclass
+class GradeReport:
+    notebook: Path
+    results: list[dict[str, Any]]
+    notes: list[str]
+    output: str  # the child's stdout and stderr (the learner's prints, tracebacks)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.results) and all(r["passed"] for r in self.results)
+
+    def text(self) -> str:
+        lines = [f"{self.notebook}"]
+        for r in self.results:
+            lines.append(f"  task {r['task']} ({r['name']}): {'PASS' if r['passed'] else 'FAIL'}")
+            lines += [f"    {line}" for line in r["lines"]]
+        lines += [f"  note: {note}" for note in self.notes]
+        passed = sum(r["passed"] for r in self.results)
+        lines.append(f"  {passed}/{len(self.results)} task(s) pass")
+        return "\n".join(lines)
+
+
+def solution_for(learner_path: Path, solutions_dir: Path | None = None) -> Path:
+    solutions_dir = Path(solutions_dir or REPO_ROOT / "solutions")
+    solution = solutions_dir / Path(learner_path).name
+    if not solution.exists():
+        raise GradingSetupError(f"{learner_path}: no solution {solution} to grade it against")
+    return solution
+
+
+def grade(learner_path: Path, solution_path: Path | None = None, timeout_s: int = 900) -> GradeReport:
+    """Grade one notebook in a fresh process; the report lists every task's verdict."""
+    learner_path = Path(learner_path).resolve()
+    solution_path = Path(solution_path or solution_for(learner_path)).resolve()
+    plan = compose(solution_path, learner_path)
+    with tempfile.TemporaryDirectory(prefix="minillm-grade-") as tmp:
+        plan_path, result_path = Path(tmp) / "plan.json", Path(tmp) / "result.json"
+        plan_path.write_text(json.dumps({"grader": plan.grader, "cells": plan.cells,
+                                         "cwd": str(solution_path.parent)}), encoding="utf-8")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        env.setdefault("MPLBACKEND", "Agg")
+        command = [sys.executable, "-m", "minillm.grading.runner", str(plan_path), str(result_path)]
+        process = subprocess.Popen(command, env=env, text=True, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            output, _ = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+            output += f"\ngrading timed out after {timeout_s} s"
+        try:
+            data = json.loads(result_path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            data = {"results": [], "notes": [f"grading did not finish (exit status {process.returncode}); "
+                                             f"last output:\n{output[-2000:]}"]}
+    tasks = sorted({cell["task"] for cell in plan.cells if cell["kind"] == "graded"})
+    got = {r["task"] for r in data["results"]}
+    results = data["results"] + [{"task": t, "name": "?", "passed": False, "lines": ["not graded"]}
+                                 for t in tasks if t not in got]
+    return GradeReport(learner_path, results, plan.notes + data["notes"], output)
+
+
+if __name__ == "__main__":
+    sys.exit(child_main(sys.argv[1:]))

@@ -1,0 +1,60 @@
+"""Known-wrong answers to exercise 04 (continuous scheduler): see tests/known_wrong/__init__.py."""
+
+from known_wrong import Mutant
+
+KNOWN_WRONG = [
+    # task 1: retire
+    Mutant(1, "keeps finished requests' slabs", edits=(("            kv.free(req)\n        else:", "            pass\n        else:"),),
+           expect="KV slabs held"),
+    Mutant(1, "keeps the finished requests running", edits=(("        if req.status.finished:\n            kv.free(req)",
+                                                            "        if req.status.finished:\n            kv.free(req)\n            still_running.append(req)"),),
+           expect="kept"),
+    Mutant(1, "delegates to ContinuousScheduler.finish", code=(
+        "from minillm.scheduler.continuous import ContinuousScheduler as _Ref\n"
+        "from minillm.config import EngineConfig as _EC\n"
+        "def retire(running, kv):\n"
+        "    s = _Ref(_EC(kv_layout='slab').resolve(256), kv); s.running = list(running)\n"
+        "    for r in list(running):\n"
+        "        if r.status.finished: s.finish(r)\n"
+        "    return s.running\n"), expect="reference ContinuousScheduler"),
+    # task 2: admit
+    Mutant(2, "admission overtakes", code=(
+        "def _admit(self, budget):\n"
+        "    admitted = []\n"
+        "    for req in list(self.waiting):\n"
+        "        if len(self.running) >= self.config.max_num_seqs:\n"
+        "            break\n"
+        "        n = req.num_tokens - req.num_computed_tokens\n"
+        "        if n > budget or not self.kv.allocate(req, n):\n"
+        "            continue  # a shorter one behind it may fit\n"
+        "        self.waiting.remove(req)\n"
+        "        req.status = RequestStatus.RUNNING\n"
+        "        self.running.append(req)\n"
+        "        admitted.append((req, n))\n"
+        "        budget -= n\n"
+        "    return admitted\n"
+        "LearnerScheduler.admit = _admit\n"), expect="your admit planned"),
+    Mutant(2, "ignores the seat limit", edits=(("while self.waiting and len(self.running) < self.config.max_num_seqs:",
+                                                "while self.waiting:"),), expect="max_num_seqs caps the batch"),
+    Mutant(2, "budget never shrinks", edits=(("            admitted.append((req, n))\n            budget -= n",
+                                              "            admitted.append((req, n))"),), expect="the token budget caps a step"),
+    Mutant(2, "delegates: inherits ContinuousScheduler", code=(
+        "from minillm.scheduler.continuous import ContinuousScheduler\n"
+        "class LearnerScheduler(ContinuousScheduler):\n    pass\n"), expect="inherits from the reference ContinuousScheduler"),
+    # task 3: the whole step
+    Mutant(3, "a one-token prompt counted as a decode row", edits=(("key=lambda j: not (counts[j] == 1 and scheduled[j].num_computed_tokens)",
+                                                                     "key=lambda j: not counts[j] == 1"),)),
+    Mutant(3, "newcomers missing from admitted=", edits=(("admitted=[(req, RequestStatus.WAITING) for req, _ in admitted])",
+                                                          "admitted=[])"),)),
+    Mutant(3, "an empty batch instead of None", edits=(("        if not scheduled:\n            return None\n", ""),)),
+    Mutant(3, "running requests do not draw on the budget", edits=(("            counts.append(n)\n            budget -= n\n        # 2.",
+                                                                     "            counts.append(n)\n        # 2."),)),
+    Mutant(3, "delegates to ContinuousScheduler.schedule", code=(
+        "from minillm.scheduler.continuous import ContinuousScheduler as _Ref\n"
+        "def _schedule(self, now, more_arrivals=True):\n    return _Ref.schedule(self, now, more_arrivals)\n"
+        "LearnerScheduler.schedule = _schedule\n"), expect="reference ContinuousScheduler"),
+    # task 4: the real engine
+    Mutant(4, "the engine's own scheduler", edits=(("scheduler_factory=lambda config, kv: LearnerScheduler(config, kv), ", ""),),
+           expect="reference ContinuousScheduler"),
+    Mutant(4, "drops the knobs", edits=(("LearnerScheduler(config, kv), **knobs)", "LearnerScheduler(config, kv))"),)),
+]
