@@ -1,0 +1,164 @@
+"""Bad input, overload and auth against a real server: each answer has its HTTP status and vLLM's
+error body {"error": {"message", "type", "param", "code"}} naming the problem; nothing kills it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from test_server import running_server
+
+KEY = "sesame"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(api_key=KEY, max_num_queued_reqs=2, max_model_len=MAX_MODEL_LEN) as (url, app):
+        yield url, app
+
+
+def ok_completion(**over):
+    return {"model": "minillm", "prompt": "In the beginning", "max_tokens": 4, **over}
+
+
+def ok_chat(**over):
+    return {"model": "minillm", "messages": [{"role": "user", "content": "Speak"}], "max_tokens": 4, **over}
+
+
+# (case, path, body (dict or raw bytes), status, param, fragments the message must contain)
+BAD_INPUT = [
+    ("malformed JSON", "completions", b'{"prompt": "x",', 400, None, ["not valid JSON"]),
+    ("body not an object", "completions", b'["x"]', 400, None, ["valid dictionary"]),
+    ("max_tokens wrong type", "completions", ok_completion(max_tokens="ten"), 400, "max_tokens",
+     ["max_tokens", "integer"]),
+    ("temperature wrong type", "completions", ok_completion(temperature="hot"), 400, "temperature",
+     ["temperature", "number"]),
+    ("stream wrong type", "completions", ok_completion(stream="yes"), 400, "stream", ["stream", "boolean"]),
+    ("missing prompt", "completions", {"model": "minillm", "max_tokens": 4}, 400, "prompt",
+     ["prompt: field required"]),
+    ("missing messages", "chat/completions", {"model": "minillm"}, 400, "messages", ["messages: field required"]),
+    ("unknown model", "completions", ok_completion(model="gpt-5"), 404, "model", ["gpt-5", "does not exist"]),
+    ("unknown model (chat)", "chat/completions", ok_chat(model="gpt-5"), 404, "model", ["gpt-5"]),
+    ("negative max_tokens", "completions", ok_completion(max_tokens=-5), 400, "max_tokens",
+     ["max_tokens", "greater than or equal to 1"]),
+    ("zero max_tokens (chat)", "chat/completions", ok_chat(max_tokens=0), 400, "max_tokens",
+     ["max_tokens", "greater than or equal to 1"]),
+    ("huge max_tokens", "completions", ok_completion(max_tokens=10**9), 400, "max_tokens",
+     [f"maximum context length is {MAX_MODEL_LEN}", "max_tokens must be at most"]),
+    ("huge max_tokens (chat)", "chat/completions", ok_chat(max_tokens=10**6), 400, "max_tokens",
+     [f"{MAX_MODEL_LEN}", "max_tokens"]),
+    ("top_p zero", "completions", ok_completion(top_p=0.0), 400, "top_p", ["top_p", "greater than 0"]),
+    ("top_p above one", "completions", ok_completion(top_p=1.5), 400, "top_p", ["top_p", "less than or equal to 1"]),
+    ("negative temperature", "completions", ok_completion(temperature=-0.1), 400, "temperature",
+     ["temperature", "greater than or equal to 0"]),
+    ("negative temperature (chat)", "chat/completions", ok_chat(temperature=-1), 400, "temperature",
+     ["temperature"]),
+    ("prompt longer than max_model_len", "completions", ok_completion(prompt=[5] * (MAX_MODEL_LEN + 10)), 400,
+     "prompt", [f"maximum context length is {MAX_MODEL_LEN}", f"{MAX_MODEL_LEN + 10} tokens"]),
+    ("messages longer than max_model_len", "chat/completions",
+     ok_chat(messages=[{"role": "user", "content": "and " * 400}]), 400, "messages",
+     [f"maximum context length is {MAX_MODEL_LEN}", "messages"]),
+    ("stream_options without stream", "completions", ok_completion(stream_options={"include_usage": True}), 400,
+     None, ["stream_options", "stream is true"]),
+    ("stream_options without stream (chat)", "chat/completions", ok_chat(stream_options={"include_usage": True}),
+     400, None, ["stream_options"]),
+    ("token id outside the vocabulary", "completions", ok_completion(prompt=[5, 999999]), 400, "prompt",
+     ["999999", "vocabulary"]),
+    ("n zero", "completions", ok_completion(n=0), 400, "n", ["n", "greater than or equal to 1"]),
+    ("logprobs too many", "completions", ok_completion(logprobs=50), 400, "logprobs", ["logprobs", "20"]),
+    ("bad role", "chat/completions", ok_chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages",
+     ["role"]),
+    ("presence_penalty out of range", "completions", ok_completion(presence_penalty=3), 400, "presence_penalty",
+     ["presence_penalty", "less than or equal to 2"]),
+    ("repetition_penalty zero", "completions", ok_completion(repetition_penalty=0), 400, "repetition_penalty",
+     ["repetition_penalty", "greater than 0"]),
+    ("empty prompt", "completions", ok_completion(prompt=""), 400, "prompt", ["prompt is empty"]),
+]
+
+
+@pytest.mark.parametrize("case, path, body, status, param, fragments", BAD_INPUT, ids=[c[0] for c in BAD_INPUT])
+def test_bad_input_gets_its_status_and_a_message_naming_the_problem(server, case, path, body, status, param,
+                                                                    fragments):
+    url, _ = server
+    kwargs = {"content": body, "headers": {**AUTH, "content-type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body, "headers": AUTH}
+    r = httpx.post(f"{url}/v1/{path}", timeout=30, **kwargs)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == status and err["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
+    for fragment in fragments:
+        assert fragment in err["message"], (fragment, err["message"])
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_the_server_still_answers_after_every_bad_request(server):
+    url, _ = server
+    assert httpx.get(url + "/health").status_code == 200
+    r = httpx.post(url + "/v1/completions", json=ok_completion(temperature=0.0), headers=AUTH, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_api_key_is_required_on_v1_routes(server):
+    import openai
+
+    url, _ = server
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(url + "/v1/completions", json=ok_completion(), headers=headers, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == 401, headers
+        assert "API key" in r.json()["error"]["message"]
+    assert httpx.get(url + "/v1/models").status_code == 401
+    assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    good = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    assert good.completions.create(model="minillm", prompt="In", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_overload_answers_503_with_retry_after_at_once(server):
+    """Cap 2 (waiting + running). The engine thread is held between steps (a command that waits on
+    an event), so two requests stay in flight whatever the machine's speed; a third is refused at
+    once, and with the openai client it surfaces only with max_retries=0 (the default retries twice)."""
+    import openai
+
+    url, app = server
+    client = app.state.client
+    gate = threading.Event()
+    client.engine.call_soon(lambda: gate.wait(60))
+    results = []
+
+    def post():
+        results.append(httpx.post(url + "/v1/completions", json=ok_completion(temperature=0.0), headers=AUTH,
+                                  timeout=60))
+
+    threads = [threading.Thread(target=post) for _ in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while client.num_in_flight < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        refused = httpx.post(url + "/v1/completions", json=ok_completion(), headers=AUTH, timeout=30)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        err = refused.json()["error"]
+        assert err["code"] == 503 and err["type"] == "ServiceUnavailableError"
+        assert "--max-num-queued-reqs=2" in err["message"]
+        n2 = httpx.post(url + "/v1/chat/completions", json=ok_chat(n=2), headers=AUTH, timeout=30)
+        assert n2.status_code == 503
+        with pytest.raises(openai.APIStatusError) as info:
+            openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0).completions.create(
+                model="minillm", prompt="In", max_tokens=2)
+        assert info.value.status_code == 503
+    finally:
+        gate.set()
+        for t in threads:
+            t.join(60)
+    assert [r.status_code for r in results] == [200, 200]  # the two held requests were served
+    assert client.num_in_flight == 0
+    r = httpx.post(url + "/v1/completions", json=ok_completion(), headers=AUTH, timeout=30)
+    assert r.status_code == 200
