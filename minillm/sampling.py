@@ -95,7 +95,9 @@ def sampled_logprobs(logits: torch.Tensor, requests: list[Request], tokens: list
     out: list[list[dict] | None] = [None] * len(requests)
     if not wanted:
         return out
-    logp = torch.log_softmax(logits[wanted].float(), dim=-1)
+    rows = logits[wanted]
+    # In the model's precision, at least float32 (a float64 engine reports float64 logprobs).
+    logp = torch.log_softmax(rows if rows.dtype in (torch.float32, torch.float64) else rows.float(), dim=-1)
     k = max(requests[i].params.logprobs for i in wanted)
     top_vals, top_ids = logp.topk(k, dim=-1) if k else (None, None)
     chosen = logp.gather(1, torch.tensor([[tokens[i]] for i in wanted], device=logits.device)).squeeze(1)
