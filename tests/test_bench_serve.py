@@ -353,3 +353,55 @@ def test_cli_flags_build_the_config(tmp_path) -> None:
                                      "--extra-body", "[1]"])
     with pytest.raises(ValueError, match="JSON object"):
         config_from_args(bad)
+
+
+# ----------------------------------------------------------------------------- against the real server
+
+
+def _scrape(url: str, name: str) -> float:
+    """Sum of one metric's samples on the server's /metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics").text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
+
+
+@pytest.mark.slow
+def test_bench_serve_against_minillm_serve(tmp_path, capsys) -> None:
+    from test_server import running_server
+
+    from minillm.cli import main
+
+    with running_server(max_num_seqs=4) as (url, _app):
+        generated_before = _scrape(url, "vllm:generation_tokens_total")
+        rc = main(["bench", "serve", "--base-url", url, "--model", "minillm", "--num-prompts", "12",
+                   "--random-input-len", "16", "--random-output-len", "8", "--ignore-eos", "--max-concurrency", "6",
+                   "--goodput", "ttft:600000", "tpot:600000", "--metric-percentiles", "50,99", "--disable-tqdm",
+                   "--save-result", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")])
+        generated = _scrape(url, "vllm:generation_tokens_total") - generated_before
+        chat = run_benchmark(BenchConfig(base_url=url, model="minillm", backend="openai-chat", num_prompts=3,
+                                         random_input_len=8, random_output_len=5, ignore_eos=True, disable_tqdm=True))
+        ids = run_benchmark(BenchConfig(base_url=url, model="minillm", prompt_format="ids", num_prompts=3,
+                                        random_input_len=8, random_output_len=5, ignore_eos=True, disable_tqdm=True))
+        wrong_model = BenchConfig(base_url=url, model="no-such-model", num_prompts=2, disable_tqdm=True)
+        with pytest.raises(ValueError, match="initial test request .* failed: HTTP 404"):
+            run_benchmark(wrong_model)
+        assert _scrape(url, "vllm:num_requests_running") == 0
+    assert rc == 0
+    report = capsys.readouterr().out
+    for label in ("Successful requests:", "Benchmark duration (s):", "Request throughput (req/s):",
+                  "Request goodput (req/s):", "Output token throughput (tok/s):", "Total Token throughput (tok/s):",
+                  "Mean TTFT (ms):", "Median TPOT (ms):", "P99 ITL (ms):", "P50 E2EL (ms):"):
+        assert label in report, label
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert (result["completed"], result["failed"]) == (12, 0)
+    assert result["output_lens"] == [8] * 12  # ignore_eos: exactly max_tokens, as the server's usage says
+    # The server counted the same tokens: 12 requests and the initial test request, 8 each.
+    assert generated == 13 * 8
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])  # SLOs nobody misses
+    assert result["max_concurrent_requests"] <= 6
+    assert all(1 <= len(gaps) <= 7 for gaps in result["itls"])  # at most one gap per token after the first
+    assert all(t > 0 for t in result["ttfts"]) and result["mean_ttft_ms"] <= result["mean_e2el_ms"]
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+    assert chat.metrics.completed == 3 and chat.metrics.total_output_tokens == 15
+    assert ids.metrics.completed == 3 and all(o.generated_text for o in ids.outcomes)
