@@ -60,6 +60,7 @@ from minillm.scheduler.static import StaticScheduler
 logger = logging.getLogger("minillm.engine")
 
 OutputSink = Callable[[RequestOutput], None]
+STEP_FAILED = "engine step failed"  # how RequestOutput.error begins when a step failed (else: a refused prompt)
 
 
 def make_kv_manager(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype = torch.float32,
@@ -297,7 +298,7 @@ class LLMEngine:
                 self.step()
             except Exception as err:  # noqa: BLE001 - the loop must survive any one step
                 logger.exception("engine step failed; aborting the requests it held")
-                self._abort_all(f"engine step failed: {type(err).__name__}: {err}")
+                self._abort_all(f"{STEP_FAILED}: {type(err).__name__}: {err}")
                 continue
             if self.num_steps == steps_before:  # nothing could run: sleep until a timer or a command
                 now = self.clock.now()

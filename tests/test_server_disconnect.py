@@ -117,3 +117,35 @@ def test_nothing_grows_with_uptime(server):
     assert len(engine.metrics.steps) <= 256
     assert client.snapshot() == {"num_in_flight": 0, "num_streams": 0}
     assert len(engine.scheduler.waiting) == 0 and len(engine.scheduler.running) == 0
+
+
+def test_a_non_streamed_request_whose_client_left_is_aborted(server):
+    """The engine thread is held (a command waiting on an event) so the request cannot finish
+    before its client gives up; the server notices the hang-up and aborts it."""
+    import threading
+
+    url, app = server
+    client = app.state.client
+    before = scrape(url)
+    gate = threading.Event()
+    client.engine.call_soon(lambda: gate.wait(60))
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json={"prompt": "In the beginning", "max_tokens": 200,
+                                                      "ignore_eos": True}, timeout=0.3)
+        # The handler polls for a hang-up every 0.5 s while it has no output; then it queues the
+        # abort behind the add, both waiting in the held engine's inbox.
+        deadline = time.monotonic() + 30
+        while client.engine.inbox.qsize() < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert client.engine.inbox.qsize() == 2
+    finally:
+        gate.set()
+    deadline = time.monotonic() + 30
+    while client.num_in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = scrape(url)
+    key = 'vllm:request_success_total{{finished_reason="{}",model_name="minillm"}}'
+    assert after[key.format("abort")] - before[key.format("abort")] == 1
+    assert after[key.format("length")] == before[key.format("length")]
+    assert client.num_in_flight == 0

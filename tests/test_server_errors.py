@@ -162,3 +162,27 @@ def test_overload_answers_503_with_retry_after_at_once(server):
     assert client.num_in_flight == 0
     r = httpx.post(url + "/v1/completions", json=ok_completion(), headers=AUTH, timeout=30)
     assert r.status_code == 200
+
+
+def test_a_failing_engine_step_fails_its_requests_not_the_server(server):
+    """A step that raises (a bug, out of memory) is rolled back; the requests it held end with an
+    error in their answer, and the next request is served normally."""
+    url, app = server
+    engine = app.state.client.engine
+    real_execute = engine.executor.execute
+    calls = []
+
+    def fail_once(plan):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected failure")
+        return real_execute(plan)
+
+    engine.call_soon(lambda: setattr(engine.executor, "execute", fail_once))
+    try:
+        r = httpx.post(url + "/v1/completions", json=ok_completion(), headers=AUTH, timeout=30)
+        assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
+        ok = httpx.post(url + "/v1/completions", json=ok_completion(temperature=0.0), headers=AUTH, timeout=30)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+    finally:
+        engine.call_soon(lambda: setattr(engine.executor, "execute", real_execute))

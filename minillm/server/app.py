@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from minillm.engine import STEP_FAILED
 from minillm.llm import chat_prompt_ids
 from minillm.request import RequestOutput
 from minillm.server.engine_client import EngineClient, EngineOverloaded, Stream
@@ -100,6 +101,11 @@ def create_app(llm, *, served_model_name: str = "minillm", api_key: str | None =
         return await server.chat(body, request)
 
     return app
+
+
+def _error_status(error: str) -> int:
+    """A failed engine step is the server's fault (500); a prompt the engine refused is the client's (400)."""
+    return 500 if error.startswith(STEP_FAILED) else 400
 
 
 class _Server:
@@ -262,7 +268,7 @@ class _Server:
                     continue
                 index, out = got
                 if out.error is not None:
-                    raise APIError(500 if out.outputs[0].token_ids else 400, out.error)
+                    raise APIError(_error_status(out.error), out.error)
                 finals[index] = out
         finally:
             stream.close()
@@ -291,7 +297,7 @@ class _Server:
                         yield frame({**base, "choices": [first], **({"usage": None} if include_usage else {})})
                 async for index, out in stream:
                     if out.error is not None:
-                        yield frame(error_body(500 if out.outputs[0].token_ids else 400, out.error))
+                        yield frame(error_body(_error_status(out.error), out.error))
                         break
                     c = out.outputs[0]
                     generated[index] += len(c.token_ids)

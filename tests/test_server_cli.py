@@ -1,0 +1,77 @@
+"""`python -m minillm serve` as a learner starts it: flags with vLLM's names, 127.0.0.1 by default,
+MINILLM_API_KEY from the environment, a clear error for a bad flag."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from minillm.server.serve import engine_knobs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse(*argv):
+    from minillm.cli import build_parser
+
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_engine_flags_use_vllm_names():
+    args = parse("--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--block-size", "8",
+                 "--enable-prefix-caching", "--max-model-len", "256",
+                 "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    assert engine_knobs(args) == {"max_num_seqs": 8, "max_num_batched_tokens": 512, "block_size": 8,
+                                  "enable_prefix_caching": True, "max_model_len": 256,
+                                  "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+    assert parse().host == "127.0.0.1" and parse().port == 8000
+    with pytest.raises(ValueError, match="--speculative-config must be JSON"):
+        engine_knobs(parse("--speculative-config", "{ngram"))
+
+
+@pytest.mark.slow
+def test_python_dash_m_minillm_serve_starts_and_answers():
+    port = free_port()
+    env = {**os.environ, "MINILLM_API_KEY": "k", "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--port", str(port), "--max-model-len", "128",
+                             "--max-num-seqs", "2", "--served-model-name", "toy"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        url = f"http://127.0.0.1:{port}/v1"
+        assert httpx.get(url + "/models").status_code == 401  # the key came from MINILLM_API_KEY
+        models = httpx.get(url + "/models", headers={"Authorization": "Bearer k"}).json()
+        assert [m["id"] for m in models["data"]] == ["toy"] and models["data"][0]["max_model_len"] == 128
+        r = httpx.post(url + "/completions", json={"model": "toy", "prompt": "In", "max_tokens": 3},
+                       headers={"Authorization": "Bearer k"}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert f"http://127.0.0.1:{port}/v1" in out
+
+
+def test_bad_flag_value_is_a_clear_error(capsys):
+    from minillm.cli import main
+
+    assert main(["serve", "--max-num-queued-reqs", "0"]) == 2
+    assert "--max-num-queued-reqs must be >= 1, got 0" in capsys.readouterr().err
