@@ -3,7 +3,9 @@
 Run by tests/test_kernels.py in a fresh process with NUMBA_ENABLE_CUDASIM=1 (the variable must be
 set before numba is first imported). Shapes are small and ragged: scattered block tables, partial
 last blocks, GQA, lengths 1 and block_size ± 1, -1 padding that must never be read. Also checks
-that the engine on attention_backend="numba" generates the torch backend's greedy tokens.
+that the engine on attention_backend="numba" generates the torch backend's greedy tokens, and that a
+decode step padded to a CUDA-graph bucket (minillm.kernels.cuda_graphs) leaves the real rows as
+they were.
 """
 
 from __future__ import annotations
@@ -115,4 +117,38 @@ numba_tokens = [o.outputs[0].token_ids for o in LLM(attention_backend="numba", *
                                                                                                   use_tqdm=False)]
 same = numba_tokens == torch_tokens
 print(f"{'PASS' if same else 'FAIL'} engine attention_backend='numba' == 'torch': {numba_tokens}")
-sys.exit(0 if same else 1)
+if not same:
+    sys.exit(1)
+
+# CUDA-graph buckets (minillm.kernels.cuda_graphs): a decode step padded to a bucket and to a wider
+# table gives the real rows the same logits and writes the same K/V (padding rows write nothing).
+from minillm.kernels.cuda_graphs import DecodeInputs, decode_forward, pad_decode_inputs, pick_bucket  # noqa: E402
+
+llm = LLM(attention_backend="numba", **knobs)
+for text in prompts:
+    llm.engine.add_request(text, params)
+llm.engine.step()  # the prompts' prefill; the next plan is a decode step of 3 sequences
+engine = llm.engine
+input_ids, positions, meta, _ = engine.executor.prepare(engine.scheduler.schedule(engine.clock.now()))
+assert meta.num_decode == len(prompts) == input_ids.shape[0], "expected a decode-only step"
+decode = DecodeInputs(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+model, kv = engine.executor.model, engine.kv
+pools = kv.k_pool.clone(), kv.v_pool.clone()
+want = decode_forward(model, kv.k_pool, kv.v_pool, decode, kv.block_size)
+written = kv.k_pool.clone(), kv.v_pool.clone()
+kv.k_pool.copy_(pools[0])
+kv.v_pool.copy_(pools[1])
+bucket = pick_bucket(decode.batch_size, (1, 2, 4, 8))
+padded = pad_decode_inputs(decode, bucket, decode.block_tables.shape[1] + 2, kv.null_block)
+got = decode_forward(model, kv.k_pool, kv.v_pool, padded, kv.block_size)
+# (a matmul over 4 rows may round differently from one over 3: equal within float32 noise, not bitwise)
+same_pool = all(torch.allclose(a, b, atol=1e-5, rtol=0) for a, b in zip((kv.k_pool, kv.v_pool), written))
+null = slice(kv.null_block * kv.block_size, (kv.null_block + 1) * kv.block_size)
+null_untouched = not kv.k_pool[:, null].any() and not kv.v_pool[:, null].any()
+err = (got[: decode.batch_size] - want).abs().max().item()
+ok = (bucket == 4 and got.shape[0] == 4 and err < 1e-4 and same_pool and null_untouched
+      and bool(torch.isfinite(got).all()))
+print(f"{'PASS' if ok else 'FAIL'} decode step padded {decode.batch_size} -> bucket {bucket}, table width "
+      f"{decode.block_tables.shape[1]} -> {padded.block_tables.shape[1]}: max |logit error| {err:.1e}, "
+      f"same K/V written: {same_pool}, null block still zero: {null_untouched}")
+sys.exit(0 if ok else 1)

@@ -9,10 +9,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO_ROOT
 
-from minillm import LLM
-from minillm.kernels import KERNELS
+from minillm.kernels import KERNELS, io_model
+from minillm.kernels.cuda_graphs import DecodeGraphs, DecodeInputs, pad_decode_inputs, pick_bucket
+from minillm.kernels.scenarios import paged_scenario
 
 
 def run(args: list[str], simulator: bool) -> subprocess.CompletedProcess:
@@ -28,7 +30,7 @@ def test_kernels_match_their_references_in_the_simulator_and_the_engine_agrees()
     proc = run([str(REPO_ROOT / "tests" / "kernel_checks.py")], simulator=True)
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert sum(line.startswith("PASS") for line in lines) == 7 and not any(line.startswith("FAIL") for line in lines)
+    assert sum(line.startswith("PASS") for line in lines) == 8 and not any(line.startswith("FAIL") for line in lines)
 
 
 @pytest.mark.slow
@@ -41,12 +43,93 @@ def test_every_kernel_compiles_to_ptx(cc):
     assert all(line.endswith("ok") and f"sm_{cc}" in line for line in lines)
 
 
+NO_SIMULATOR_SCRIPT = """
+import pytest
+from minillm import LLM
+llm = LLM(max_num_seqs=2, attention_backend="numba")
+with pytest.raises(RuntimeError, match="NUMBA_ENABLE_CUDASIM=1"):
+    llm.generate(["In the beginning"], use_tqdm=False)
+assert not llm.engine.has_unfinished() and llm.engine.kv.allocator.num_in_use == 0
+with pytest.raises(ValueError, match="attention_backend"):
+    LLM(attention_backend="triton")
+print("ok")
+"""
+
+
+@pytest.mark.slow
 def test_the_numba_backend_on_a_cpu_without_the_simulator_says_what_to_do():
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-        pytest.skip("this process runs the simulator")
-    llm = LLM(max_num_seqs=2, attention_backend="numba")
-    with pytest.raises(RuntimeError, match="NUMBA_ENABLE_CUDASIM=1"):
-        llm.generate(["In the beginning"], use_tqdm=False)
-    assert not llm.engine.has_unfinished() and llm.engine.kv.allocator.num_in_use == 0
-    with pytest.raises(ValueError, match="attention_backend"):
-        LLM(attention_backend="triton")
+    # A fresh process: this one may have imported numba under the simulator (exercise 10 does).
+    proc = run(["-c", NO_SIMULATOR_SCRIPT], simulator=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+def _decode_inputs(lens: list[int], width: int) -> DecodeInputs:
+    b = len(lens)
+    tables = torch.full((b, width), -1, dtype=torch.int32)
+    for i, n in enumerate(lens):
+        tables[i, : -(-n // 4)] = torch.arange(10 * i, 10 * i + -(-n // 4), dtype=torch.int32)
+    return DecodeInputs(torch.arange(100, 100 + b), torch.tensor(lens) - 1,
+                        torch.tensor([int(tables[i, (n - 1) // 4]) * 4 + (n - 1) % 4 for i, n in enumerate(lens)]),
+                        tables, torch.tensor(lens, dtype=torch.int32))
+
+
+def test_cuda_graph_buckets_pick_the_smallest_that_fits():
+    assert [pick_bucket(b, (1, 2, 4, 8)) for b in (1, 2, 3, 4, 5, 8)] == [1, 2, 4, 4, 8, 8]
+    assert pick_bucket(3, (8, 4, 2)) == 4  # order of the buckets does not matter
+    with pytest.raises(ValueError, match="largest captured bucket 8"):
+        pick_bucket(9, (1, 2, 4, 8))
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        pick_bucket(0)
+
+
+def test_padding_a_decode_step_to_a_bucket_keeps_real_rows_and_makes_padding_inert():
+    real = _decode_inputs([5, 1, 9], width=3)
+    padded = pad_decode_inputs(real, bucket=8, table_width=6, null_block=77)
+    assert padded.batch_size == 8 and padded.block_tables.shape == (8, 6)
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+        assert torch.equal(getattr(padded, name)[:3], getattr(real, name)), name
+    assert torch.equal(padded.block_tables[:3, :3], real.block_tables)
+    assert (padded.block_tables[:3, 3:] == -1).all()  # wider table: -1, never read (seq_lens unchanged)
+    # padding rows: token 0 at position 0, nothing written, one key read from the null block
+    assert padded.input_ids[3:].tolist() == [0] * 5 and padded.positions[3:].tolist() == [0] * 5
+    assert padded.slot_mapping[3:].tolist() == [-1] * 5 and padded.seq_lens[3:].tolist() == [1] * 5
+    assert padded.block_tables[3:, 0].tolist() == [77] * 5 and (padded.block_tables[3:, 1:] == -1).all()
+    assert padded.seq_lens.dtype == torch.int32 and padded.block_tables.dtype == torch.int32
+    with pytest.raises(ValueError, match="captured width 2"):
+        pad_decode_inputs(real, bucket=8, table_width=2, null_block=77)
+    with pytest.raises(ValueError, match="do not fit a bucket of 2"):
+        pad_decode_inputs(real, bucket=2, table_width=6, null_block=77)
+
+
+def test_decode_graphs_refuse_a_cpu_pool():
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        DecodeGraphs(model=None, k_pool=torch.zeros(1), v_pool=torch.zeros(1), block_size=4, null_block=0,
+                     max_blocks_per_seq=4)
+
+
+def test_flash_attention_io_count():
+    n, d, heads = 4096, 128, 32
+    assert io_model.tile_rows(d, 100 * 1024, 2) == 100  # M = 51200 fp16 numbers, / (4 * 128)
+    standard = io_model.attention_hbm_bytes(n, d, heads, 2, "standard")
+    assert standard == (4 * n * n + 4 * n * d) * heads * 2
+    tiled = io_model.attention_hbm_bytes(n, d, heads, 2, "tiled", block_rows=100)
+    assert tiled == (2 * n * d + 2 * n * d * 41) * heads * 2  # K and V re-read once per 100-row query tile
+    assert io_model.attention_hbm_bytes(n, d, heads, 2, "eager") > standard > tiled
+    assert io_model.score_matrix_bytes(16384, 32, 2) == 16384**2 * 64
+    with pytest.raises(ValueError, match="variant must be"):
+        io_model.attention_hbm_bytes(n, d, heads, 2, "flash")
+    with pytest.raises(ValueError, match="block_rows"):
+        io_model.attention_hbm_bytes(n, d, heads, 2, "tiled")
+
+
+def test_paged_scenarios_are_ragged_scattered_and_poisoned():
+    s = paged_scenario([1, 4, 5, 13], block_size=4, num_blocks=12, kv_heads=2, q_heads=4, head_dim=8, seed=3)
+    used = [int(x) for row in s.block_tables for x in row if x >= 0]
+    assert len(used) == 1 + 1 + 2 + 4 == len(set(used)) and 11 not in used  # the last block stays free
+    assert (s.block_tables[:, -1] == -1).all()  # one extra -1 column
+    assert s.key_cache[11].isnan().all() and s.key_cache[s.block_tables[2, 1], 1:].isnan().all()
+    assert not s.key_cache[s.block_tables[2, 1], 0].isnan().any()  # position 4 of the 5-token sequence
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        paged_scenario([3], block_size=4, num_blocks=4, kv_heads=3, q_heads=4, head_dim=8, seed=0)
+    with pytest.raises(ValueError, match="too small"):
+        paged_scenario([16], block_size=4, num_blocks=4, kv_heads=1, q_heads=1, head_dim=8, seed=0)
