@@ -1,0 +1,45 @@
+"""Known-wrong answers to exercise 06 (preemption): see tests/known_wrong/__init__.py."""
+
+from known_wrong import Mutant
+
+KNOWN_WRONG = [
+    # task 1: the victim
+    Mutant(1, "fcfs preempts the oldest", edits=(("    return running[-1]", "    return running[0]"),)),
+    Mutant(1, "priority ties go to the first admitted", edits=(("return max(reversed(running), key=lambda r: (r.priority, r.arrival_time))",
+                                                                "return max(running, key=lambda r: (r.priority, r.arrival_time))"),)),
+    Mutant(1, "priority preempts the most important", edits=(("return max(reversed(running), key=lambda r: (r.priority, r.arrival_time))",
+                                                              "return min(reversed(running), key=lambda r: (r.priority, r.arrival_time))"),)),
+    Mutant(1, "delegates to ContinuousScheduler._pick_victim", code=(
+        "from minillm.scheduler.continuous import ContinuousScheduler as _Ref\n"
+        "from minillm.config import EngineConfig as _EC\n"
+        "def pick_victim(running, policy):\n"
+        "    s = _Ref(_EC(scheduling_policy=policy).resolve(256), kv=None); s.running = running\n"
+        "    return s._pick_victim()\n"), expect="reference ContinuousScheduler._pick_victim"),
+    # task 2: preempt by recompute
+    Mutant(2, "the request's own count not kept", edits=(("        req.num_preemptions += 1\n", ""),), expect="num_preemptions"),
+    Mutant(2, "progress kept (num_computed_tokens not reset)", edits=(("        req.num_computed_tokens = 0\n", ""),), expect="not 0"),
+    Mutant(2, "not recorded in the plan", edits=(("        plan.preempted.append(req)\n", ""),), expect="not in plan.preempted"),
+    Mutant(2, "left in running", edits=(("        self.running.remove(req)\n", ""),)),
+    Mutant(2, "delegates: super()._preempt", code=(
+        "def _preempt(self, req, plan):\n    super(LearnerScheduler, self)._preempt(req, plan)\n"
+        "LearnerScheduler._preempt = _preempt\n"), expect="reference ContinuousScheduler._preempt"),
+    # task 3: the engine
+    Mutant(3, "the engine's own scheduler", edits=(("scheduler_factory=lambda config, kv: LearnerScheduler(config, kv), ", ""),),
+           expect="not your LearnerScheduler"),
+    Mutant(3, "preemptions not counted on the scheduler", edits=(("        self.num_preemptions += 1\n", ""),)),
+    # task 4: the whole step
+    Mutant(4, "admits newcomers in a step that preempted", edits=(("        if not plan.preempted:\n            while self.waiting",
+                                                                   "        if True:\n            while self.waiting"),)),
+    Mutant(4, "a planned victim stays in the plan", edits=(("budget += planned.pop(victim.request_id, (None, 0))[1]",
+                                                            "budget += 0"),)),
+    Mutant(4, "admission overtakes", edits=(("                if n > budget or not self.kv.allocate(req, n):\n                    break",
+                                             "                if n > budget or not self.kv.allocate(req, n):\n                    break  # noqa\n                pass"),
+                                            ("                req = self.waiting.peek()\n",
+                                             "                fits = [r for r in self.waiting if r.num_tokens - r.num_computed_tokens <= budget]\n"
+                                             "                req = fits[0] if fits else self.waiting.peek()\n"))),
+    Mutant(4, "delegates to ContinuousScheduler.schedule", code=(
+        "from minillm.scheduler.continuous import ContinuousScheduler as _Ref\n"
+        "class StepScheduler(LearnerScheduler):\n"
+        "    def schedule(self, now, more_arrivals=True):\n        return _Ref.schedule(self, now, more_arrivals)\n"),
+           expect="reference ContinuousScheduler.schedule"),
+]
