@@ -30,6 +30,9 @@ def running_server(api_key: str | None = None, max_num_queued_reqs: int | None =
     app = create_app(llm, served_model_name="minillm", api_key=api_key, max_num_queued_reqs=max_num_queued_reqs)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted connections inherit this; without it a keep-alive response written as headers + body
+    # waits ~40 ms for the client's delayed ACK (Nagle), which would land in every measured latency.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
