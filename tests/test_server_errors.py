@@ -186,3 +186,26 @@ def test_a_failing_engine_step_fails_its_requests_not_the_server(server):
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
     finally:
         engine.call_soon(lambda: setattr(engine.executor, "execute", real_execute))
+
+
+def test_a_stream_hung_up_behind_the_api_key_is_aborted(server):
+    """The same cancel path with the auth middleware in front of the route."""
+    url, app = server
+    client = app.state.client
+
+    def aborts():
+        text = httpx.get(url + "/metrics", timeout=30).text
+        line = next(x for x in text.splitlines() if x.startswith('vllm:request_success_total{finished_reason="abort"'))
+        return float(line.rsplit(" ", 1)[1])
+
+    before = aborts()
+    body = ok_completion(max_tokens=200, temperature=0.0, stream=True, ignore_eos=True)
+    with httpx.Client(timeout=60) as http, http.stream("POST", url + "/v1/completions", json=body,
+                                                       headers=AUTH) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())
+    deadline = time.monotonic() + 30
+    while client.num_in_flight and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert client.num_in_flight == 0 and aborts() == before + 1
+    assert client.engine.kv.usage().reserved_tokens == 0

@@ -67,14 +67,7 @@ def create_app(llm, *, served_model_name: str = "minillm", api_key: str | None =
     app.add_exception_handler(Exception, unexpected_error_handler)
 
     if api_key:
-        @app.middleware("http")
-        async def check_api_key(request: Request, call_next):
-            if request.url.path.startswith("/v1"):
-                given = request.headers.get("authorization", "")
-                if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                    return error_response(401, "missing or wrong API key: send the header "
-                                          "'Authorization: Bearer <key>' (the server's --api-key)")
-            return await call_next(request)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     @app.get("/health")
     async def health():
@@ -101,6 +94,25 @@ def create_app(llm, *, served_model_name: str = "minillm", api_key: str | None =
         return await server.chat(body, request)
 
     return app
+
+
+class APIKeyMiddleware:
+    """401 on /v1/* without `Authorization: Bearer <key>` (/health and /metrics stay open, as in vLLM).
+    Plain ASGI rather than `@app.middleware("http")`, which would wrap every stream in another task."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = error_response(401, "missing or wrong API key: send the header "
+                                          "'Authorization: Bearer <key>' (the server's --api-key)")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _error_status(error: str) -> int:
@@ -187,9 +199,7 @@ class _Server:
         params = self._params(body, max_tokens, body.logprobs)
         stream = self._submit(prompts, params)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        lens = [len(p) for p in prompts]
-        fanout = body.n
-        # Each choice's prompt length counts once per prompt, not once per sample (OpenAI's usage).
+        lens = [len(p) for p in prompts]  # usage counts each prompt once, not once per sample (OpenAI's)
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
 
         def choice(index: int, text: str, out: RequestOutput, offset: int) -> dict:
@@ -201,7 +211,7 @@ class _Server:
                     "stop_reason": c.stop_reason}
 
         if body.stream:
-            return self._sse(stream, base, lens, fanout, body, choice)
+            return self._sse(stream, base, lens, body, choice)
         return await self._gather(stream, base, lens, choice, request)
 
     def _completion_logprobs(self, token_ids: list[int], entries: list[dict], offset: int) -> dict:
@@ -242,7 +252,7 @@ class _Server:
 
         if streaming:
             base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
-            return self._sse(stream, base, [len(ids)], body.n, body, choice, chat_roles=True)
+            return self._sse(stream, base, [len(ids)], body, choice, chat_roles=True)
         base = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
         return await self._gather(stream, base, [len(ids)], choice, request)
 
@@ -276,7 +286,7 @@ class _Server:
         completion_tokens = sum(len(o.outputs[0].token_ids) for o in finals.values())
         return JSONResponse({**base, "choices": choices, "usage": self._usage(prompt_lens, completion_tokens)})
 
-    def _sse(self, stream: Stream, base: dict, prompt_lens: list[int], n: int, body: SamplingFields, choice,
+    def _sse(self, stream: Stream, base: dict, prompt_lens: list[int], body: SamplingFields, choice,
              chat_roles: bool = False) -> StreamingResponse:
         opts = body.stream_options
         include_usage = bool(opts and opts.include_usage)
