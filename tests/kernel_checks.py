@@ -78,6 +78,45 @@ seq_lens = torch.tensor(lens, dtype=torch.int32)
 check("paged_attention_decode", kernels.paged_attention_decode(q, kp, vp, tables, seq_lens, D**-0.5),
       paged_attention_decode_reference(q, kp, vp, tables, seq_lens, D**-0.5))
 
+# paged_attention_decode_warp: the simulator has no warp shuffles, so this check gives it one: a
+# shfl_xor_sync that meets the warp's 32 threads at a barrier and hands each the value of lane ^ mask.
+# The kernel's warp-level logic (lanes taking every 32nd key, the butterfly merge, lanes without
+# keys) runs as written; what the GPU adds is speed, measured by bench/gpu.py.
+import threading  # noqa: E402
+
+from minillm.kernels._launch import device_array  # noqa: E402
+from numba import cuda  # noqa: E402
+from numba.cuda.simulator import kernelapi  # noqa: E402
+
+from minillm.kernels import decode_attention_warp  # noqa: E402
+from minillm.kernels.scenarios import paged_scenario  # noqa: E402
+
+_warps, _warps_lock = {}, threading.Lock()
+
+
+def _shfl_xor_sync(self, mask, value, lane_mask):
+    me = threading.current_thread()
+    with _warps_lock:
+        barrier, values = _warps.setdefault((tuple(me.blockIdx), me.thread_id // 32),
+                                            (threading.Barrier(32), [None] * 32))
+    values[me.thread_id % 32] = value
+    barrier.wait()
+    got = values[(me.thread_id % 32) ^ lane_mask]
+    barrier.wait()
+    return got
+
+
+kernelapi.FakeCUDAModule.shfl_xor_sync = _shfl_xor_sync
+warp_case = paged_scenario([1, 6, 40], block_size=4, num_blocks=16, kv_heads=1, q_heads=2, head_dim=8, seed=4,
+                           logit_scale=3.0)
+warp_out = torch.full_like(warp_case.query, float("nan"))
+num_warps = warp_case.query.shape[0] * warp_case.query.shape[1]
+cuda.jit(decode_attention_warp.python_function)[
+    -(-num_warps // decode_attention_warp.WARPS_PER_BLOCK), 32 * decode_attention_warp.WARPS_PER_BLOCK](
+    *[device_array(a) if isinstance(a, torch.Tensor) else a for a in warp_case.args()], device_array(warp_out))
+check("paged_attention_decode_warp (shuffles emulated)", warp_out,
+      paged_attention_decode_reference(*warp_case.args()))
+
 # prefill_attention: a fresh prompt, a chunk after a cached prefix, a speculative row, one token
 lens = [6, 11, 9, 1]
 q_lens = [6, 3, 4, 1]

@@ -1,6 +1,7 @@
 """numba.cuda kernels (chapter 10), tested without a GPU: against their torch references on numba's
-CUDA simulator (tests/kernel_checks.py, a fresh process with NUMBA_ENABLE_CUDASIM=1), and compiled
-for real to PTX for sm_80 and sm_90 (a process without the simulator: it has no compiler)."""
+CUDA simulator (tests/kernel_checks.py, a fresh process with NUMBA_ENABLE_CUDASIM=1; the warp-shuffle
+decode variant with shuffles emulated there), compiled for real to PTX for sm_80 and sm_90 in float32
+and float16 (a process without the simulator: it has no compiler), and the CUDA-graph bucket logic."""
 
 from __future__ import annotations
 
@@ -30,17 +31,20 @@ def test_kernels_match_their_references_in_the_simulator_and_the_engine_agrees()
     proc = run([str(REPO_ROOT / "tests" / "kernel_checks.py")], simulator=True)
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert sum(line.startswith("PASS") for line in lines) == 8 and not any(line.startswith("FAIL") for line in lines)
+    assert sum(line.startswith("PASS") for line in lines) == 9 and not any(line.startswith("FAIL") for line in lines)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cc", [80, 90])
-def test_every_kernel_compiles_to_ptx(cc):
-    proc = run(["-m", "minillm.kernels.ptx", "--cc", str(cc)], simulator=False)
+@pytest.mark.parametrize(("cc", "dtype"), [(80, "float32"), (90, "float32"), (90, "float16")])
+def test_every_kernel_compiles_to_ptx(cc, dtype):
+    proc = run(["-m", "minillm.kernels.ptx", "--cc", str(cc), "--dtype", dtype], simulator=False)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert [line.split()[0] for line in lines] == list(KERNELS)
-    assert all(line.endswith("ok") and f"sm_{cc}" in line for line in lines)
+    assert all(line.endswith("ok") and f"sm_{cc} {dtype}" in line for line in lines)
+    shuffles = {line.split()[0]: int(line.split(" warp shuffles")[0].rsplit(" ", 1)[1]) for line in lines}
+    assert shuffles["paged_attention_decode_warp"] > 0  # the fast variant really uses shfl.sync
+    assert shuffles["paged_attention_decode"] == 0  # the simulatable one cannot
 
 
 NO_SIMULATOR_SCRIPT = """

@@ -9,6 +9,7 @@ numba is imported).
 
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)            # in place
     paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale) -> out
+    paged_attention_decode_warp(...same...) -> out    # one warp per (sequence, head), shuffles: GPU only
     prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale) -> out
     rms_norm(x, weight, eps) -> out
     rotary_embedding(positions, query, key, cos_sin_cache, is_neox=True)          # in place
@@ -21,6 +22,7 @@ __path__.append(str(Path(__file__).resolve().parents[2] / "kernels"))  # noqa: F
 
 # launcher -> the module (one file per kernel, in kernels/) that defines it beside its reference
 KERNELS = {"reshape_and_cache": "cache_write", "paged_attention_decode": "decode_attention",
+           "paged_attention_decode_warp": "decode_attention_warp",
            "prefill_attention": "varlen_attention", "rms_norm": "rmsnorm", "rotary_embedding": "rope"}
 __all__ = list(KERNELS)
 

@@ -1,6 +1,6 @@
 """Compile every kernel to PTX for a compute capability, without a GPU (chapter 10).
 
-    python -m minillm.kernels.ptx --cc 90     (also --cc 80)
+    python -m minillm.kernels.ptx --cc 90     (also --cc 80, and --dtype float16)
 
 numba-cuda ships NVRTC, so `cuda.compile_ptx` really compiles on a CPU machine: this checks that
 each kernel types and lowers for the GPU, not just that it runs in the simulator. It cannot run
@@ -17,26 +17,30 @@ import sys
 from numba import types
 
 
-def signatures() -> dict[str, tuple]:
-    f32_3 = types.Array(types.float32, 3, "C")
-    f32_4 = types.Array(types.float32, 4, "C")
-    f32_2 = types.Array(types.float32, 2, "C")
-    f32_1 = types.Array(types.float32, 1, "C")
+def signatures(dtype: str = "float32") -> dict[str, tuple]:
+    """numba signatures of every kernel, with K/V, activations and weights in `dtype`."""
+    t = getattr(types, dtype)
+    x_3, x_4, x_2, x_1 = (types.Array(t, n, "C") for n in (3, 4, 2, 1))
     i32_2 = types.Array(types.int32, 2, "C")
     i32_1 = types.Array(types.int32, 1, "C")
     i64_1 = types.Array(types.int64, 1, "C")
+    f32_2 = types.Array(types.float32, 2, "C")
+    decode = (x_3, x_4, x_4, i32_2, i32_1, types.float32, x_3)
     return {
-        "reshape_and_cache": (f32_3, f32_3, f32_4, f32_4, i64_1),
-        "paged_attention_decode": (f32_3, f32_4, f32_4, i32_2, i32_1, types.float32, f32_3),
-        "prefill_attention": (f32_3, f32_4, f32_4, i32_2, i32_1, i32_1, types.float32, f32_3),
-        "rms_norm": (f32_2, f32_1, types.float32, f32_2),
-        "rotary_embedding": (i64_1, f32_3, f32_3, f32_2, types.boolean),
+        "reshape_and_cache": (x_3, x_3, x_4, x_4, i64_1),
+        "paged_attention_decode": decode,
+        "paged_attention_decode_warp": decode,
+        "prefill_attention": (x_3, x_4, x_4, i32_2, i32_1, i32_1, types.float32, x_3),
+        "rms_norm": (x_2, x_1, types.float32, x_2),
+        "rotary_embedding": (i64_1, x_3, x_3, f32_2, types.boolean),
     }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cc", type=int, default=90, help="compute capability, e.g. 80 (A100) or 90 (H100/H200)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16"],
+                        help="element type of K/V and activations (numba has no bfloat16 arrays)")
     args = parser.parse_args()
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         print("compile_ptx is unavailable under NUMBA_ENABLE_CUDASIM=1: run without it", file=sys.stderr)
@@ -46,12 +50,13 @@ def main() -> int:
     from minillm.kernels import KERNELS
 
     cc = (args.cc // 10, args.cc % 10)
-    for name, sig in signatures().items():
+    for name, sig in signatures(args.dtype).items():
         module = importlib.import_module(f"minillm.kernels.{KERNELS[name]}")
         ptx, _ = cuda.compile_ptx(module.python_function, sig, cc=cc)
         entries = ptx.count(".entry")
-        print(f"{name:<24} sm_{args.cc}: {len(ptx.splitlines()):5d} lines of PTX, {entries} entry, "
-              f"{'ok' if entries == 1 and '.target sm_' + str(args.cc) in ptx else 'UNEXPECTED'}")
+        shuffles = ptx.count("shfl.sync")
+        print(f"{name:<28} sm_{args.cc} {args.dtype}: {len(ptx.splitlines()):5d} lines of PTX, {entries} entry, "
+              f"{shuffles} warp shuffles, {'ok' if entries == 1 and '.target sm_' + str(args.cc) in ptx else 'UNEXPECTED'}")
     return 0
 
 
