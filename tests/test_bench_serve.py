@@ -405,3 +405,41 @@ def test_bench_serve_against_minillm_serve(tmp_path, capsys) -> None:
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
     assert chat.metrics.completed == 3 and chat.metrics.total_output_tokens == 15
     assert ids.metrics.completed == 3 and all(o.generated_text for o in ids.outcomes)
+
+
+@pytest.mark.slow
+def test_stub_server_timings_are_what_the_client_reads() -> None:
+    """The stub sleeps 40 ms before the first chunk and 15 ms between chunks. Whatever the machine's
+    load, no chunk can be read before it was sent: TTFT ≥ 40 ms and E2EL ≥ 40 + 4·15 ms. (A single
+    gap may read shorter, when a stalled client reads two chunks at once, so gaps are only counted.)"""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from minillm.benchmark.stub_server import create_stub_app
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(create_stub_app(ttft_ms=40, tpot_ms=15), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive()
+        time.sleep(0.02)
+    try:
+        result = run_benchmark(BenchConfig(base_url=url, model="stub", num_prompts=8, random_input_len=4,
+                                           random_output_len=5, disable_tqdm=True))
+        chat = run_benchmark(BenchConfig(base_url=url, model="stub", backend="openai-chat", num_prompts=2,
+                                         random_input_len=4, random_output_len=3, disable_tqdm=True))
+        refused = httpx.post(url + "/v1/completions", json={"model": "stub", "prompt": "x"})
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+    assert result.metrics.completed == 8 and result.metrics.total_output_tokens == 40
+    assert all(o.ttft_s >= 0.040 and o.latency_s >= 0.100 and len(o.itl_s) == 4 for o in result.outcomes)
+    assert chat.metrics.completed == 2 and all(o.generated_text == " word" * 3 for o in chat.outcomes)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream"
