@@ -20,6 +20,9 @@ THREADS = 64  # threads per block for the one-thread-per-item kernels
 
 def device_array(t: torch.Tensor):
     """A zero-copy view numba can index: a device array on CUDA, a numpy view under the simulator."""
+    if t.dtype == torch.bfloat16:
+        raise TypeError("numba.cuda has no bfloat16 arrays: run the numba kernels in float32 or float16 "
+                        "(LLM(dtype='float16')), or use attention_backend='torch'")
     if t.is_cuda:
         from numba import cuda
 

@@ -137,3 +137,10 @@ def test_paged_scenarios_are_ragged_scattered_and_poisoned():
         paged_scenario([3], block_size=4, num_blocks=4, kv_heads=3, q_heads=4, head_dim=8, seed=0)
     with pytest.raises(ValueError, match="too small"):
         paged_scenario([16], block_size=4, num_blocks=4, kv_heads=1, q_heads=1, head_dim=8, seed=0)
+
+
+def test_bfloat16_tensors_are_refused_with_what_to_use_instead():
+    from minillm.kernels._launch import device_array
+
+    with pytest.raises(TypeError, match="no bfloat16 arrays.*float16"):
+        device_array(torch.zeros(4, dtype=torch.bfloat16))
