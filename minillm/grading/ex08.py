@@ -1,0 +1,285 @@
+"""Grader of exercise 08 (chapter 08: chunked prefill): the stall-free order, filling a step's token
+budget, and the real engine with the learner's budget filler.
+
+Tasks 1–2 need no model: a stand-in executor emits token 7 for every row that reaches the end of
+its known tokens and each step takes 1 ms of simulated time. The reference is minillm's
+`ContinuousScheduler` with `enable_chunked_prefill=True`, disabled (`forbid`) while learner code
+runs. `ChunkedHarness` is the scheduler around the learner's `fill_budget`: it keeps the queues,
+reserves KV and checks the plan it is given (the pool is sized so that nobody is ever preempted).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+
+from minillm import LLM, SamplingParams
+from minillm.clock import SimClock
+from minillm.config import EngineConfig
+from minillm.engine import LLMEngine, make_kv_manager
+from minillm.grading import Fail, forbid, task
+from minillm.llm import BUNDLED_TARGET
+from minillm.model.config import ModelConfig
+from minillm.request import Request, RequestStatus
+from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch, SchedulerBase
+from minillm.scheduler.continuous import ContinuousScheduler
+
+TOY_MODEL = ModelConfig(model_type="llama", vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=1,
+                        num_heads=1, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
+                        max_position_embeddings=256, eos_token_ids=(2,))
+
+
+def is_decoding(req: Request) -> bool:
+    """Exactly one token missing after a computed context: it costs one token of budget, like a decode."""
+    return req.num_tokens - req.num_computed_tokens == 1 and req.num_computed_tokens > 0
+
+
+class ChunkedHarness(SchedulerBase):
+    """Continuous batching with chunked prefill in which `fill_budget` makes every token decision.
+
+    Each step it calls `fill_budget(running, waiting, budget, long_prefill_token_threshold,
+    max_num_seqs)` and checks the answer (known requests, 1 ≤ n ≤ missing tokens, within the budget
+    and the sequence limit), admits the waiting requests it names, reserves their KV and returns
+    the plan, decode rows first (as `ContinuousScheduler` orders them for the attention backend)."""
+
+    def __init__(self, config: EngineConfig, kv, fill_budget: Callable) -> None:
+        self.config, self.kv, self.fill_budget = config, kv, fill_budget
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def next_wakeup(self, now: float) -> float | None:
+        return None
+
+    def has_request(self, request_id: str) -> bool:
+        return any(r.request_id == request_id for r in (*self.waiting, *self.running))
+
+    def finish(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+
+    def rollback(self, plan: ScheduledBatch) -> None:
+        raise RuntimeError("ChunkedHarness cannot undo a failed step (the exercise's runs never fail one)")
+
+    def abort(self, request_id: str) -> Request | None:
+        return None
+
+    def schedule(self, now: float, more_arrivals: bool = True) -> ScheduledBatch | None:
+        budget = self.config.max_num_batched_tokens
+        rows = self.fill_budget(list(self.running), list(self.waiting), budget,
+                                self.config.long_prefill_token_threshold, self.config.max_num_seqs)
+        rows = [(req, n) for req, n in rows]
+        total = sum(n for _, n in rows)
+        if total > budget:
+            raise Fail(f"your plan computes {total} tokens, over the budget of {budget}: {_show(rows)}")
+        seen, admitted = set(), []
+        for req, n in rows:
+            if req.request_id in seen:
+                raise Fail(f"your plan names {req.request_id} twice: {_show(rows)}")
+            seen.add(req.request_id)
+            missing = req.num_tokens - req.num_computed_tokens
+            if not isinstance(n, int) or not 1 <= n <= missing:
+                raise Fail(f"your plan gives {req.request_id} {n!r} tokens; it has {missing} to compute "
+                           f"(give 1 to {missing}, or leave it out): {_show(rows)}")
+            if req in self.waiting:
+                self.waiting.remove(req)
+                admitted.append((req, req.status))
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+            elif req not in self.running:
+                raise Fail(f"your plan names {req.request_id}, which is neither running nor waiting")
+            if not self.kv.allocate(req, n):
+                raise Fail("the KV pool is full: the exercise sizes it so that this never happens")
+        if len(self.running) > self.config.max_num_seqs:
+            raise Fail(f"{len(self.running)} requests running after your plan, over max_num_seqs="
+                       f"{self.config.max_num_seqs}: {_show(rows)}")
+        if not rows:
+            return None
+        rows.sort(key=lambda row: not (row[1] == 1 and row[0].num_computed_tokens))
+        return ScheduledBatch([r for r, _ in rows], [n for _, n in rows], admitted=admitted)
+
+
+def _show(rows) -> str:
+    return "[" + ", ".join(f"({r.request_id}, {n})" for r, n in rows) + "]"
+
+
+class StandInExecutor:
+    """Token 7 for every row that reaches the end of its tokens; 1 ms per step; remembers each plan."""
+
+    def __init__(self) -> None:
+        self.plans: list[tuple] = []
+
+    def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+        self.plans.append(tuple(zip((r.request_id for r in batch.requests), batch.num_new_tokens)))
+        rows = [r for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens]
+        return ModelRunnerOutput.from_rows(batch, rows, [7] * len(rows))
+
+    def step_duration_s(self) -> float:
+        return 0.001
+
+
+# --- task 1: the stall-free order ----------------------------------------------------------------
+
+
+def _running_case(seed: int) -> list[Request]:
+    """Running requests in admission order, in every state a running request can be in."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(rng.randint(0, 10)):
+        prompt_len = rng.randint(1, 40)
+        req = Request(f"r{i}", [5] * prompt_len, SamplingParams(max_tokens=50, temperature=0.0), 0.0)
+        state = rng.choice(["decoding", "partial", "last prompt token", "recomputing"])
+        outputs = [7] * rng.randint(1, 5)
+        if state == "decoding":
+            req.output_token_ids += outputs
+            req.all_token_ids += outputs
+            req.num_computed_tokens = req.num_tokens - 1
+        elif state == "partial" and prompt_len > 2:
+            req.num_computed_tokens = rng.randint(1, prompt_len - 2)
+        elif state == "last prompt token" and prompt_len > 1:
+            req.num_computed_tokens = prompt_len - 1  # one prompt token left: costs one token, like a decode
+        elif state == "recomputing":  # preempted by recompute and readmitted: its outputs need recomputing
+            req.output_token_ids += outputs
+            req.all_token_ids += outputs
+            req.num_computed_tokens = 0
+        out.append(req)
+    return out
+
+
+@task(1, "stall-free order")
+def check_task_1(serve_order, num_cases: int = 300) -> str:
+    config = EngineConfig(enable_chunked_prefill=True, max_num_batched_tokens=64).resolve(256)
+    for seed in range(num_cases):
+        running = _running_case(seed)
+        reference = ContinuousScheduler(config, kv=None)
+        reference.running = list(running)
+        expected = [r.request_id for r in reference._running_order()]
+        with forbid(ContinuousScheduler):
+            got = serve_order(list(running))
+        if not isinstance(got, list):
+            raise Fail(f"case {seed}: serve_order returned {type(got).__name__}, not a list of requests")
+        got_ids = [getattr(r, "request_id", r) for r in got]
+        if got_ids != expected:
+            states = ", ".join(f"{r.request_id}: {r.num_computed_tokens}/{r.num_tokens} computed" for r in running)
+            raise Fail(f"case {seed}: you serve {got_ids}, expected {expected} ({states})")
+    return f"{num_cases} seeded running lists ordered as ContinuousScheduler orders them"
+
+
+# --- task 2: fill the budget ---------------------------------------------------------------------
+
+# (name, max_num_seqs, budget, threshold, [(prompt_len, max_tokens, arrival_s), ...])
+NAMED_SCENARIOS = [
+    ("a long prompt arrives among decodes", 8, 16, 0, [(3, 12, 0.0)] * 3 + [(60, 2, 0.003)]),
+    ("the cap: long_prefill_token_threshold", 8, 32, 8, [(4, 10, 0.0), (50, 3, 0.002)]),
+    ("two long prompts share the budget", 8, 32, 12, [(2, 8, 0.0), (70, 2, 0.002), (70, 2, 0.002)]),
+    ("more decodes than budget", 8, 4, 0, [(1, 6, 0.0)] * 7),
+    ("max_num_seqs caps admissions", 2, 64, 0, [(5, 4, 0.0)] * 5),
+    ("one prompt token left costs one token", 8, 16, 0, [(17, 4, 0.0), (3, 6, 0.0), (33, 2, 0.0)]),
+    ("partial prefills before new prompts", 8, 20, 10, [(45, 3, 0.0), (30, 3, 0.001), (6, 3, 0.001)]),
+    ("budget exactly spent", 4, 12, 0, [(12, 3, 0.0), (11, 3, 0.0), (1, 3, 0.0)]),
+]
+
+
+def _random_scenario(seed: int):
+    rng = random.Random(seed)
+    requests = [(rng.randint(1, 90), rng.randint(1, 10), round(rng.uniform(0, 0.02), 4))
+                for _ in range(rng.randint(1, 20))]
+    return (f"random scenario {seed}", rng.randint(1, 8), rng.choice([1, 3, 8, 16, 32, 64]),
+            rng.choice([0, 0, 4, 10, 24]), requests)
+
+
+def run_plans(make_scheduler: Callable, scenario) -> list[tuple]:
+    """Replays one scenario through the real engine loop; returns every step's plan."""
+    _, max_num_seqs, budget, threshold, requests = scenario
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=128, max_num_batched_tokens=budget,
+                          enable_chunked_prefill=True, long_prefill_token_threshold=threshold,
+                          num_kv_blocks=512, block_size=16).resolve(TOY_MODEL.max_position_embeddings)
+    kv = make_kv_manager(config, TOY_MODEL, allocate_pool=False)
+    executor = StandInExecutor()
+    engine = LLMEngine(TOY_MODEL, config, kv=kv, scheduler=make_scheduler(config, kv), executor=executor,
+                       clock=SimClock())
+    engine.expect_more_requests = False
+    for i, (prompt_len, max_tokens, arrival) in enumerate(requests):
+        engine.add_request({"prompt_token_ids": [5] * prompt_len}, request_id=f"r{i}", arrival_time=arrival,
+                           params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    for _ in range(5_000):
+        if not engine.has_unfinished():
+            break
+        before = engine.num_steps
+        engine.step()
+        if engine.num_steps == before:
+            engine.wait_for_work()
+    if engine.has_unfinished():
+        raise Fail(f"the engine stalled with {len(engine.requests)} unfinished request(s): does your plan "
+                   "leave out everyone while the budget has room?")
+    return executor.plans
+
+
+@task(2, "fill the budget")
+def check_task_2(fill_budget, num_random: int = 80) -> str:
+    scenarios = NAMED_SCENARIOS + [_random_scenario(seed) for seed in range(num_random)]
+    for scenario in scenarios:
+        expected = run_plans(ContinuousScheduler, scenario)
+        limits = f"max_num_seqs={scenario[1]}, budget={scenario[2]}, threshold={scenario[3]}"
+        with forbid(ContinuousScheduler):
+            try:
+                plans = run_plans(lambda config, kv: ChunkedHarness(config, kv, fill_budget), scenario)
+            except Fail as failure:
+                raise Fail(f"{scenario[0]} ({limits}): {failure}") from None
+        for step, (mine, ref) in enumerate(zip(plans + [None] * len(expected), expected)):
+            if mine != ref:
+                raise Fail(f"{scenario[0]} ({limits}), step {step}: your plan {mine}, ContinuousScheduler's "
+                           f"{ref} ((request id, tokens) per row, decode rows first)")
+        if len(plans) != len(expected):
+            raise Fail(f"{scenario[0]}: {len(plans)} steps, ContinuousScheduler took {len(expected)}")
+    return f"{len(scenarios)} seeded traces, every step's plan identical to ContinuousScheduler's (chunked)"
+
+
+# --- task 3: the real engine ---------------------------------------------------------------------
+
+ENGINE_KNOBS = dict(max_num_seqs=3, max_model_len=512, enable_chunked_prefill=True, max_num_batched_tokens=24,
+                    long_prefill_token_threshold=16)
+PROMPT_LENS = [5, 140, 9, 3, 61, 12, 200, 7]
+OUTPUT_LENS = [20, 6, 14, 25, 8, 3, 5, 18]
+
+
+def _engine_run(llm: LLM):
+    rng = random.Random(8)
+    prompts = [{"prompt_token_ids": [rng.randrange(6, 4096) for _ in range(n)]} for n in PROMPT_LENS]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in OUTPUT_LENS]
+    outputs = llm.generate(prompts, params, use_tqdm=False)  # all waiting at t = 0: a deterministic schedule
+    steps = [(s.prefill_chunk_sizes, s.num_decode_tokens) for s in llm.engine.metrics.steps]
+    return [o.outputs[0].token_ids for o in outputs], steps
+
+
+@task(3, "real engine")
+def check_task_3(make_llm, fill_budget) -> list[str]:
+    plain_tokens, _ = _engine_run(LLM(BUNDLED_TARGET, max_num_seqs=3, max_model_len=512))
+    ref_tokens, ref_steps = _engine_run(LLM(BUNDLED_TARGET, **ENGINE_KNOBS))
+    with forbid(ContinuousScheduler):
+        llm = make_llm(**ENGINE_KNOBS)
+        scheduler = llm.engine.scheduler
+        used = type(scheduler).__name__
+        if not isinstance(scheduler, ChunkedHarness):
+            raise Fail(f"the engine runs {used}, not a ChunkedHarness around your fill_budget")
+        tokens, steps = _engine_run(llm)
+    longest = max(max(chunks, default=0) for chunks, _ in steps)
+    lines = [f"scheduler in the engine: ChunkedHarness({fill_budget.__name__})",
+             f"greedy outputs identical to unchunked decoding: {tokens == plain_tokens}",
+             f"engine steps: yours {len(steps)}, minillm {len(ref_steps)}; largest chunk {longest} tokens "
+             f"(threshold {ENGINE_KNOBS['long_prefill_token_threshold']})",
+             f"every step's chunks and decodes identical to minillm's chunked engine: {steps == ref_steps}"]
+    if tokens != plain_tokens or steps != ref_steps or tokens != ref_tokens:
+        raise Fail("your engine run differs from minillm's: " + "; ".join(lines[1:]))
+    return lines

@@ -1,0 +1,76 @@
+"""Known-wrong answers to exercise 08 (chunked prefill budget): see tests/known_wrong/__init__.py."""
+
+from known_wrong import Mutant
+
+DELEGATING_FILLER = """
+from minillm.config import EngineConfig as _EC
+from minillm.scheduler.continuous import ContinuousScheduler as _Ref
+
+
+def fill_budget(running, waiting, budget, long_prefill_token_threshold, max_num_seqs):
+    ref = _Ref(_EC(enable_chunked_prefill=True, max_num_batched_tokens=budget,
+                   long_prefill_token_threshold=long_prefill_token_threshold).resolve(256), None)
+    ref.running = list(running)
+    rows = []
+    for req in ref._running_order():
+        n = ref._chunk(req.num_tokens - req.num_computed_tokens, budget)
+        if n == 0:
+            break
+        rows.append((req, n))
+        budget -= n
+    for req in waiting[: max_num_seqs - len(running)]:
+        n = ref._chunk(req.num_tokens, budget)
+        if n == 0:
+            break
+        rows.append((req, n))
+        budget -= n
+    return rows
+"""
+
+KNOWN_WRONG = [
+    # task 1: the stall-free order
+    Mutant(1, "prefills before decodes", edits=(("    return decoding + others", "    return others + decoding"),),
+           expect="expected"),
+    Mutant(1, "decoding judged by output tokens", edits=(
+        ("(decoding if one_left and req.num_computed_tokens > 0 else others)",
+         "(decoding if req.num_output_tokens > 0 else others)"),), expect="expected"),
+    Mutant(1, "the last prompt token not counted as a decode", edits=(
+        ("(decoding if one_left and req.num_computed_tokens > 0 else others)",
+         "(decoding if one_left and req.num_output_tokens > 0 else others)"),), expect="expected"),
+    Mutant(1, "delegates to ContinuousScheduler._running_order", code=(
+        "from minillm.config import EngineConfig as _EC\n"
+        "from minillm.scheduler.continuous import ContinuousScheduler as _Ref\n"
+        "def serve_order(running):\n"
+        "    ref = _Ref(_EC(enable_chunked_prefill=True, max_num_batched_tokens=64).resolve(256), None)\n"
+        "    ref.running = list(running)\n"
+        "    return ref._running_order()\n"), expect="reference ContinuousScheduler"),
+    # task 2: fill the budget
+    Mutant(2, "prefills before decodes", edits=(("    for req in serve_order(running):", "    for req in serve_order(running)[::-1]:"),),
+           expect="a long prompt arrives among decodes"),
+    Mutant(2, "chunk ignores long_prefill_token_threshold", edits=(
+        ("        return min(n, long_prefill_token_threshold) if long_prefill_token_threshold else n", "        return n"),),
+           expect="the cap: long_prefill_token_threshold"),
+    Mutant(2, "budget overrun by one", edits=(
+        ("n = min(req.num_tokens - req.num_computed_tokens, budget)", "n = min(req.num_tokens - req.num_computed_tokens, budget + 1)"),),
+           expect="over the budget"),
+    Mutant(2, "new prompts are not chunked", edits=(
+        ("        n = chunk(req)\n        rows.append((req, n))\n        budget -= n\n        seats -= 1",
+         "        n = req.num_tokens\n        if n > budget:\n            break\n        rows.append((req, n))\n"
+         "        budget -= n\n        seats -= 1"),)),
+    Mutant(2, "seat limit ignored", edits=(("    seats = max_num_seqs - len(running)", "    seats = max_num_seqs"),),
+           expect="max_num_seqs"),
+    Mutant(2, "admits with the budget spent (rows of 0 tokens)", edits=(
+        ("        if budget == 0 or seats == 0:\n            break", "        if seats == 0:\n            break"),),
+           expect="0 tokens"),
+    Mutant(2, "delegates to ContinuousScheduler._chunk", code=DELEGATING_FILLER, expect="reference ContinuousScheduler"),
+    # task 3: the real engine
+    Mutant(3, "the engine's own scheduler", edits=(
+        ("scheduler_factory=lambda config, kv: grader.ChunkedHarness(config, kv, fill_budget), ", ""),),
+           expect="reference ContinuousScheduler"),
+    Mutant(3, "the engine's filler drops the cap", edits=(
+        ("grader.ChunkedHarness(config, kv, fill_budget)",
+         "grader.ChunkedHarness(config, kv, lambda r, w, b, cap, m: fill_budget(r, w, b, 0, m))"),),
+           expect="differs from minillm's"),
+    Mutant(3, "delegates: the engine's ContinuousScheduler in a harness", code=DELEGATING_FILLER,
+           expect="reference ContinuousScheduler"),
+]

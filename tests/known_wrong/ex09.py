@@ -1,0 +1,46 @@
+"""Known-wrong answers to exercise 09 (rejection sampler): see tests/known_wrong/__init__.py."""
+
+from known_wrong import Mutant
+
+ACCEPT = "if rng.uniform() < min(1.0, float(p[i, d] / q[i, d])):"
+CORRECTION = "return out + [rng.choice(residual(p[i], q[i]))]"
+BONUS = "return out + [rng.choice(p[len(draft)])]"
+
+KNOWN_WRONG = [
+    # task 1: the residual
+    Mutant(1, "no clamp at 0", edits=(("diff = (p - q).clamp(min=0)", "diff = p - q"),), expect="expected"),
+    Mutant(1, "not normalized", edits=(("    return diff / total", "    return diff"),), expect="expected"),
+    Mutant(1, "p equals q divides by zero", edits=(("    if float(total) <= 0:\n        return p.clone()\n", ""),),
+           expect="p equals q"),
+    # task 2: verify, exactly
+    Mutant(2, "always accept", edits=((ACCEPT, "if True:"),), expect="follows"),
+    Mutant(2, "resample from p instead of max(0, p - q)", edits=((CORRECTION, "return out + [rng.choice(p[i])]"),),
+           expect="rejected token has no mass"),
+    Mutant(2, "forgets the bonus token", edits=((BONUS, "return out"),), expect="bonus token"),
+    Mutant(2, "accepts with q/p instead of p/q", edits=(("float(p[i, d] / q[i, d])", "float(q[i, d] / p[i, d])"),),
+           expect="follows"),
+    Mutant(2, "goes on after a rejection", edits=((CORRECTION, "out.append(rng.choice(residual(p[i], q[i])))"),),
+           expect="every token but the last"),
+    Mutant(2, "bonus from the wrong row", edits=((BONUS, "return out + [rng.choice(p[len(draft) - 1])]"),),
+           expect="follows"),
+    Mutant(2, "draws its own random numbers", edits=((ACCEPT, "if float(torch.rand(())) < min(1.0, float(p[i, d] / q[i, d])):"),),
+           expect="different answers"),
+    Mutant(2, "delegates to minillm.spec.rejection", code=(
+        "from minillm.request import Request as _Req, SamplingParams as _SP\n"
+        "from minillm.spec.rejection import rejection_sample as _reference\n"
+        "def verify(p, q, draft, rng):\n"
+        "    return _reference(_Req('x', [1], _SP(temperature=1.0, seed=0), 0.0), torch.log(p), draft, q)\n"),
+           expect="reference"),
+    # task 3: a seeded random source
+    Mutant(3, "choice ignores probs", edits=(
+        ("return int(torch.multinomial(torch.as_tensor(probs, dtype=torch.float64), 1, generator=self.generator))",
+         "return int(torch.randint(len(probs), (), generator=self.generator))"),), expect="does not follow probs"),
+    Mutant(3, "choice returns the most likely", edits=(
+        ("return int(torch.multinomial(torch.as_tensor(probs, dtype=torch.float64), 1, generator=self.generator))",
+         "return int(torch.as_tensor(probs).argmax())"),)),
+    Mutant(3, "draws from the global generator", edits=(
+        ("return float(torch.rand((), generator=self.generator, dtype=torch.float64))",
+         "return float(torch.rand((), dtype=torch.float64))"),), expect="same seed"),
+    Mutant(3, "ignores the seed", edits=(("torch.Generator().manual_seed(seed)", "torch.Generator().manual_seed(0)"),),
+           expect="the seed must matter"),
+]
