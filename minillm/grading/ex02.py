@@ -1,0 +1,199 @@
+"""Grader of exercise 02 (chapter 02: static batching): padding, slots per step, the padded batch
+through the model, the static engine's steps, and grouping requests to cut the waste.
+
+The reference is `minillm.padding` (and minillm's static engine), disabled (`forbid`) while the
+learner's code runs. Task 3 hands the learner's function a model that counts its forward passes:
+one padded batch, one forward.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from minillm import LLM, SamplingParams
+from minillm import padding as reference
+from minillm.grading import Fail, forbid, task
+from minillm.llm import BUNDLED_TARGET
+from minillm.workload import make_trace
+
+PADDING = (reference.pad_batch, reference.static_batch_steps, reference.static_batch_slots,
+           reference.static_run_slots, reference.padding_waste)
+
+
+@task(1, "left padding and mask")
+def check_task_1(pad_batch) -> str:
+    rng = np.random.default_rng(2)
+    batches = [[[5, 6, 7], [8]], [[4]], [[1, 2], [3, 4]], [[9], [10, 11, 12, 13], [14]]]  # edge cases first
+    batches += [[rng.integers(6, 4096, size=n).tolist() for n in rng.integers(1, 40, size=b)] for b in (3, 8, 16)]
+    for prompts in batches:
+        for pad_id in (0, 2):
+            want_ids, want_mask = reference.pad_batch(prompts, pad_id)
+            with forbid(*PADDING):
+                ids, mask = pad_batch([list(p) for p in prompts], pad_id)
+            where = f"prompts of lengths {[len(p) for p in prompts]}, pad_id {pad_id}"
+            if not (isinstance(ids, torch.Tensor) and ids.dtype == torch.long):
+                raise Fail(f"{where}: input_ids must be an int64 tensor, got {type(ids).__name__} "
+                           f"{getattr(ids, 'dtype', '')}")
+            if not torch.equal(ids, want_ids):
+                raise Fail(f"{where}: input_ids {ids.tolist()[:3]}..., expected {want_ids.tolist()[:3]}...")
+            if not torch.equal(torch.as_tensor(mask).long(), want_mask):
+                raise Fail(f"{where}: attention_mask {torch.as_tensor(mask).tolist()[:3]}..., "
+                           f"expected {want_mask.tolist()[:3]}...")
+    return f"{len(batches) * 2} batches: ids and masks equal minillm.padding.pad_batch's"
+
+
+def _steps(answer):
+    return [tuple(int(x) for x in step) for step in answer]
+
+
+@task(2, "slots per step")
+def check_task_2(static_batch_steps) -> str:
+    rng = np.random.default_rng(3)
+    cases = [([3, 1], [2, 4]), ([7], [5]), ([4, 4, 4], [9, 9, 9]), ([1, 12], [1, 6]), ([5, 2], [1, 1])]
+    cases += [(rng.integers(1, 200, size=b).tolist(), rng.integers(1, 60, size=b).tolist()) for b in (2, 5, 8, 32)]
+    for prompt_lens, output_lens in cases:
+        want = [(c.computed_tokens, c.useful_tokens) for c in reference.static_batch_steps(prompt_lens, output_lens)]
+        with forbid(*PADDING):
+            got = _steps(static_batch_steps(list(prompt_lens), list(output_lens)))
+        if got != want:
+            first = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
+            raise Fail(f"prompts {prompt_lens[:8]}, outputs {output_lens[:8]}: {len(got)} steps, expected "
+                       f"{len(want)}; first difference at step {first}: yours "
+                       f"{got[first] if first < len(got) else None}, expected {want[first] if first < len(want) else None}")
+    return f"{len(cases)} batches, every step's (computed, useful) equal to minillm's"
+
+
+class CountingModel:
+    """The model, with a record of every forward pass: (input_ids shape, whether a mask was given)."""
+
+    def __init__(self, model):
+        self._model, self.calls = model, []
+
+    def __call__(self, *args, **kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.calls.append((tuple(getattr(ids, "shape", ())), kwargs.get("attention_mask") is not None))
+        return self._model(*args, **kwargs)
+
+    forward = __call__
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+_MODEL = {}
+
+
+def _bundled():
+    if not _MODEL:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        _MODEL["tokenizer"] = AutoTokenizer.from_pretrained(BUNDLED_TARGET)
+        _MODEL["model"] = AutoModelForCausalLM.from_pretrained(BUNDLED_TARGET, dtype=torch.float32).eval()
+    return _MODEL["tokenizer"], _MODEL["model"]
+
+
+TEXTS = ["Once upon a time", "And the king said unto his servants", "The", "In the beginning God created"]
+
+
+@task(3, "padded batch through the model")
+@torch.no_grad()
+def check_task_3(last_token_logits) -> str:
+    tokenizer, model = _bundled()
+    pad_id = tokenizer.pad_token_id
+    rng = np.random.default_rng(4)
+    batches = [[tokenizer(t).input_ids for t in TEXTS]]
+    batches += [[tokenizer(TEXTS[1]).input_ids], [[7, 8, 9], [10, 11, 12]], [[50], rng.integers(6, 4096, size=30).tolist()]]
+    for prompts in batches:
+        want = torch.stack([model(input_ids=torch.tensor([p])).logits[0, -1] for p in prompts])
+        counting = CountingModel(model)
+        with forbid(*PADDING):
+            got = last_token_logits(counting, [list(p) for p in prompts], pad_id)
+        where = f"prompts of lengths {[len(p) for p in prompts]}"
+        width = max(len(p) for p in prompts)
+        if counting.calls != [((len(prompts), width), True)]:
+            raise Fail(f"{where}: the model was called {counting.calls} ((input_ids shape), mask given); "
+                       f"expected one forward pass of the padded batch, shape ({len(prompts)}, {width}), with its mask")
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+            raise Fail(f"{where}: expected logits of shape {tuple(want.shape)}, got {getattr(got, 'shape', type(got))}")
+        if not torch.allclose(got, want, atol=1e-4, rtol=1e-4):
+            worst = (got - want).abs().max().item()
+            raise Fail(f"{where}: last-token logits differ from each prompt run alone by up to {worst:.3g}")
+    return f"{len(batches)} batches, one forward each: every row's logits equal its prompt run alone (1e-4)"
+
+
+TRACE = dict(num_requests=12, seed=5, vocab_size=4096, prompt_len=("lognormal", 32, 1.0),
+             output_len=("lognormal", 12, 1.0), max_prompt_len=256, max_output_len=48, token_id_range=(6, 4096))
+
+
+@task(4, "predict the static engine")
+def check_task_4(predict_static_run) -> list[str]:
+    rng = np.random.default_rng(6)
+    for n, per_batch in ((7, 3), (5, 1), (4, 8), (9, 9)):  # partial last batch, batches of one, one batch
+        p, o = rng.integers(1, 100, size=n).tolist(), rng.integers(1, 30, size=n).tolist()
+        want = [(c.computed_tokens, c.useful_tokens)
+                for i in range(0, n, per_batch) for c in reference.static_batch_steps(p[i:i + per_batch], o[i:i + per_batch])]
+        with forbid(*PADDING):
+            got = _steps(predict_static_run(list(p), list(o), per_batch))
+        if got != want:
+            raise Fail(f"{n} requests, max_num_seqs {per_batch}: {len(got)} steps, expected {len(want)} "
+                       f"(first difference at step {next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))})")
+    trace = make_trace(**TRACE)
+    prompt_lens, output_lens = [r.prompt_len for r in trace], [r.max_tokens for r in trace]
+    llm = LLM(batching="static", max_num_seqs=4)
+    llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in trace],
+                 [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in trace],
+                 use_tqdm=False)
+    engine_steps = [(s.num_computed_tokens, s.num_prefill_tokens + s.num_decode_tokens) for s in llm.engine.metrics.steps]
+    with forbid(*PADDING):
+        predicted = _steps(predict_static_run(prompt_lens, output_lens, 4))
+    if predicted != engine_steps:
+        raise Fail(f"the engine ran {len(engine_steps)} steps, you predicted {len(predicted)}; first difference at "
+                   f"step {next((i for i, (g, w) in enumerate(zip(predicted, engine_steps)) if g != w), min(len(predicted), len(engine_steps)))}")
+    return [f"4 seeded runs and the static engine on a 12-request trace: {len(engine_steps)} steps, all predicted",
+            f"engine padding waste {llm.engine.metrics.summary().padding_waste:.2%}"]
+
+
+# --- task 5: grouping ----------------------------------------------------------------------------
+
+GROUPING_TRACES = [dict(num_requests=64, seed=seed, vocab_size=4096, prompt_len=("lognormal", 64, 1.0),
+                        output_len=("lognormal", 32, 1.0), max_prompt_len=1024, max_output_len=512)
+                   for seed in range(6)]
+GROUPING_MAX_NUM_SEQS = 8
+GROUPING_TARGET = 0.72  # of the arrival-order grouping's computed slots, on every trace
+
+
+def grouping_cost(groups, prompt_lens, output_lens) -> int:
+    """Computed token slots of running each group as one static batch."""
+    return sum(reference.static_batch_slots([prompt_lens[i] for i in g], [output_lens[i] for i in g]).computed_tokens
+               for g in groups)
+
+
+@task(5, "group requests to cut the waste")
+def check_task_5(group_requests) -> list[str]:
+    lines = []
+    for spec in GROUPING_TRACES:
+        trace = make_trace(**spec)
+        p, o = [r.prompt_len for r in trace], [r.max_tokens for r in trace]
+        n, m = len(p), GROUPING_MAX_NUM_SEQS
+        groups = group_requests(list(p), list(o), m)
+        where = f"trace seed {spec['seed']}"
+        try:
+            groups = [[int(i) for i in g] for g in groups]
+        except (TypeError, ValueError) as error:
+            raise Fail(f"{where}: return a list of lists of request indices ({error})") from None
+        flat = sorted(i for g in groups for i in g)
+        if flat != list(range(n)):
+            missing, doubled = sorted(set(range(n)) - set(flat)), sorted({i for i in flat if flat.count(i) > 1})
+            raise Fail(f"{where}: every request must be in exactly one group; missing {missing[:8]}, "
+                       f"more than once {doubled[:8]}, unknown {sorted(set(flat) - set(range(n)))[:8]}")
+        if any(not g or len(g) > m for g in groups):
+            raise Fail(f"{where}: group sizes {[len(g) for g in groups]}; each holds 1 to {m} requests")
+        arrival = grouping_cost([list(range(i, min(i + m, n))) for i in range(0, n, m)], p, o)
+        cost = grouping_cost(groups, p, o)
+        ratio = cost / arrival
+        if ratio > GROUPING_TARGET:
+            raise Fail(f"{where}: your grouping computes {cost} slots, {ratio:.1%} of arrival order's {arrival}; "
+                       f"the target is at most {GROUPING_TARGET:.0%}")
+        lines.append(f"{where}: {cost} slots, {ratio:.1%} of arrival order's {arrival}")
+    return lines

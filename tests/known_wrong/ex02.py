@@ -1,0 +1,56 @@
+"""Known-wrong answers to exercise 02 (padding): see tests/known_wrong/__init__.py."""
+
+from known_wrong import Mutant
+
+KNOWN_WRONG = [
+    # task 1: left padding and the mask
+    Mutant(1, "right padding", edits=(("        input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)\n        attention_mask[row, width - len(prompt):] = 1",
+                                       "        input_ids[row, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)\n        attention_mask[row, :len(prompt)] = 1"),),
+           expect="input_ids"),
+    Mutant(1, "mask of ones everywhere", edits=(("attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)",
+                                                 "attention_mask = torch.ones((len(prompts), width), dtype=torch.long)"),),
+           expect="attention_mask"),
+    Mutant(1, "float ids", edits=(("input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)",
+                                   "input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.float32)"),),
+           expect="int64"),
+    Mutant(1, "delegates to reference.pad_batch", code=(
+        "from minillm import padding as reference\n"
+        "def pad_batch(prompts, pad_id):\n    return reference.pad_batch(prompts, pad_id)\n"),
+           expect="reference minillm.padding.pad_batch"),
+    # task 2: slots per step
+    Mutant(2, "off-by-one: the last token fed back", edits=(("for k in range(2, max(output_lens) + 1):", "for k in range(2, max(output_lens) + 2):"),)),
+    Mutant(2, "finished rows not computed", edits=(("        steps.append((rows, sum(1 for o in output_lens if o >= k)))",
+                                                    "        steps.append((sum(1 for o in output_lens if o >= k),) * 2)"),)),
+    Mutant(2, "prefill counts only the real tokens", edits=(("steps = [(rows * max(prompt_lens), sum(prompt_lens))]",
+                                                             "steps = [(sum(prompt_lens), sum(prompt_lens))]"),)),
+    Mutant(2, "delegates to reference.static_batch_steps", code=(
+        "from minillm.padding import static_batch_steps as _ref\n"
+        "def static_batch_steps(p, o):\n    return [(c.computed_tokens, c.useful_tokens) for c in _ref(p, o)]\n"),
+           expect="reference minillm.padding.static_batch_steps"),
+    # task 3: the padded batch through the model
+    Mutant(3, "no attention mask", edits=(("out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)",
+                                           "out = model(input_ids=input_ids, position_ids=position_ids)"),), expect="with its mask"),
+    Mutant(3, "logits of the first column", edits=(("    return out.logits[:, -1]", "    return out.logits[:, 0]"),)),
+    Mutant(3, "one prompt at a time, no padding", code=(
+        "@torch.no_grad()\n"
+        "def last_token_logits(model, prompts, pad_id):\n"
+        "    return torch.stack([model(input_ids=torch.tensor([p])).logits[0, -1] for p in prompts])\n"),
+           expect="one forward pass"),
+    Mutant(3, "delegates to reference.pad_batch", edits=(("    input_ids, attention_mask = pad_batch(prompts, pad_id)\n    position_ids",
+                                                          "    from minillm import padding as _reference\n    input_ids, attention_mask = _reference.pad_batch(prompts, pad_id)\n    position_ids"),),
+           expect="reference minillm.padding.pad_batch"),
+    # task 4: the static engine's steps
+    Mutant(4, "one batch for all requests", edits=(("        end = start + max_num_seqs\n", "        end = len(prompt_lens)\n"),)),
+    Mutant(4, "overlapping batches (off by one)", edits=(("        end = start + max_num_seqs\n", "        end = start + max_num_seqs + 1\n"),)),
+    Mutant(4, "drops the partial last batch", edits=(("    for start in range(0, len(prompt_lens), max_num_seqs):",
+                                                      "    for start in range(0, len(prompt_lens) - max_num_seqs + 1, max_num_seqs):"),)),
+    # task 5: grouping
+    Mutant(5, "arrival order", edits=(("    order = sorted(range(len(prompt_lens)), key=lambda i: -(prompt_lens[i] + output_lens[i]))",
+                                       "    order = list(range(len(prompt_lens)))"),), expect="the target is at most"),
+    Mutant(5, "sorted by output length only", edits=(("key=lambda i: -(prompt_lens[i] + output_lens[i])", "key=lambda i: -output_lens[i]"),),
+           expect="the target is at most"),
+    Mutant(5, "groups one too large", edits=(("order[start : start + max_num_seqs] for start in range(0, len(order), max_num_seqs)",
+                                              "order[start : start + max_num_seqs + 1] for start in range(0, len(order), max_num_seqs + 1)"),),
+           expect="group sizes"),
+    Mutant(5, "loses a request", edits=(("    return [order[start", "    order = order[1:]\n    return [order[start"),), expect="missing"),
+]
