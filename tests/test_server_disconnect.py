@@ -105,8 +105,9 @@ def test_nothing_grows_with_uptime(server):
     body = {"prompt": "In the beginning", "max_tokens": 4, "temperature": 0.0}
 
     def burst(n):
-        for _ in range(n):
-            assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+        with httpx.Client(timeout=30) as http:
+            for _ in range(n):
+                assert http.post(url + "/v1/completions", json=body).status_code == 200
 
     burst(5)
     series_before = len(scrape(url))

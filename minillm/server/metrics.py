@@ -14,7 +14,10 @@
     vllm:iteration_tokens_total                 histograms
 
 Each exporter has its own `CollectorRegistry` (not prometheus_client's global one), so one
-process can run several servers or `LLM`s. Everything here has a fixed number of series (labels
+process can run several servers or `LLM`s. The engine thread updates plain Python numbers (a
+bucket lookup and an add per token: prometheus_client's own `Histogram.observe` takes a lock and
+costs ~10 µs, a millisecond per step at batch 64 on this CPU); a scrape turns them into metric
+families (`collect`). A scrape may see a step half-counted, never a broken value. Everything here has a fixed number of series (labels
 are the model name, three finish reasons, k speculative positions), and the engine's own
 per-request records are dropped once folded in (`MetricsCollector.retain`), so nothing grows
 with uptime. Histogram buckets reach down to 1 ms because this CPU toy's steps take milliseconds
@@ -25,20 +28,14 @@ with uptime. Histogram buckets reach down to 1 ms because this CPU toy's steps t
 
 from __future__ import annotations
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-    generate_latest,
-)
+import bisect
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
 
 from minillm.metrics import RequestMetrics, StepRecord
 from minillm.server.metrics_reader import read_metrics
-
-# No `*_created` timestamp series, as vLLM (this is process-wide in prometheus_client).
-disable_created_metrics()
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -47,113 +44,137 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISH_REASONS = ("stop", "length", "abort")
 
+GAUGES = {"num_requests_running": "Requests in the running batch.",
+          "num_requests_waiting": "Requests waiting (incl. preempted).",
+          "kv_cache_usage_perc": "KV-cache usage, 1 means 100 percent."}
+COUNTERS = {"num_preemptions": "Cumulative preemptions.", "prompt_tokens": "Prefill tokens processed.",
+            "generation_tokens": "Generation tokens produced.",
+            "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+            "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+            "spec_decode_num_drafts": "Speculative rows verified.",
+            "spec_decode_num_draft_tokens": "Draft tokens verified.",
+            "spec_decode_num_accepted_tokens": "Draft tokens accepted."}
+HISTOGRAMS = {"time_to_first_token_seconds": ("Time to first token.", LATENCY_BUCKETS),
+              "inter_token_latency_seconds": ("Time between consecutive token chunks.", LATENCY_BUCKETS),
+              "e2e_request_latency_seconds": ("Arrival to finish.", E2E_BUCKETS),
+              "request_queue_time_seconds": ("Arrival to first scheduled.", LATENCY_BUCKETS),
+              "iteration_tokens_total": ("Tokens computed per engine step.", ITERATION_TOKEN_BUCKETS)}
 
-class PrometheusMetrics:
+
+class _Histogram:
+    """Bucket counts (not cumulative), sum and count: what `observe` costs is one bisect and two adds."""
+
+    def __init__(self, bounds: tuple) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def family(self, name: str, doc: str, labels: dict) -> HistogramMetricFamily:
+        counts = list(self.counts)
+        cumulative, total = [], 0
+        for bound, c in zip([*map(str, map(float, self.bounds)), "+Inf"], counts):
+            total += c
+            cumulative.append((bound, total))
+        fam = HistogramMetricFamily(name, doc, labels=list(labels))
+        fam.add_metric(list(labels.values()), cumulative, self.sum)
+        return fam
+
+
+class PrometheusMetrics(Collector):
     """Attach to an engine once: `PrometheusMetrics(engine, "minillm")`; serve `exposition()`.
 
-    Its callbacks run on the engine thread (the only writer); prometheus_client's values are
-    thread-safe, so a scrape from the HTTP thread reads them at any time."""
+    Its callbacks run on the engine thread, the only writer; `collect` runs on whichever thread
+    scrapes (GET /metrics, `LLM.get_metrics()`)."""
 
     def __init__(self, engine, model_name: str) -> None:
         self.engine = engine
-        self.registry = CollectorRegistry()
-        r, labels = self.registry, ["model_name"]
-        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", labels, registry=r)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting (incl. preempted).", labels, registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent.", labels, registry=r)
-        self.preemptions = Counter("vllm:num_preemptions", "Cumulative preemptions.", labels, registry=r)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens produced.", labels,
-                                         registry=r)
-        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                      labels, registry=r)
-        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels,
-                                   registry=r)
-        self.success = Counter("vllm:request_success", "Finished requests, by finish reason.",
-                               labels + ["finished_reason"], registry=r)
-        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Speculative rows verified.", labels, registry=r)
-        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", labels,
-                                         registry=r)
-        self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels,
-                                     registry=r)
-        self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                             "Draft tokens accepted, by position.", labels + ["position"],
-                                             registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive token chunks.", labels,
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", labels, buckets=E2E_BUCKETS,
-                             registry=r)
-        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", labels,
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Tokens computed per engine step.", labels,
-                                          buckets=ITERATION_TOKEN_BUCKETS, registry=r)
         self.model_name = model_name
-        self._bind(model_name)
-        self._spec_seen = (0, 0, 0)
-        self._spec_pos_seen: list[int] = []
+        self.gauges = dict.fromkeys(GAUGES, 0.0)
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.success = dict.fromkeys(FINISH_REASONS, 0)
+        self.accepted_per_pos: list[int] = []
+        self.histograms = {name: _Histogram(bounds) for name, (_, bounds) in HISTOGRAMS.items()}
+        self._ttft, self._itl = self.histograms["time_to_first_token_seconds"], \
+            self.histograms["inter_token_latency_seconds"]
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
         engine.metrics.add_observer(self.on_step)
         engine.metrics.add_request_observer(self)
         engine.command_observers.append(self.refresh)
         self.refresh()
 
-    def _bind(self, name: str) -> None:
-        """Label every series once (they then exist, at 0, before anything happens)."""
-        for attr in ("running", "waiting", "kv_usage", "preemptions", "prompt_tokens", "generation_tokens",
-                     "prefix_queries", "prefix_hits", "spec_drafts", "spec_draft_tokens", "spec_accepted", "ttft",
-                     "itl", "e2e", "queue_time", "iteration_tokens"):
-            setattr(self, "_" + attr, getattr(self, attr).labels(model_name=name))
-        self._success = {reason: self.success.labels(model_name=name, finished_reason=reason)
-                         for reason in FINISH_REASONS}
-
     # ---- engine-thread callbacks ---------------------------------------------------------------
     def refresh(self) -> None:
         """The gauges, from the engine's state now (after a step, or after commands changed it)."""
         engine = self.engine
-        self._running.set(engine.scheduler.num_running)
-        self._waiting.set(engine.scheduler.num_waiting + len(engine._pending))
+        g = self.gauges
+        g["num_requests_running"] = engine.scheduler.num_running
+        g["num_requests_waiting"] = engine.scheduler.num_waiting + len(engine._pending)
         usage = engine.kv.usage()
-        self._kv_usage.set(usage.reserved_tokens / usage.total_tokens if usage.total_tokens else 0.0)
+        g["kv_cache_usage_perc"] = usage.reserved_tokens / usage.total_tokens if usage.total_tokens else 0.0
 
     def on_step(self, step: StepRecord) -> None:
         self.refresh()
-        self._iteration_tokens.observe(step.num_prefill_tokens + step.num_decode_tokens)
-        if step.num_preemptions:
-            self._preemptions.inc(step.num_preemptions)
-        if step.num_prefix_queried_tokens:
-            self._prefix_queries.inc(step.num_prefix_queried_tokens)
-            self._prefix_hits.inc(step.num_prefix_hit_tokens)
+        c = self.counters
+        self.histograms["iteration_tokens_total"].observe(step.num_prefill_tokens + step.num_decode_tokens)
+        c["num_preemptions"] += step.num_preemptions
+        c["prefix_cache_queries"] += step.num_prefix_queried_tokens
+        c["prefix_cache_hits"] += step.num_prefix_hit_tokens
         spec = self.engine.metrics.spec_decode
-        now = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
-        if now != self._spec_seen:
-            for counter, new, old in zip((self._spec_drafts, self._spec_draft_tokens, self._spec_accepted),
-                                         now, self._spec_seen):
-                counter.inc(new - old)
-            per_pos = spec.num_accepted_tokens_per_pos
-            self._spec_pos_seen += [0] * (len(per_pos) - len(self._spec_pos_seen))
-            for pos, (new, old) in enumerate(zip(per_pos, self._spec_pos_seen)):
-                if new > old:
-                    self.spec_accepted_per_pos.labels(model_name=self.model_name, position=str(pos)).inc(new - old)
-            self._spec_seen, self._spec_pos_seen = now, list(per_pos)
+        c["spec_decode_num_drafts"] = spec.num_drafts
+        c["spec_decode_num_draft_tokens"] = spec.num_draft_tokens
+        c["spec_decode_num_accepted_tokens"] = spec.num_accepted_tokens
+        if spec.num_drafts:
+            self.accepted_per_pos = list(spec.num_accepted_tokens_per_pos)
 
     def on_token(self, record: RequestMetrics, num_tokens: int) -> None:
-        self._generation_tokens.inc(num_tokens)
+        c = self.counters
+        c["generation_tokens"] += num_tokens
         times = record.token_times
         if len(times) == 1:
-            self._prompt_tokens.inc(record.num_prompt_tokens)
+            c["prompt_tokens"] += record.num_prompt_tokens
             self._ttft.observe(times[0] - record.arrival_time)
         else:
             self._itl.observe(times[-1] - times[-2])
 
     def on_finish(self, record: RequestMetrics) -> None:
-        reason = record.finish_reason or "abort"
-        self._success[reason if reason in self._success else "abort"].inc()
-        self._e2e.observe(record.finished_time - record.arrival_time)
+        reason = record.finish_reason if record.finish_reason in self.success else "abort"
+        self.success[reason] += 1
+        self.histograms["e2e_request_latency_seconds"].observe(record.finished_time - record.arrival_time)
         if record.first_scheduled_time is not None:
-            self._queue_time.observe(record.first_scheduled_time - record.arrival_time)
+            self.histograms["request_queue_time_seconds"].observe(record.first_scheduled_time - record.arrival_time)
 
     # ---- readers (any thread) --------------------------------------------------------------------
+    def collect(self):
+        labels = {"model_name": self.model_name}
+        for name, doc in GAUGES.items():
+            yield self._gauge(name, doc)
+        for name, doc in COUNTERS.items():
+            fam = CounterMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
+            fam.add_metric([self.model_name], self.counters[name])
+            yield fam
+        fam = CounterMetricFamily("vllm:request_success", "Finished requests, by finish reason.",
+                                  labels=["model_name", "finished_reason"])
+        for reason, n in self.success.items():
+            fam.add_metric([self.model_name, reason], n)
+        yield fam
+        fam = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.",
+                                  labels=["model_name", "position"])
+        for pos, n in enumerate(list(self.accepted_per_pos)):
+            fam.add_metric([self.model_name, str(pos)], n)
+        yield fam
+        for name, (doc, _) in HISTOGRAMS.items():
+            yield self.histograms[name].family(f"vllm:{name}", doc, labels)
+
+    def _gauge(self, name: str, doc: str) -> GaugeMetricFamily:
+        fam = GaugeMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
+        fam.add_metric([self.model_name], self.gauges[name])
+        return fam
+
     def exposition(self) -> bytes:
         """The text format Prometheus scrapes (`GET /metrics`)."""
         return generate_latest(self.registry)
