@@ -41,6 +41,7 @@ def main() -> int:
     parser.add_argument("--cc", type=int, default=90, help="compute capability, e.g. 80 (A100) or 90 (H100/H200)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16"],
                         help="element type of K/V and activations (numba has no bfloat16 arrays)")
+    parser.add_argument("--only", nargs="+", metavar="KERNEL", help="compile just these kernels")
     args = parser.parse_args()
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         print("compile_ptx is unavailable under NUMBA_ENABLE_CUDASIM=1: run without it", file=sys.stderr)
@@ -50,7 +51,14 @@ def main() -> int:
     from minillm.kernels import KERNELS
 
     cc = (args.cc // 10, args.cc % 10)
-    for name, sig in signatures(args.dtype).items():
+    wanted = signatures(args.dtype)
+    unknown = sorted(set(args.only or ()) - set(wanted))
+    if unknown:
+        print(f"unknown kernel(s) {unknown}; choose from {sorted(wanted)}", file=sys.stderr)
+        return 2
+    for name, sig in wanted.items():
+        if args.only and name not in args.only:
+            continue
         module = importlib.import_module(f"minillm.kernels.{KERNELS[name]}")
         ptx, _ = cuda.compile_ptx(module.python_function, sig, cc=cc)
         entries = ptx.count(".entry")
