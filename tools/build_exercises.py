@@ -4,10 +4,10 @@
 region of a code cell between a `# BEGIN SOLUTION` line and a `# END SOLUTION` line becomes
 `raise NotImplementedError("TODO: <hint>")` at the indentation of the BEGIN line; the hint is taken
 from `# HINT: ...` lines right after BEGIN (default: "your code here"). Every other cell and every
-stored output stays, because the outputs of the graded cells (those with a `# NBVAL_CHECK_OUTPUT`
-line) are what nbval compares a learner's run against:
-
-    make grade  =  pytest --nbval-lax --nbval-current-env --nbval-sanitize-with tools/nbval_sanitize.cfg exercises/
+stored output stays: the graded cells (those with a `# NBVAL_CHECK_OUTPUT` line) show the learner
+what a PASS looks like. Grading itself does not trust the notebook: `make grade` (tools/grade.py,
+minillm/grading/runner.py) runs only the cells that hold a stub here, taken from the learner's
+notebook, with every other cell from solutions/ and the checks from minillm/grading/exNN.py.
 
 Usage:
     python tools/build_exercises.py            # regenerate exercises/ (and remove orphaned ones)
@@ -16,8 +16,7 @@ Usage:
 
 Exit status: 0 in sync (or rebuilt), 1 out of sync (--check), 2 a malformed solution notebook.
 The output is byte-deterministic (nbformat's sorted keys and indent, execution timestamps dropped),
-so CI can regenerate and diff. `nbval_passes()` runs nbval on one notebook: the tests use it to
-prove that every solution passes and every untouched exercise fails.
+so CI can regenerate and diff. `run_nbval()` runs nbval on one notebook (the chapter tests use it).
 """
 
 from __future__ import annotations
