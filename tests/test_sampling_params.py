@@ -307,3 +307,15 @@ def test_get_metrics_has_vllm_names():
     assert metrics[("vllm:inter_token_latency_seconds", None)].count == 8
     assert metrics[("vllm:num_requests_running", None)].value == 0
     assert type(metrics[("vllm:e2e_request_latency_seconds", None)]).__name__ == "Histogram"
+
+
+def test_prompt_forms_text_ids_and_dict():
+    llm = LLM(max_num_seqs=4, max_model_len=128)
+    ids = list(llm.tokenizer("In the beginning").input_ids)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(["In the beginning", ids, {"prompt": "In the beginning"}, {"prompt_token_ids": ids}], params,
+                        use_tqdm=False)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    assert all(o.prompt_token_ids == ids for o in outs)
+    with pytest.raises(ValueError, match="'prompt_token_ids' \\(a list of ints\\) or 'prompt' \\(a string\\)"):
+        llm.generate([{"text": "x"}], params, use_tqdm=False)

@@ -181,6 +181,12 @@ def test_include_usage_sends_one_final_chunk_without_choices(client):
     assert sum(1 for c in chat if not c.choices) == 1
     without = list(client.completions.create(model="minillm", prompt=PROMPT, max_tokens=3, stream=True))
     assert all(c.choices and c.usage is None for c in without)
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far.
+    running = list(client.completions.create(model="minillm", prompt=PROMPT, max_tokens=6, temperature=0.0,
+                                             stream=True, extra_body={"ignore_eos": True},
+                                             stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    so_far = [c.usage.completion_tokens for c in running]
+    assert so_far == sorted(so_far) and so_far[-1] == 6 and running[-1].choices == []
 
 
 def test_vllm_extra_parameters_and_stop_reason(client):
