@@ -135,3 +135,37 @@ def test_exercise_is_in_sync_with_its_solution(solution: Path) -> None:
     planned = bx.plan(REPO_ROOT / "solutions", REPO_ROOT / "exercises", only=number)
     stale = [f"{item.status}: {item.exercise.name}" for item in planned if item.status != "in sync"]
     assert not stale, f"{stale}; run `python tools/build_exercises.py --only {number}`"
+
+
+def _regions(source: str) -> list[str]:
+    lines, inside, out = source.splitlines(), False, []
+    for line in lines:
+        if line.strip() == "# BEGIN SOLUTION":
+            inside = True
+        elif line.strip() == "# END SOLUTION":
+            inside = False
+        elif inside and not line.strip().startswith("#"):
+            out.append(line.strip())
+    return out
+
+
+# The exercises of issue 8's tiered-hint rule; ex08 onwards are checked for verbatim code only.
+TIERED_HINTS = {"02", "03", "04", "05", "06", "07"}
+WINDOW = 36  # characters of a solution line that a hint may not quote
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=_ids(SOLUTIONS))
+def test_hints_are_tiered_and_never_the_solution_verbatim(solution: Path) -> None:
+    notebook = json.loads(solution.read_text(encoding="utf-8"))
+    code = [line for c in notebook["cells"] if c["cell_type"] == "code" for line in _regions("".join(c["source"]))]
+    hints = [block for c in notebook["cells"] if c["cell_type"] == "markdown"
+             for block in "".join(c["source"]).split("<details>")[1:]]
+    if solution.name[2:4] in TIERED_HINTS:
+        tasks = sum(_graded(c) for c in notebook["cells"])
+        assert sum("<summary>Hint 1</summary>" in h for h in hints) >= tasks, "a nudge (Hint 1) per task"
+        assert sum("<summary>Hint 2</summary>" in h for h in hints) >= tasks, "a stronger hint (Hint 2) per task"
+    normal = lambda text: " ".join(text.replace("`", "").split())  # noqa: E731
+    text = " ".join(normal(h) for h in hints)
+    leaked = sorted({normal(line)[i:i + WINDOW] for line in code for i in range(max(0, len(normal(line)) - WINDOW) + 1)
+                     if len(normal(line)) >= WINDOW and normal(line)[i:i + WINDOW] in text})
+    assert not leaked, f"{solution.name}: hints quote the solution verbatim: {leaked}"
