@@ -11,8 +11,6 @@ asserts it FAILS, and, with `expect=`, that its message contains that text.
 from __future__ import annotations
 
 import importlib
-import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +19,6 @@ from minillm.grading import TaskResult, tasks_of
 from minillm.grading.runner import compose, grader_module_for
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
-_BEGIN = re.compile(r"^[ \t]*#\s*BEGIN SOLUTION\s*$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -80,7 +77,6 @@ def run_task(number: str, task: int, mutant: Mutant | None = None) -> TaskResult
 
 
 def tasks_in(number: str) -> list[int]:
-    data = json.loads(solution_path(number).read_text(encoding="utf-8"))
-    del data
+    """The task numbers of exercise `number`'s graded cells, in notebook order."""
     plan = compose(solution_path(number), solution_path(number))
     return [cell["task"] for cell in plan.cells if cell["kind"] == "graded"]
