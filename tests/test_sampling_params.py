@@ -240,7 +240,8 @@ def test_engine_thread_takes_commands_and_blocks_when_idle():
         outs.clear()
         engine.submit_add("In the beginning", SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True,
                                                              output_kind=RequestOutputKind.DELTA), "b", outs.append)
-        while not outs:
+        deadline = time.monotonic() + 30
+        while not outs and time.monotonic() < deadline:
             time.sleep(0.005)
         engine.submit_abort("b")
         deadline = time.monotonic() + 30
