@@ -13,6 +13,7 @@ model's by default): loading it takes milliseconds and needs no transformers imp
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,13 +37,23 @@ class BenchRequest:
         return len(self.prompt_token_ids)
 
 
+@functools.lru_cache(maxsize=8)
+def _load_tokenizer_file(file: str) -> Tokenizer:
+    return Tokenizer.from_file(file)
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """A `tokenizers.Tokenizer` from a model directory (its tokenizer.json) or a tokenizer.json file."""
+    """A `tokenizers.Tokenizer` from a model directory (its tokenizer.json) or a tokenizer.json file.
+    Loaded once per file: a notebook that runs many short benchmarks gets the same object back."""
     path = Path(path)
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"--tokenizer: no tokenizer.json at {path} (give a model directory or the file)")
-    return Tokenizer.from_file(str(file))
+    return _load_tokenizer_file(str(file.resolve()))
+
+
+# Word lists by tokenizer object (kept alive here, so its id cannot be reused while cached).
+_WORDS: dict[int, tuple[Tokenizer, np.ndarray]] = {}
 
 
 def word_token_ids(tokenizer: Tokenizer) -> np.ndarray:
@@ -58,6 +69,14 @@ def word_token_ids(tokenizer: Tokenizer) -> np.ndarray:
     if len(ids) < 16:
         raise ValueError(f"the tokenizer has only {len(ids)} whole-word tokens; it cannot build word prompts")
     return np.asarray(ids, dtype=np.int64)
+
+
+def cached_word_token_ids(tokenizer: Tokenizer) -> np.ndarray:
+    """`word_token_ids`, computed once per tokenizer object (it encodes the whole vocabulary)."""
+    entry = _WORDS.get(id(tokenizer))
+    if entry is None or entry[0] is not tokenizer:
+        entry = _WORDS[id(tokenizer)] = (tokenizer, word_token_ids(tokenizer))
+    return entry[1]
 
 
 def exact_length_prompt(tokenizer: Tokenizer, ids: list[int], filler: np.ndarray, rng: np.random.Generator,
@@ -82,7 +101,7 @@ def exact_length_prompt(tokenizer: Tokenizer, ids: list[int], filler: np.ndarray
 def requests_from_trace(trace: Trace, tokenizer: Tokenizer, seed: int = 0) -> list[BenchRequest]:
     """Each trace request's ids (taken modulo the word list) become words; lengths and shared
     prefixes carry over, so a prefix-caching trace stays one."""
-    words = word_token_ids(tokenizer)
+    words = cached_word_token_ids(tokenizer)
     rng = np.random.default_rng(seed)
     out = []
     for r in trace:
