@@ -12,6 +12,8 @@ Then the target verifies all guesses in one forward pass: a request's row holds 
 after its cached context, which `SimExecutor` already costs as a small prefill — the verification
 cost. While decode is memory-bound those extra query tokens ride along with the weight reads
 almost for free; as the batch grows the step moves toward the compute roof and they stop being free.
+(One simplification: `step_time` charges the lm_head once per row, while a verification row needs
+logits at all 1 + k positions; for a 7B model that is about 2 % of a token's FLOPs per guess.)
 
 How many guesses survive is the trace's business, not the simulated model's (it has no text).
 `SimSpeculativeProposer` draws it: guess i is accepted with probability α_i given that guesses
