@@ -11,12 +11,13 @@ export TOKENIZERS_PARALLELISM := false
 # threads slow torch down several times over (measured while training the bundled models).
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: help install test test-fast lab generate serve grade exercises check-exercises bench lint clean
+.PHONY: help install test test-fast test-browser lab generate serve grade exercises check-exercises bench lint clean
 
 help:
 	@echo "make lab        JupyterLab on the course (opens chapters/; as root and headless too): the main job"
 	@echo "make test       install everything pinned into $(VENV) and run every test (what CI runs)"
 	@echo "make test-fast  the tests without notebooks"
+	@echo "make test-browser  JupyterLab + Debian chromium: a chapter runs, its playground redraws, its exercise link opens"
 	@echo "make generate   one greedy generation from the bundled model on the command line"
 	@echo "make serve      the OpenAI-compatible server on the bundled model, http://127.0.0.1:8000/v1 (ARGS=...)"
 	@echo "make grade      grade the exercises against solutions/ and minillm/grading (EX=05 for one)"
@@ -38,6 +39,10 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -n 2 -m "not notebook" tests
+
+# Also part of `make test`; alone it prints its timings and leaves screenshots in /tmp/minillm-browser.
+test-browser: install
+	$(PY) -m pytest -p no:cacheprovider -s -rs tests/test_browser.py
 
 lab: install
 	$(PY) tools/lab.py
