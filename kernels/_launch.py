@@ -11,11 +11,21 @@ torch tensor.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
-SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 THREADS = 64  # threads per block for the one-thread-per-item kernels
+
+
+def simulator() -> bool:
+    """Whether numba runs kernels on its simulator: numba's own setting once it is imported (it reads
+    NUMBA_ENABLE_CUDASIM once, at import), the variable before that."""
+    if "numba" in sys.modules:
+        from numba.core import config
+
+        return bool(config.ENABLE_CUDASIM)
+    return os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 
 def device_array(t: torch.Tensor):
@@ -27,7 +37,7 @@ def device_array(t: torch.Tensor):
         from numba import cuda
 
         return cuda.as_cuda_array(t.detach())
-    if not SIMULATOR:
+    if not simulator():
         raise RuntimeError("numba.cuda kernels need a CUDA tensor; on a CPU set NUMBA_ENABLE_CUDASIM=1 (before "
                            "numba is imported) to run them on numba's simulator, or use attention_backend='torch'")
     if not t.is_contiguous():
@@ -41,7 +51,7 @@ def launch(kernel, num_items: int, *args) -> None:
         return
     blocks = -(-num_items // THREADS)
     first = next((a for a in args if hasattr(a, "__cuda_array_interface__")), None)
-    if first is not None and not SIMULATOR:
+    if first is not None and not simulator():
         from numba import cuda
 
         stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 
 import torch
-from minillm.kernels._launch import SIMULATOR, device_array
+from minillm.kernels._launch import device_array, simulator
 from numba import cuda, float32
 
 MAX_HEAD_DIM = 256
@@ -88,13 +88,13 @@ def _kernel(query, key_cache, value_cache, block_tables, seq_lens, scale, out):
         out[b, h, d] = acc[d] / total
 
 
-kernel = None if SIMULATOR else cuda.jit(_kernel)  # the simulator cannot run shuffles
+kernel = None if simulator() else cuda.jit(_kernel)  # the simulator cannot run shuffles
 python_function = _kernel
 
 
 def paged_attention_decode_warp(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    if SIMULATOR or not query.is_cuda:
+    if simulator() or not query.is_cuda:
         raise RuntimeError("paged_attention_decode_warp uses warp shuffles, which numba's simulator lacks: it runs "
                            "on a CUDA GPU only (paged_attention_decode is the simulatable version)")
     if query.shape[-1] > MAX_HEAD_DIM:

@@ -51,7 +51,7 @@ from numba import cuda, float32  # noqa: E402
 
 from minillm.grading import Fail, forbid, task  # noqa: E402
 from minillm.kernels import decode_attention  # noqa: E402
-from minillm.kernels._launch import SIMULATOR, device_array, launch  # noqa: E402
+from minillm.kernels._launch import device_array, launch, simulator  # noqa: E402
 from minillm.kernels.scenarios import PagedScenario, paged_scenario  # noqa: E402
 
 MAX_HEAD_DIM = 64  # the size of a thread's accumulator: cuda.local.array(MAX_HEAD_DIM, float32)
@@ -74,7 +74,7 @@ PORTABLE_TYPES = ("float32", "float64", "int32", "int64")
 
 
 def _numba_ready() -> None:
-    if not SIMULATOR and not torch.cuda.is_available():
+    if not simulator() and not torch.cuda.is_available():
         raise Fail("numba was imported before NUMBA_ENABLE_CUDASIM=1 was set and there is no GPU: restart the "
                    "kernel and run the notebook from the top")
 
