@@ -151,8 +151,10 @@ def _run_plan(plan: dict, result_file) -> None:
                 try:
                     args = [eval(expression, namespace) for expression in cell["args"]]  # noqa: S307
                 except Exception as error:  # noqa: BLE001
+                    why = [note for note in notes if "(your code) raised" in note]
                     result = TaskResult(number, check.grading_task[1], False,
-                                        [f"the check needs {', '.join(cell['args'])}: {type(error).__name__}: {error}"])
+                                        [f"the check needs {', '.join(cell['args'])}: {type(error).__name__}: {error}"]
+                                        + [f"because {why[-1]}"] * bool(why))
                 else:
                     result = check(*args)
                     changed = tampered(before)  # learner code runs inside the check too
