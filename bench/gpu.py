@@ -38,12 +38,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import describe_machine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DEVICE = "cuda"  # --dry-run: "cpu", with the kernels on numba's simulator
 QWEN_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                 num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True)
 
 
 def cuda_time_s(fn, iters: int = 20, warmup: int = 3) -> float:
-    """Median time of fn() on the GPU, by CUDA events."""
+    """Median time of fn() on the GPU, by CUDA events (a dry run on the CPU: one call, wall clock)."""
+    if DEVICE == "cpu":
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -60,7 +65,7 @@ def cuda_time_s(fn, iters: int = 20, warmup: int = 3) -> float:
 
 def copy_bandwidth_bytes_per_s() -> float:
     """Device-to-device copy of 1 GiB: bytes read + bytes written, per second."""
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    src = torch.empty(2**30, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
     return 2 * src.numel() / cuda_time_s(lambda: dst.copy_(src), iters=10)
 
@@ -73,27 +78,28 @@ def scenario(lens, block_size, kv_heads, q_heads, head_dim, dtype, seed=0, spare
                        head_dim=head_dim, seed=seed)
     for name in ("query", "key_cache", "value_cache"):
         setattr(s, name, getattr(s, name).to(dtype))
-    return s.to("cuda")
+    return s.to(DEVICE)
 
 
 def big_scenario(batch, context, block_size, kv_heads, q_heads, head_dim, dtype, seed=0):
     """Like `scenario` but filled on the GPU (the CPU loop would take minutes at 32 x 16k)."""
     from minillm.kernels.scenarios import PagedScenario
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
     per_seq = -(-context // block_size)
     num_blocks = batch * per_seq + 1
-    order = torch.randperm(num_blocks - 1, generator=g, device="cuda").to(torch.int32)
+    order = torch.randperm(num_blocks - 1, generator=g, device=DEVICE).to(torch.int32)
     tables = order[: batch * per_seq].view(batch, per_seq).contiguous()
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    k = torch.randn(shape, generator=g, device="cuda", dtype=dtype)
-    v = torch.randn(shape, generator=g, device="cuda", dtype=dtype)
-    q = torch.randn(batch, q_heads, head_dim, generator=g, device="cuda", dtype=dtype)
-    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    k = torch.randn(shape, generator=g, device=DEVICE, dtype=dtype)
+    v = torch.randn(shape, generator=g, device=DEVICE, dtype=dtype)
+    q = torch.randn(batch, q_heads, head_dim, generator=g, device=DEVICE, dtype=dtype)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
     return PagedScenario(q, k, v, tables, lens, head_dim**-0.5)
 
 
-def check_kernels(dtype: torch.dtype, tol: float) -> list[dict]:
+def check_kernels(dtype: torch.dtype, tol: float, decode_kernels: tuple[str, ...], big_batch: int = 32,
+                  big_context: int = 4096, tokens: int = 4096) -> list[dict]:
     """Each kernel on the GPU against its reference; time both at a serving-sized shape."""
     from minillm.kernels.cache_write import reshape_and_cache_reference
     from minillm.kernels.decode_attention import paged_attention_decode_reference
@@ -116,24 +122,24 @@ def check_kernels(dtype: torch.dtype, tol: float) -> list[dict]:
 
     lens = [1, 15, 16, 17, 100]
     s = scenario(lens, 16, 2, 14, 64, dtype)
-    for name, fn in (("paged_attention_decode", kernels.paged_attention_decode),
-                     ("paged_attention_decode_warp", kernels.paged_attention_decode_warp)):
+    for name in decode_kernels:
+        fn = getattr(kernels, name)
         want = paged_attention_decode_reference(*s.args())
-        big = big_scenario(32, 4096, 16, 2, 14, 64, dtype)
+        big = big_scenario(big_batch, big_context, 16, 2, 14, 64, dtype)
         record(name, fn(*s.args()), want, cuda_time_s(lambda fn=fn, big=big: fn(*big.args())),
                cuda_time_s(lambda big=big: paged_attention_decode_reference(*big.args()), iters=3))
 
     q_lens = [17, 3, 5, 1]
     p = scenario([40, 30, 25, 9], 16, 2, 14, 64, dtype, seed=1)
-    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    query = torch.randn(sum(q_lens), 14, 64, device="cuda", dtype=dtype)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    query = torch.randn(sum(q_lens), 14, 64, device=DEVICE, dtype=dtype)
     args = (query, p.key_cache, p.value_cache, p.block_tables, qsl, p.seq_lens, p.scale)
     record("prefill_attention", kernels.prefill_attention(*args), prefill_attention_reference(*args))
 
-    t = 4096
-    key, value = (torch.randn(t, 2, 64, device="cuda", dtype=dtype) for _ in range(2))
-    kc, vc = (torch.zeros(t // 16 + 1, 16, 2, 64, device="cuda", dtype=dtype) for _ in range(2))
-    slots = torch.randperm(t, device="cuda")
+    t = tokens
+    key, value = (torch.randn(t, 2, 64, device=DEVICE, dtype=dtype) for _ in range(2))
+    kc, vc = (torch.zeros(-(-t // 16) + 1, 16, 2, 64, device=DEVICE, dtype=dtype) for _ in range(2))
+    slots = torch.randperm(t, device=DEVICE)
     slots[::97] = -1
     rk, rv = kc.clone(), vc.clone()
     reshape_and_cache_reference(key, value, rk, rv, slots)
@@ -141,15 +147,15 @@ def check_kernels(dtype: torch.dtype, tol: float) -> list[dict]:
            torch.cat([rk, rv]), cuda_time_s(lambda: kernels.reshape_and_cache(key, value, kc, vc, slots)),
            cuda_time_s(lambda: reshape_and_cache_reference(key, value, rk, rv, slots)))
 
-    x, w = torch.randn(t, 896, device="cuda", dtype=dtype), torch.randn(896, device="cuda", dtype=dtype)
+    x, w = torch.randn(t, 896, device=DEVICE, dtype=dtype), torch.randn(896, device=DEVICE, dtype=dtype)
     record("rms_norm", kernels.rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6),
            cuda_time_s(lambda: kernels.rms_norm(x, w, 1e-6)), cuda_time_s(lambda: rms_norm_reference(x, w, 1e-6)))
 
-    positions = torch.randint(0, 4096, (t,), device="cuda")
-    inv = 1e6 ** (-torch.arange(0, 64, 2, device="cuda").float() / 64)
-    angles = torch.arange(4096, device="cuda").float()[:, None] * inv[None, :]
+    positions = torch.randint(0, 4096, (t,), device=DEVICE)
+    inv = 1e6 ** (-torch.arange(0, 64, 2, device=DEVICE).float() / 64)
+    angles = torch.arange(4096, device=DEVICE).float()[:, None] * inv[None, :]
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1)
-    q0, k0 = torch.randn(t, 14, 64, device="cuda", dtype=dtype), torch.randn(t, 2, 64, device="cuda", dtype=dtype)
+    q0, k0 = torch.randn(t, 14, 64, device=DEVICE, dtype=dtype), torch.randn(t, 2, 64, device=DEVICE, dtype=dtype)
     q1, k1, q2, k2 = q0.clone(), k0.clone(), q0.clone(), k0.clone()
     kernels.rotary_embedding(positions, q1, k1, cos_sin.to(dtype))
     rotary_embedding_reference(positions, q2, k2, cos_sin.to(dtype))
@@ -164,12 +170,12 @@ def _in_place(fn, tensors):
     return (torch.cat(tensors),)
 
 
-def decode_bandwidth(dtype: torch.dtype, copy_bw: float, contexts, batches) -> list[dict]:
+def decode_bandwidth(dtype: torch.dtype, copy_bw: float, contexts, batches, decode_kernels: tuple[str, ...]) -> list[dict]:
     from minillm import kernels
 
     rows = []
     element = torch.empty((), dtype=dtype).element_size()
-    for name in ("paged_attention_decode", "paged_attention_decode_warp"):
+    for name in decode_kernels:
         fn = getattr(kernels, name)
         for batch in batches:
             for context in contexts:
@@ -190,13 +196,13 @@ def random_model(dtype: torch.dtype):
     torch.manual_seed(0)
     config = LlamaConfig(**QWEN_05B)
     config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config).to(device="cuda", dtype=dtype).eval()
+    return LlamaForCausalLM(config).to(device=DEVICE, dtype=dtype).eval()
 
 
 def time_minillm(hf_model, backend: str, dtype: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, list]:
     from minillm import LLM, SamplingParams
 
-    llm = LLM(hf_model, dtype=dtype, device="cuda", attention_backend=backend, max_num_seqs=len(prompts),
+    llm = LLM(hf_model, dtype=dtype, device=DEVICE, attention_backend=backend, max_num_seqs=len(prompts),
               max_model_len=1024)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=4, temperature=0.0),
@@ -209,7 +215,7 @@ def time_minillm(hf_model, backend: str, dtype: str, prompts: list[list[int]], n
 
 
 def time_hf(hf_model, prompts: list[list[int]], new_tokens: int) -> float:
-    ids = torch.tensor(prompts, device="cuda")  # equal lengths: no padding
+    ids = torch.tensor(prompts, device=DEVICE)  # equal lengths: no padding
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
         hf_model.generate(ids[:, :8], max_new_tokens=4, **kwargs)
@@ -226,12 +232,15 @@ def graph_step(hf_model, dtype: str, prompts: list[list[int]]) -> dict:
     from minillm.kernels.cuda_graphs import DecodeGraphs, DecodeInputs, decode_forward, pick_bucket
 
     batch = len(prompts)
-    llm = LLM(hf_model, dtype=dtype, device="cuda", attention_backend="numba", max_num_seqs=batch, max_model_len=1024)
+    llm = LLM(hf_model, dtype=dtype, device=DEVICE, attention_backend="numba", max_num_seqs=batch, max_model_len=1024,
+              max_num_batched_tokens=max(2048, sum(len(p) for p in prompts)))  # every prompt in one prefill step
     engine = llm.engine
     for p in prompts:
         engine.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     engine.step()  # prefill; the next plan is a decode step of every sequence
     input_ids, positions, meta, _ = engine.executor.prepare(engine.scheduler.schedule(engine.clock.now()))
+    if meta.num_decode != batch or input_ids.shape[0] != batch:
+        raise RuntimeError(f"expected a decode-only step of {batch} sequences, got {meta.num_decode} decode rows")
     inputs = DecodeInputs(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
     model, kv = engine.executor.model, engine.kv
     eager_s = cuda_time_s(lambda: decode_forward(model, kv.k_pool, kv.v_pool, inputs, kv.block_size))
@@ -247,8 +256,16 @@ def graph_step(hf_model, dtype: str, prompts: list[list[int]]) -> dict:
     graph_logits = graphs.run(inputs)
     diff = (graph_logits.float() - eager_logits.float()).abs().max().item()
     same_argmax = bool((graph_logits.argmax(-1) == eager_logits.argmax(-1)).all())
+    if batch > 2:  # a step smaller than its bucket: two padding rows in the replay
+        fewer = DecodeInputs(*(t[: batch - 2] for t in (inputs.input_ids, inputs.positions, inputs.slot_mapping,
+                                                          inputs.block_tables, inputs.seq_lens)))
+        padded_logits = graphs.run(fewer)
+        eager_fewer = decode_forward(model, kv.k_pool, kv.v_pool, fewer, kv.block_size)
+        diff = max(diff, (padded_logits.float() - eager_fewer.float()).abs().max().item())
+        same_argmax &= bool((padded_logits.argmax(-1) == eager_fewer.argmax(-1)).all())
     print(f"decode step, batch {batch:>3} (bucket {bucket}): eager {1e3 * eager_s:7.3f} ms, graph {1e3 * graph_s:7.3f} ms "
-          f"({eager_s / graph_s:4.2f}x); max |logit diff| {diff:.1e}, same argmax: {same_argmax}", flush=True)
+          f"({eager_s / graph_s:4.2f}x); max |logit diff| vs eager {diff:.1e} (full and padded replay), "
+          f"same argmax: {same_argmax}", flush=True)
     return dict(batch=batch, bucket=bucket, eager_ms=1e3 * eager_s, graph_ms=1e3 * graph_s, speedup=eager_s / graph_s,
                 max_logit_diff=diff, same_argmax=same_argmax)
 
@@ -261,9 +278,15 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float16", choices=["float16", "float32"])
     parser.add_argument("--skip-smoke", action="store_true", help="do not run bench/gpu_smoke.py first")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check this script on a CPU: parts 1-2 at tiny sizes on numba's simulator (run with "
+                             "NUMBA_ENABLE_CUDASIM=1; no warp kernel, no timings worth reading, nothing written)")
     args = parser.parse_args()
+    if args.dry_run:
+        return dry_run()
     if not torch.cuda.is_available():
-        print("bench/gpu.py needs a CUDA GPU; none here (the kernels are tested on CPU by tests/test_kernels.py)")
+        print("bench/gpu.py needs a CUDA GPU; none here (the kernels are tested on CPU by tests/test_kernels.py; "
+              "`NUMBA_ENABLE_CUDASIM=1 python bench/gpu.py --dry-run` checks this script)")
         return 2
     started = time.perf_counter()
     machine = describe_machine()
@@ -278,10 +301,11 @@ def main() -> int:
     dtype = getattr(torch, args.dtype)
     tol = 1e-2 if dtype == torch.float16 else 1e-4
     print("1. kernels against their torch references")
-    kernel_rows = check_kernels(dtype, tol)
+    decode_kernels = ("paged_attention_decode", "paged_attention_decode_warp")
+    kernel_rows = check_kernels(dtype, tol, decode_kernels)
     copy_bw = copy_bandwidth_bytes_per_s()
     print(f"\n2. paged decode bandwidth (device copy bandwidth {copy_bw / 1e9:.0f} GB/s)")
-    bandwidth_rows = decode_bandwidth(dtype, copy_bw, args.contexts, args.batch_sizes)
+    bandwidth_rows = decode_bandwidth(dtype, copy_bw, args.contexts, args.batch_sizes, decode_kernels)
     print(f"\n3. decode tok/s, random Qwen2.5-0.5B-shaped model, {args.dtype}, prompts of {args.prompt_len} tokens, "
           f"{args.new_tokens} greedy tokens each")
     hf_model = random_model(dtype)
@@ -325,6 +349,23 @@ def main() -> int:
     (RESULTS / f"gpu-{day}.md").write_text("\n".join(table) + "\n")
     print(f"{elapsed:.0f} s; wrote bench/results/gpu-{day}.json and .md")
     return 0 if all(r["ok"] for r in kernel_rows) and (smoke is None or smoke["returncode"] == 0) else 1
+
+
+def dry_run() -> int:
+    """Parts 1 and 2 on the CPU under numba's simulator, at sizes it finishes in a minute."""
+    global DEVICE
+    import os
+
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+        print("--dry-run needs NUMBA_ENABLE_CUDASIM=1 (set before numba is imported)")
+        return 2
+    DEVICE = "cpu"
+    rows = check_kernels(torch.float32, 1e-4, ("paged_attention_decode",), big_batch=2, big_context=20, tokens=8)
+    bandwidth = decode_bandwidth(torch.float32, 25e9, [20], [2], ("paged_attention_decode",))
+    ok = all(r["ok"] for r in rows) and len(rows) == 5 and len(bandwidth) == 1
+    print(f"dry run: {'ok' if ok else 'FAILED'} (the GPU-only parts, the warp kernel, end-to-end and CUDA graphs, "
+          "were not run)")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

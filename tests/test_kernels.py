@@ -144,3 +144,13 @@ def test_bfloat16_tensors_are_refused_with_what_to_use_instead():
 
     with pytest.raises(TypeError, match="no bfloat16 arrays.*float16"):
         device_array(torch.zeros(4, dtype=torch.bfloat16))
+
+
+@pytest.mark.slow
+def test_the_gpu_benchmark_script_runs_its_kernel_checks_in_a_dry_run():
+    # bench/gpu.py is meant for a GPU nobody here has: its kernel checks and bandwidth loop run on
+    # the simulator at tiny sizes, so a GPU session does not find a broken script.
+    proc = run([str(REPO_ROOT / "bench" / "gpu.py"), "--dry-run"], simulator=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert sum(line.startswith("PASS") for line in lines) == 5 and lines[-1].startswith("dry run: ok")
