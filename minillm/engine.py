@@ -61,6 +61,8 @@ logger = logging.getLogger("minillm.engine")
 
 OutputSink = Callable[[RequestOutput], None]
 STEP_FAILED = "engine step failed"  # how RequestOutput.error begins when a step failed (else: a refused prompt)
+ADD_FAILED = "engine failed to add the request"  # an unexpected error (not a ValueError) while adding
+SERVER_FAULTS = (STEP_FAILED, ADD_FAILED)  # errors that are the server's fault (HTTP 500), not the client's
 
 
 def make_kv_manager(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype = torch.float32,
@@ -275,13 +277,35 @@ class LLMEngine:
             _, prompt, params, request_id, sink, priority = command
             try:
                 self.add_request(prompt, params, request_id=request_id, sink=sink, priority=priority)
-            except ValueError as err:
-                sink(RequestOutput(request_id, None, [], [CompletionOutput(0, "", [], "abort")], True,
-                                   error=str(err)))
+            except ValueError as err:  # a prompt or params the engine refuses: the caller's fault
+                self._refuse(request_id, sink, str(err))
+            except Exception as err:  # noqa: BLE001 - a bug while adding must not stop the engine thread
+                logger.exception("adding request %s failed", request_id)
+                self._refuse(request_id, sink, f"{ADD_FAILED}: {type(err).__name__}: {err}")
         elif kind == "call":
-            command[1]()
+            try:
+                command[1]()
+            except Exception:  # noqa: BLE001 - nor may a failing call_soon function
+                logger.exception("a function queued with call_soon failed")
         else:
-            raise ValueError(f"unknown engine command {kind!r}")
+            logger.error("unknown engine command %r ignored", kind)
+
+    def _refuse(self, request_id: str, sink: OutputSink, error: str) -> None:
+        """Answer a failed add with one finished output carrying `error`; undo a half-done add."""
+        req = self.requests.get(request_id)
+        if req is not None and req.sink is sink:  # it got in before the failure: take it out again
+            req.error = error
+            try:
+                self.abort_request(request_id)  # frees whatever it holds and answers its sink
+                return
+            except Exception:  # noqa: BLE001 - then at least forget it, so the loop does not wait on it
+                logger.exception("aborting the half-added request %s failed", request_id)
+                self.requests.pop(request_id, None)
+                self._pending_ids.discard(request_id)
+        try:
+            sink(RequestOutput(request_id, None, [], [CompletionOutput(0, "", [], "abort")], True, error=error))
+        except Exception:  # noqa: BLE001
+            logger.exception("output sink of request %s failed", request_id)
 
     def run_forever(self, stop: threading.Event) -> None:
         """The engine thread's loop: step while there is work, block on the inbox while there is none.
@@ -291,7 +315,7 @@ class LLMEngine:
         cannot repeat forever, and the loop goes on serving new requests."""
         while not stop.is_set():
             if not self.requests:
-                self._drain_inbox(block=True, timeout=0.5)
+                self._wait_for_commands(0.5)
                 continue
             steps_before = self.num_steps
             try:
@@ -305,7 +329,14 @@ class LLMEngine:
                 times = [t for t in (self._pending[0][0] if self._pending else None,
                                      self.scheduler.next_wakeup(now)) if t is not None]
                 timeout = max(0.0, min(times) - now) if times else 0.5
-                self._drain_inbox(block=True, timeout=timeout)
+                self._wait_for_commands(timeout)
+
+    def _wait_for_commands(self, timeout: float) -> None:
+        """Block on the inbox up to `timeout` s (the 0.5 s cap lets `stop` be seen), then apply what came."""
+        try:
+            self._drain_inbox(block=True, timeout=timeout)
+        except Exception:  # noqa: BLE001 - e.g. a failing command observer; the loop goes on
+            logger.exception("applying engine commands failed")
 
     def _abort_all(self, error: str) -> None:
         for request_id, req in list(self.requests.items()):

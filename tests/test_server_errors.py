@@ -209,3 +209,42 @@ def test_a_stream_hung_up_behind_the_api_key_is_aborted(server):
         time.sleep(0.02)
     assert client.num_in_flight == 0 and aborts() == before + 1
     assert client.engine.kv.usage().reserved_tokens == 0
+
+
+def test_an_unexpected_error_while_adding_answers_500_and_the_engine_goes_on(server):
+    """Not a ValueError (a bug): the engine thread must neither die nor abort what else it runs."""
+    url, app = server
+    engine, client = app.state.client.engine, app.state.client
+    real_add = engine.add_request
+
+    def add_once_broken(*args, **kwargs):
+        engine.add_request = real_add
+        raise RuntimeError("injected add failure")
+
+    engine.call_soon(lambda: setattr(engine, "add_request", add_once_broken))
+    r = httpx.post(url + "/v1/completions", json=ok_completion(), headers=AUTH, timeout=30)
+    assert r.status_code == 500 and "injected add failure" in r.json()["error"]["message"]
+    engine.call_soon(lambda: 1 / 0)  # a failing call_soon function is logged, not fatal either
+    ok = httpx.post(url + "/v1/completions", json=ok_completion(temperature=0.0), headers=AUTH, timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+    assert client.is_alive and httpx.get(url + "/health").status_code == 200
+    assert client.num_in_flight == 0 and not engine.requests
+
+
+def test_a_half_added_request_is_taken_out_again(server):
+    """An add that fails after the request was registered (here: the scheduler refuses it) must not
+    leave it behind: the engine would wait on it forever."""
+    url, app = server
+    engine, client = app.state.client.engine, app.state.client
+    real = engine.scheduler.add_request
+
+    def refuse_once(req):
+        engine.scheduler.add_request = real
+        raise RuntimeError("injected scheduler failure")
+
+    engine.call_soon(lambda: setattr(engine.scheduler, "add_request", refuse_once))
+    r = httpx.post(url + "/v1/completions", json=ok_completion(), headers=AUTH, timeout=30)
+    assert r.status_code == 500 and "injected scheduler failure" in r.json()["error"]["message"]
+    ok = httpx.post(url + "/v1/completions", json=ok_completion(temperature=0.0), headers=AUTH, timeout=30)
+    assert ok.status_code == 200
+    assert client.num_in_flight == 0 and not engine.requests and engine.kv.usage().reserved_tokens == 0

@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from minillm.engine import STEP_FAILED
+from minillm.engine import SERVER_FAULTS
 from minillm.llm import chat_prompt_ids
 from minillm.request import RequestOutput
 from minillm.server.engine_client import EngineClient, EngineOverloaded, Stream
@@ -116,8 +116,8 @@ class APIKeyMiddleware:
 
 
 def _error_status(error: str) -> int:
-    """A failed engine step is the server's fault (500); a prompt the engine refused is the client's (400)."""
-    return 500 if error.startswith(STEP_FAILED) else 400
+    """A failed engine step (or add) is the server's fault (500); a prompt the engine refused is the client's (400)."""
+    return 500 if error.startswith(SERVER_FAULTS) else 400
 
 
 class _Server:
