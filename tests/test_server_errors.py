@@ -77,6 +77,12 @@ BAD_INPUT = [
     ("repetition_penalty zero", "completions", ok_completion(repetition_penalty=0), 400, "repetition_penalty",
      ["repetition_penalty", "greater than 0"]),
     ("empty prompt", "completions", ok_completion(prompt=""), 400, "prompt", ["prompt is empty"]),
+    # More sequences than --max-num-queued-reqs=2 could ever hold: 400 (a 503 would invite retries forever).
+    ("n above the queue cap", "completions", ok_completion(n=3), 400, "n", ["needs 3 sequences",
+                                                                          "--max-num-queued-reqs=2"]),
+    ("prompts x n above the queue cap", "completions", ok_completion(prompt=["a", "b"], n=2), 400, "n",
+     ["needs 4 sequences"]),
+    ("n above the queue cap (chat)", "chat/completions", ok_chat(n=3), 400, "n", ["--max-num-queued-reqs=2"]),
 ]
 
 

@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from minillm.engine import SERVER_FAULTS
 from minillm.llm import chat_prompt_ids
 from minillm.request import RequestOutput
-from minillm.server.engine_client import EngineClient, EngineOverloaded, Stream
+from minillm.server.engine_client import EngineClient, EngineOverloaded, RequestTooLarge, Stream
 from minillm.server.errors import (
     APIError,
     api_error_handler,
@@ -178,6 +178,8 @@ class _Server:
             return self.client.submit(prompts, params)
         except EngineOverloaded as err:
             raise APIError(503, str(err), None, {"Retry-After": str(RETRY_AFTER_S)}) from None
+        except RequestTooLarge as err:  # retrying cannot help: the client's to change (400, not 503)
+            raise APIError(400, str(err), "n") from None
 
     def _token_str(self, token_id: int) -> str:
         text = self._token_text.get(token_id)

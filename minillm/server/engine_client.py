@@ -27,7 +27,11 @@ from minillm.request import RequestOutput, SamplingParams
 
 
 class EngineOverloaded(Exception):
-    pass
+    """Full for now (answer 503 + Retry-After): the same request may succeed later."""
+
+
+class RequestTooLarge(ValueError):
+    """Needs more sequences than --max-num-queued-reqs allows at all: no retry can succeed."""
 
 
 class EngineClient:
@@ -62,15 +66,20 @@ class EngineClient:
 
     # ---- requests -----------------------------------------------------------------------------------
     def check_capacity(self, num_new: int) -> None:
-        """Refuse at once (before anything is queued) if `num_new` more requests would exceed the cap."""
+        """Refuse at once (before anything is queued) if `num_new` more requests would exceed the cap
+        (`EngineOverloaded`), or could never fit under it (`RequestTooLarge`)."""
         cap = self.max_num_queued_reqs
+        if cap is not None and num_new > cap:
+            raise RequestTooLarge(f"this request needs {num_new} sequences (prompts × n) and the server holds at "
+                                  f"most --max-num-queued-reqs={cap} requests at once: send at most {cap} "
+                                  "(fewer prompts or a smaller n)")
         if cap is not None and self.num_in_flight + num_new > cap:
             raise EngineOverloaded(f"the server holds {self.num_in_flight} requests (waiting + running) and "
                                    f"accepts at most --max-num-queued-reqs={cap}; this one needs {num_new}. "
                                    "Retry later")
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, request_id: str | None = None) -> Stream:
-        """Queue each prompt with `params.n` samples, at once (or refuse: `EngineOverloaded`), and
+        """Queue each prompt with `params.n` samples, at once (or refuse: see `check_capacity`), and
         return the stream of their outputs. Choice index = prompt index × n + sample index."""
         n = params.n
         request_id = request_id or uuid.uuid4().hex
