@@ -77,12 +77,20 @@ BAD_INPUT = [
     ("repetition_penalty zero", "completions", ok_completion(repetition_penalty=0), 400, "repetition_penalty",
      ["repetition_penalty", "greater than 0"]),
     ("empty prompt", "completions", ok_completion(prompt=""), 400, "prompt", ["prompt is empty"]),
+    ("empty token list in a batch", "completions", ok_completion(prompt=[[5, 6], []]), 400, "prompt",
+     ["prompt is empty"]),
     # More sequences than --max-num-queued-reqs=2 could ever hold: 400 (a 503 would invite retries forever).
     ("n above the queue cap", "completions", ok_completion(n=3), 400, "n", ["needs 3 sequences",
                                                                           "--max-num-queued-reqs=2"]),
     ("prompts x n above the queue cap", "completions", ok_completion(prompt=["a", "b"], n=2), 400, "n",
      ["needs 4 sequences"]),
     ("n above the queue cap (chat)", "chat/completions", ok_chat(n=3), 400, "n", ["--max-num-queued-reqs=2"]),
+    ("min_tokens above max_tokens", "completions", ok_completion(min_tokens=10), 400, "min_tokens",
+     ["min_tokens", "max_tokens=4", "got 10"]),
+    ("seed beyond 64 bits", "completions", ok_completion(seed=2**70), 400, "seed", ["seed", "less than"]),
+    ("temperature a boolean", "completions", ok_completion(temperature=True), 400, "temperature",
+     ["temperature", "number"]),
+    ("top_p a string", "completions", ok_completion(top_p="0.5"), 400, "top_p", ["top_p", "number"]),
 ]
 
 

@@ -160,6 +160,8 @@ class _Server:
             if self.tokenizer is None:
                 raise APIError(400, "this model has no tokenizer: send token ids as the prompt", field)
             return list(self.tokenizer(prompt).input_ids)
+        if not prompt:
+            raise APIError(400, f"{field} is empty: give at least one character or token id", field)
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise APIError(400, f"{field} token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_
 from minillm.request import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 Int = StrictInt  # "16" or true are type errors, not 16 or 1
-Number = Annotated[float, Field(strict=False, allow_inf_nan=False)]
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # 1 and 0.5, not "0.5" or true
+INT64 = 2**63  # torch seeds a generator with a signed 64-bit integer
 
 
 class StreamOptions(BaseModel):
@@ -39,7 +40,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    seed: Int | None = None
+    seed: Annotated[Int, Field(ge=-INT64, lt=INT64)] | None = None
     presence_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] = 0.0
     logit_bias: dict[str, float] | None = None
@@ -75,7 +76,7 @@ class SamplingFields(BaseModel):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            min_tokens=min(self.min_tokens, max_tokens), include_stop_str_in_output=self.include_stop_str_in_output,
+            min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
