@@ -436,8 +436,12 @@ class LLMEngine:
         record = None
         if update.finished:
             if req.output_text is None:  # not already cut at a stop string
-                req.output_text = (self.tokenizer.decode(req.output_token_ids,
-                                                         skip_special_tokens=req.params.skip_special_tokens)
+                # The EOS or stop token that ended it is in output_token_ids but not in the text,
+                # unless include_stop_str_in_output (vLLM's rule, for stop strings and stop tokens alike).
+                ids = req.output_token_ids
+                if req.stopped_on_token and not req.params.include_stop_str_in_output:
+                    ids = ids[:-1]
+                req.output_text = (self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
                                    if self.tokenizer is not None else "")
             record = self.metrics.requests.get(req.request_id)
             self.metrics.on_finish(req.request_id, t, req.status.value)

@@ -161,6 +161,7 @@ class Request:
         self.num_preemptions = 0
         self.output_text: str | None = None  # set on finish, or when a stop string cuts it
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's)
+        self.stopped_on_token = False  # ended by EOS or a stop token id: that token's text is not output (vLLM's)
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.output_logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.stop_token_ids = set(params.stop_token_ids or ())
@@ -213,6 +214,7 @@ class Request:
             # EOS is reported as stop_reason None; a user's stop token id by its id (vLLM's convention).
             if token_id in (self.params.stop_token_ids or ()):
                 self.stop_reason = token_id
+            self.stopped_on_token = True
             return RequestStatus.FINISHED_STOPPED
         if self.detokenizer is not None:
             stop = self.params.stop if not early else ()

@@ -171,6 +171,12 @@ def test_stop_reason_names_the_stop_string_or_token():
                                                             stop_token_ids=[full.token_ids[4]]),
                        use_tqdm=False)[0].outputs[0]
     assert tok.stop_reason == full.token_ids[4] and tok.finish_reason == "stop"
+    # vLLM's rule: the stop token is among the tokens, its text is not in the output (unless asked for).
+    assert tok.token_ids == full.token_ids[:5] and tok.text == llm.tokenizer.decode(full.token_ids[:4])
+    kept = llm.generate(["In the beginning"], SamplingParams(max_tokens=30, temperature=0.0, include_stop_str_in_output=True,
+                                                             stop_token_ids=[full.token_ids[4]]),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == llm.tokenizer.decode(full.token_ids[:5])
 
 
 @pytest.mark.parametrize("kind", list(RequestOutputKind))
