@@ -8,6 +8,7 @@ Streamed text equals non-streamed text for greedy requests (completions and chat
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -223,3 +224,129 @@ def test_models_health_and_prometheus_metrics(server, client):
               if line and not line.startswith("#")}
     assert values['vllm:request_success_total{finished_reason="length",model_name="minillm"}'] >= 1
     assert values['vllm:generation_tokens_total{model_name="minillm"}'] >= 3
+
+
+def sse_events(url: str, path: str, body: dict) -> tuple[str, list[str]]:
+    """The raw server-sent events of one streamed request: its content type and each event's text."""
+    import httpx
+
+    with httpx.stream("POST", f"{url}/v1/{path}", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        raw = r.read().decode()
+        content_type = r.headers["content-type"]
+    assert raw.endswith("\n\n"), "every event ends with a blank line"
+    return content_type, raw[:-2].split("\n\n")
+
+
+@pytest.mark.parametrize("path, body", [
+    ("completions", {"prompt": PROMPT, "n": 2}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Speak"}], "n": 2}),
+])
+def test_raw_sse_framing_ends_with_done_and_usage_matches_the_non_streamed_answer(server, path, body):
+    """What the openai client hides: it stops quietly at the end of the body with or without
+    `data: [DONE]`. Every event is one `data: {json}`; [DONE] comes last; one choice per chunk (as
+    vLLM sends them), each index finishing once; the include_usage chunk equals the non-streamed usage."""
+    import httpx
+
+    url, _ = server
+    body = {"model": "minillm", "max_tokens": 7, "temperature": 0.8, "seed": 3, **body}
+    whole = httpx.post(f"{url}/v1/{path}", json=body, timeout=60).json()
+    content_type, events = sse_events(url, path, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert content_type.startswith("text/event-stream")
+    assert events[-1] == "data: [DONE]" and events.count("data: [DONE]") == 1
+    chunks = []
+    for event in events[:-1]:
+        assert event.startswith("data: {"), event
+        chunks.append(json.loads(event[len("data: "):]))
+    *body_chunks, usage_chunk = chunks
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == whole["usage"]
+    assert all(len(c["choices"]) == 1 and c["usage"] is None for c in body_chunks)
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"] != whole["id"]
+    finishes = [c["choices"][0]["index"] for c in body_chunks if c["choices"][0]["finish_reason"] is not None]
+    assert sorted(finishes) == [0, 1]
+    key = "text" if path == "completions" else "delta"
+    texts = {0: "", 1: ""}
+    for c in body_chunks:
+        piece = c["choices"][0][key]
+        texts[c["choices"][0]["index"]] += piece if key == "text" else (piece.get("content") or "")
+    expected = {c["index"]: c["text"] if key == "text" else c["message"]["content"] for c in whole["choices"]}
+    assert texts == expected  # seeded samples: streamed equals non-streamed for sampling too
+
+
+def test_prometheus_types_are_vllms(server):
+    """Counters are exposed as counters named *_total, gauges as gauges, histograms with buckets."""
+    import httpx
+
+    text = httpx.get(server[0] + "/metrics").text
+    types = dict(line.split(" ")[2:4] for line in text.splitlines() if line.startswith("# TYPE "))
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert types[f"vllm:{name}"] == "gauge", name
+    for name in ("num_preemptions", "prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits",
+                 "request_success", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                 "spec_decode_num_accepted_tokens"):
+        assert types[f"vllm:{name}_total"] == "counter", name
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds", "iteration_tokens_total"):
+        assert types[f"vllm:{name}"] == "histogram", name
+        assert f'vllm:{name}_bucket{{le="+Inf",model_name="minillm"}}' in text
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(max_num_seqs=2, max_model_len=256)
+
+
+# vLLM's extra parameters over HTTP, each against the same SamplingParams offline: a field the
+# server dropped or misnamed would change the tokens. Seeded sampling, so top_k/min_p matter.
+EXTRA_PARAMS = [
+    {"top_k": 3},
+    {"min_p": 0.3},
+    {"top_p": 0.5},
+    {"repetition_penalty": 1.4},
+    {"presence_penalty": 1.5, "frequency_penalty": 0.8},
+    {"min_tokens": 5, "stop_token_ids": [592]},  # 592 (" him") comes 4th in this seed's sample
+    {"stop_token_ids": [592], "include_stop_str_in_output": True},
+    {"ignore_eos": True, "skip_special_tokens": False},
+]
+
+
+@pytest.mark.parametrize("extra", EXTRA_PARAMS, ids=[",".join(e) for e in EXTRA_PARAMS])
+def test_extra_sampling_parameters_reach_the_engine(client, offline, extra):
+    base = dict(max_tokens=16, temperature=0.9, seed=11)
+    got = client.completions.create(model="minillm", prompt=PROMPT, logprobs=0, extra_body=extra, **base).choices[0]
+    want = offline.generate([PROMPT], SamplingParams(**base, **extra), use_tqdm=False)[0].outputs[0]
+    assert got.text == want.text and got.finish_reason == want.finish_reason
+    assert len(got.logprobs.tokens) == len(want.token_ids)
+    plain = offline.generate([PROMPT], SamplingParams(**base), use_tqdm=False)[0].outputs[0]
+    if not extra.get("ignore_eos"):
+        assert want.token_ids != plain.token_ids, "this parameter changes nothing here: the check would be empty"
+
+
+def test_stop_token_text_is_left_out_unless_asked_for(client):
+    """vLLM's rule: the EOS or stop token that ended a request is in its tokens, not in its text
+    (unless include_stop_str_in_output); streamed and non-streamed agree."""
+    base = dict(model="minillm", prompt=PROMPT, max_tokens=30, temperature=0.0)
+    full = client.completions.create(**base, extra_body={"ignore_eos": True}).choices[0].text
+    assert "," in full
+    cut = client.completions.create(**base, extra_body={"stop_token_ids": [17]}).choices[0]  # 17 is ","
+    assert cut.finish_reason == "stop" and cut.stop_reason == 17
+    assert cut.text == full[: full.index(",")]
+    texts, _, _ = collect_stream(client.completions.create(stream=True, **base, extra_body={"stop_token_ids": [17]}))
+    assert texts[0] == cut.text
+    kept = client.completions.create(**base, extra_body={"stop_token_ids": [17], "include_stop_str_in_output": True})
+    assert kept.choices[0].text == full[: full.index(",") + 1]
+    texts, _, _ = collect_stream(client.completions.create(stream=True, **base, extra_body={
+        "stop_token_ids": [17], "include_stop_str_in_output": True}))
+    assert texts[0] == kept.choices[0].text
+
+
+def test_shutdown_stops_the_engine_thread():
+    """Leaving the server (uvicorn's lifespan shutdown) stops and joins the engine thread."""
+    with running_server(max_num_seqs=2, max_model_len=128) as (url, app):
+        import httpx
+
+        assert httpx.post(url + "/v1/completions", json={"prompt": "In", "max_tokens": 2}, timeout=30).status_code == 200
+        engine_thread = app.state.client._thread
+        assert engine_thread.is_alive()
+    assert not engine_thread.is_alive()
+    assert not any(t.name == "minillm-engine" and t is engine_thread for t in threading.enumerate())
