@@ -31,7 +31,9 @@ How to add an exercise (ex08, ex09, ex10 are added this way; nothing outside you
        # NBVAL_CHECK_OUTPUT
        grader.check_task_2(LearnerScheduler)
 
-   Execute the solution so the graded cells store their `task N (...): PASS` output, then run
+   A demo cell that no check needs (a plot, a run on the real model for show) may carry the cell
+   tag `grading-skip`: grading does not run it. Execute the solution so the graded cells store
+   their `task N (...): PASS` output, then run
    `.venv/bin/python tools/build_exercises.py` (CI runs `--check`).
    Hints: tiered, in markdown cells, `<details><summary>Hint 1</summary>…</details>` (a nudge),
    then `Hint 2` (stronger); never the solution's code.

@@ -248,12 +248,13 @@ def _engine_run(llm):
 @task(4, "real engine")
 def check_task_4(make_llm, scheduler_class) -> list[str]:
     refuse_subclass(scheduler_class, ContinuousScheduler)
-    ref_tokens, ref_steps, ref_computed = _engine_run(LLM(BUNDLED_TARGET, batching="continuous", **ENGINE_KNOBS))
     with forbid(ContinuousScheduler):
         llm = make_llm(**ENGINE_KNOBS)
         used = type(llm.engine.scheduler).__name__
         if not isinstance(llm.engine.scheduler, scheduler_class):
             raise Fail(f"the engine runs {used}, not your {scheduler_class.__name__}")
+    ref_tokens, ref_steps, ref_computed = _engine_run(LLM(BUNDLED_TARGET, batching="continuous", **ENGINE_KNOBS))
+    with forbid(ContinuousScheduler):
         tokens, steps, computed = _engine_run(llm)
     lines = [f"scheduler in the engine: {used}",
              f"greedy outputs identical to minillm's continuous engine: {tokens == ref_tokens}",

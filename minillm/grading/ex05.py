@@ -159,12 +159,13 @@ def _engine_run(llm, max_iterations=2_000):
 def check_task_3(make_llm, allocator_class) -> list[str]:
     if isinstance(allocator_class, type):
         refuse_subclass(allocator_class, BlockAllocator)
-    ref_tokens, ref_steps, ref_preemptions, _ = _engine_run(LLM(BUNDLED_TARGET, **ENGINE_KNOBS))
     with forbid(*ALLOCATOR_METHODS):
         llm = make_llm(**ENGINE_KNOBS)
         used = type(llm.engine.kv.allocator).__name__
         if not isinstance(llm.engine.kv.allocator, allocator_class):
             raise Fail(f"the engine's BlockManager uses {used}, not your {allocator_class.__name__}")
+    ref_tokens, ref_steps, ref_preemptions, _ = _engine_run(LLM(BUNDLED_TARGET, **ENGINE_KNOBS))
+    with forbid(*ALLOCATOR_METHODS):
         tokens, steps, preemptions, in_use = _engine_run(llm)
     lines = [f"allocator in the engine: {used}",
              f"outputs identical to minillm's own paged engine: {tokens == ref_tokens}",

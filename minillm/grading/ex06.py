@@ -201,13 +201,14 @@ def check_task_2(make_scheduler, num_cases: int = 60) -> str:
 
 @task(3, "real engine")
 def check_task_3(make_llm, scheduler_class) -> list[str]:
-    ref_tokens, ref_preemptions, ref_prefill = _engine_run(LLM(MODEL, **ENGINE_KNOBS))
-    roomy_tokens, _, _ = _engine_run(LLM(MODEL, **{**ENGINE_KNOBS, "num_kv_blocks": 256}))
     with forbid(*VICTIM_AND_PREEMPT):
         llm = make_llm(**ENGINE_KNOBS)
         used = type(llm.engine.scheduler).__name__
         if not isinstance(llm.engine.scheduler, scheduler_class):
             raise Fail(f"the engine runs {used}, not your {scheduler_class.__name__}")
+    ref_tokens, ref_preemptions, ref_prefill = _engine_run(LLM(MODEL, **ENGINE_KNOBS))
+    roomy_tokens, _, _ = _engine_run(LLM(MODEL, **{**ENGINE_KNOBS, "num_kv_blocks": 256}))
+    with forbid(*VICTIM_AND_PREEMPT):
         _guard(llm.engine.scheduler)
         tokens, preemptions, prefill = _engine_run(llm)
     lines = [f"scheduler in the engine: {used}",

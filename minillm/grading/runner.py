@@ -29,6 +29,7 @@ _BEGIN = re.compile(r"^[ \t]*#\s*BEGIN SOLUTION\s*$", re.MULTILINE)
 _GRADED = re.compile(r"^[ \t]*#\s*NBVAL_CHECK_OUTPUT\s*$", re.MULTILINE)
 _NUMBER = re.compile(r"^ex(\d\d)_")
 CELL_TIME_LIMIT_S = 300
+SKIP_TAG = "grading-skip"  # on a solution's demo cell that no check needs
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
 
@@ -86,6 +87,9 @@ def compose(solution_path: Path, learner_path: Path) -> Plan:
     cells, notes, used = [], [], set()
     for index, cell in enumerate(solution.get("cells", [])):
         if cell.get("cell_type") != "code":
+            continue
+        if SKIP_TAG in cell.get("metadata", {}).get("tags", []) and not _BEGIN.search(_source(cell)):
+            used.add(cell.get("id"))  # a demo the checks do not need: not run when grading
             continue
         source, where = _source(cell), f"cell {index}"
         if _GRADED.search(source):
