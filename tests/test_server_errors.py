@@ -63,9 +63,11 @@ BAD_INPUT = [
      ok_chat(messages=[{"role": "user", "content": "and " * 400}]), 400, "messages",
      [f"maximum context length is {MAX_MODEL_LEN}", "messages"]),
     ("stream_options without stream", "completions", ok_completion(stream_options={"include_usage": True}), 400,
-     None, ["stream_options", "stream is true"]),
+     "stream_options", ["stream_options", "stream is true"]),
     ("stream_options without stream (chat)", "chat/completions", ok_chat(stream_options={"include_usage": True}),
-     400, None, ["stream_options"]),
+     400, "stream_options", ["stream_options"]),
+    ("stream_options with stream false", "completions", ok_completion(stream=False, stream_options={}), 400,
+     "stream_options", ["stream is true"]),
     ("token id outside the vocabulary", "completions", ok_completion(prompt=[5, 999999]), 400, "prompt",
      ["999999", "vocabulary"]),
     ("n zero", "completions", ok_completion(n=0), 400, "n", ["n", "greater than or equal to 1"]),
@@ -91,6 +93,15 @@ BAD_INPUT = [
     ("temperature a boolean", "completions", ok_completion(temperature=True), 400, "temperature",
      ["temperature", "number"]),
     ("top_p a string", "completions", ok_completion(top_p="0.5"), 400, "top_p", ["top_p", "number"]),
+    # Fields minillm does not implement are refused by name rather than ignored.
+    ("echo", "completions", ok_completion(echo=True), 400, "echo", ["echo is not supported"]),
+    ("logit_bias", "completions", ok_completion(logit_bias={"5": 1.0}), 400, "logit_bias", ["logit_bias"]),
+    ("best_of above n", "completions", ok_completion(best_of=2), 400, "best_of", ["best_of must equal n"]),
+    ("prompt_logprobs", "completions", ok_completion(prompt_logprobs=1), 400, "prompt_logprobs",
+     ["prompt_logprobs is not supported"]),
+    ("top_logprobs without logprobs", "chat/completions", ok_chat(top_logprobs=2), 400, "top_logprobs",
+     ["top_logprobs needs logprobs"]),
+    ("tools", "chat/completions", ok_chat(tools=[{"type": "function"}]), 400, "tools", ["tools are not supported"]),
 ]
 
 

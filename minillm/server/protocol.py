@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator
 
 from minillm.request import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
@@ -56,15 +56,27 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: StrictBool = False
     prompt_logprobs: Int | None = None
 
-    @model_validator(mode="after")
-    def _check(self):
-        if self.stream_options is not None and not self.stream:
+    # Cross-field checks are field validators (on the later field), so the 400 names the field (`param`).
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value, info: ValidationInfo):
+        if value is not None and info.data.get("stream") is False:
             raise ValueError("stream_options can only be set when stream is true")
-        if self.logit_bias:
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value):
+        if value:
             raise ValueError("logit_bias is not supported by minillm")
-        if self.prompt_logprobs is not None:
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _no_prompt_logprobs(cls, value):
+        if value is not None:
             raise ValueError("prompt_logprobs is not supported by minillm (logits are computed for sampled rows only)")
-        return self
+        return value
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -89,18 +101,27 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: Annotated[Int, Field(ge=1)] | None = None
 
-    @model_validator(mode="after")
-    def _check_completion(self):
-        if self.echo:
-            raise ValueError("echo is not supported by minillm")
-        if self.suffix:
-            raise ValueError("suffix is not supported by minillm")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of must equal n (minillm returns every sample), got best_of={self.best_of}, "
-                             f"n={self.n}")
-        if isinstance(self.prompt, list) and not self.prompt:
+    @field_validator("echo", "suffix")
+    @classmethod
+    def _unsupported(cls, value, info: ValidationInfo):
+        if value:
+            raise ValueError(f"{info.field_name} is not supported by minillm")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value, info: ValidationInfo):
+        n = info.data.get("n", 1)
+        if value is not None and value != n:
+            raise ValueError(f"best_of must equal n (minillm returns every sample), got best_of={value}, n={n}")
+        return value
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, value):
+        if isinstance(value, list) and not value:
             raise ValueError("prompt is empty: give a string, a list of token ids, or a list of those")
-        return self
+        return value
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: one string, one list of ids, or a list of either."""
@@ -135,13 +156,19 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: StrictBool = True  # vLLM's extra
     tools: list | None = None
 
-    @model_validator(mode="after")
-    def _check_chat(self):
-        if self.top_logprobs and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value, info: ValidationInfo):
+        if value and info.data.get("logprobs") is False:
             raise ValueError("top_logprobs needs logprobs set to true")
-        if self.tools:
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value):
+        if value:
             raise ValueError("tools are not supported by minillm")
-        return self
+        return value
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
