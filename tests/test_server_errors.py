@@ -123,10 +123,26 @@ def test_bad_input_gets_its_status_and_a_message_naming_the_problem(server, case
 
 
 def test_the_server_still_answers_after_every_bad_request(server):
-    url, _ = server
+    """...and nothing the bad requests touched is left behind: no request held, no KV reserved."""
+    url, app = server
     assert httpx.get(url + "/health").status_code == 200
     r = httpx.post(url + "/v1/completions", json=ok_completion(temperature=0.0), headers=AUTH, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    client = app.state.client
+    deadline = time.monotonic() + 30
+    while client.num_in_flight and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert client.snapshot() == {"num_in_flight": 0, "num_streams": 0}
+    done = threading.Event()
+    state = {}
+
+    def look():  # on the engine thread, which owns this state
+        state.update(requests=len(client.engine.requests), reserved=client.engine.kv.usage().reserved_tokens,
+                     running=client.engine.scheduler.num_running, waiting=client.engine.scheduler.num_waiting)
+        done.set()
+
+    client.engine.call_soon(look)
+    assert done.wait(30) and state == {"requests": 0, "reserved": 0, "running": 0, "waiting": 0}
 
 
 def test_api_key_is_required_on_v1_routes(server):
