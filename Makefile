@@ -56,10 +56,7 @@ serve: install
 exercises: install
 	$(PY) tools/build_exercises.py
 
-check-serve: install
-	$(VENV)/bin/minillm serve $(ARGS)
-
-exercises: install
+check-exercises: install
 	$(PY) tools/build_exercises.py --check
 
 grade: install
