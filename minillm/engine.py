@@ -133,6 +133,16 @@ class LLMEngine:
         # Online (a server) more requests may always come; `LLM.generate` clears this while it
         # replays a fixed set, so a static batcher need not wait for a batch that will never fill.
         self.expect_more_requests = True
+        # While `run_forever` runs, the thread running it owns all engine state: add_request,
+        # abort_request and step refuse any other caller (who should use the inbox instead).
+        self.owner_thread: threading.Thread | None = None
+
+    def _check_owner(self, what: str) -> None:
+        owner = self.owner_thread
+        if owner is not None and threading.current_thread() is not owner:
+            raise RuntimeError(f"{what}() called from thread {threading.current_thread().name!r}, but thread "
+                               f"{owner.name!r} runs this engine (a server?): from other threads use "
+                               "submit_add / submit_abort / call_soon")
 
     # ---- requests in -------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None, *,
@@ -140,6 +150,7 @@ class LLMEngine:
                     priority: int = 0, sink: OutputSink | None = None) -> Request:
         """Queue one prompt (text, token ids, {"prompt_token_ids": [...]} or {"prompt": "..."}) and
         return its Request. `sink(output)` receives its `RequestOutput`s as `params.output_kind` says."""
+        self._check_owner("add_request")
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError(f"the engine runs one sequence per request; n={params.n} is fanned out by the caller "
@@ -217,6 +228,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Stop a request wherever it is (pending arrival, waiting, running, swapped out): its KV is
         freed and its metrics closed with finish reason "abort". During a step, after the step."""
+        self._check_owner("abort_request")
         if self._in_step:
             self._deferred_aborts.append(request_id)
             return
@@ -313,6 +325,15 @@ class LLMEngine:
         A step that raises (a bug, out of memory) is rolled back by the scheduler; every request
         is then aborted (its sink sees finish_reason "abort" with the error), so one bad step
         cannot repeat forever, and the loop goes on serving new requests."""
+        if self.owner_thread is not None:
+            raise RuntimeError(f"thread {self.owner_thread.name!r} already runs this engine")
+        self.owner_thread = threading.current_thread()
+        try:
+            self._serve(stop)
+        finally:
+            self.owner_thread = None
+
+    def _serve(self, stop: threading.Event) -> None:
         while not stop.is_set():
             if not self.requests:
                 self._wait_for_commands(0.5)
@@ -351,6 +372,7 @@ class LLMEngine:
         """Run one iteration. Returns what it did for each request that received tokens (finished
         ones included); `num_steps` tells whether a step ran at all (a prefill chunk runs but
         samples nothing)."""
+        self._check_owner("step")
         step_start = time.perf_counter()
         self._drain_inbox()
         now = self.clock.now()

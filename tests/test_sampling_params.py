@@ -235,6 +235,11 @@ def test_engine_thread_takes_commands_and_blocks_when_idle():
                                                              output_kind=RequestOutputKind.DELTA), "a", sink)
         engine.submit_add([5, 6, 7], SamplingParams(max_tokens=10_000), "too-long", outs.append)
         assert done.wait(60)
+        # The engine thread owns the engine: a direct call from another thread is refused, not raced.
+        with pytest.raises(RuntimeError, match="use submit_add / submit_abort / call_soon"):
+            llm.generate(["In the beginning"], SamplingParams(max_tokens=2), use_tqdm=False)
+        with pytest.raises(RuntimeError, match="runs this engine"):
+            engine.step()
         refused = [o for o in outs if o.request_id == "too-long"]
         assert refused and refused[0].finished and "max_model_len=128" in refused[0].error
         assert sum(len(o.outputs[0].token_ids) for o in outs if o.request_id == "a") == 50
@@ -260,7 +265,8 @@ def test_engine_thread_takes_commands_and_blocks_when_idle():
         stop.set()
         engine.call_soon(lambda: None)
         thread.join(10)
-    assert not thread.is_alive()
+    assert not thread.is_alive() and engine.owner_thread is None
+    assert llm.generate(["In"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids  # offline again
 
 
 def test_chat_template_default_for_a_tokenizer_without_one():
