@@ -1,9 +1,11 @@
-"""`make lab` starts anywhere (as root, without a display) and serves the whole course."""
+"""`make lab` starts anywhere (as root and as a normal user, without a display) and serves the whole course."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -36,11 +38,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Both users from either side: a user namespace makes this process look like uid 0 (`--map-root-user`)
+# or like uid 1000 (`--map-user`) to JupyterLab, which decides on `os.geteuid()`, while the files it
+# reads stay accessible. Run as root (CI), "root" is the plain run; run as a user, "user" is.
+_AS = {"root": ["unshare", "--user", "--map-root-user"],
+       "user": ["unshare", "--user", "--map-user=1000", "--map-group=1000"]}
+
+
+def _as(who: str) -> list[str]:
+    if (os.geteuid() == 0) == (who == "root"):
+        return []
+    prefix = _AS[who]
+    if shutil.which("unshare") is None or subprocess.run(prefix + ["true"], capture_output=True).returncode:
+        pytest.skip(f"cannot run as {who} here: no unprivileged user namespaces (unshare)")
+    return prefix
+
+
 @pytest.mark.slow
-def test_make_lab_serves_chapters_and_the_exercises_they_link_to():
+@pytest.mark.parametrize("who", ["root", "user"])
+def test_make_lab_serves_chapters_and_the_exercises_they_link_to(who):
     port, token = free_port(), "minillm-test"
-    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "tools" / "lab.py"), f"--port={port}",
-                             "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={token}"],
+    prefix = _as(who)
+    probe = subprocess.run(prefix + [sys.executable, "-c", "import os; print(os.geteuid())"],
+                           capture_output=True, text=True, check=True)
+    assert (probe.stdout.strip() == "0") == (who == "root")
+    proc = subprocess.Popen(prefix + [sys.executable, str(REPO_ROOT / "tools" / "lab.py"), f"--port={port}",
+                                      "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={token}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd="/")
     base = f"http://127.0.0.1:{port}"
 
@@ -56,8 +79,12 @@ def test_make_lab_serves_chapters_and_the_exercises_they_link_to():
                     break
             except OSError:
                 time.sleep(0.5)
+            if proc.poll() is not None:  # e.g. "Running as root is not recommended. Use --allow-root"
+                break
         else:
-            pytest.fail(f"JupyterLab did not start: {proc.stdout.read1().decode() if proc.stdout else ''}")
+            pytest.fail(f"JupyterLab ({who}) did not start in 60 s")
+        if proc.poll() is not None:
+            pytest.fail(f"JupyterLab ({who}) exited at once: {proc.stdout.read().decode()[-2000:]}")
         status, body = get("/api/contents/chapters")
         names = {item["name"] for item in json.loads(body)["content"]}
         assert status == 200 and "04_continuous_batching.ipynb" in names
