@@ -305,6 +305,55 @@ def test_live_view_on_a_running_engine(tiny_llm):
     assert len(cdf.get_lines()[0].get_xdata()) == 3  # TTFT of every finished request
 
 
+def _labels(view):
+    from minillm.viz.style import provenance
+
+    return [provenance(ax) for ax in view._axes]
+
+
+def test_live_view_labels_every_panel_with_where_its_numbers_come_from():
+    collector = MetricsCollector()
+    view = LiveView(collector, every=1, render=True, min_interval_s=0, max_overhead=None).attach()
+    feed(collector, 3)  # three redraws: the panels are cleared each time, and labelled again once
+    view.close()
+    assert _labels(view) == ["measured: this CPU, tiny model"] * 4  # a bare collector: the default
+    assert all(len([t for t in ax.texts if t.get_gid() == "minillm-provenance"]) == 1 for ax in view._axes)
+    with LiveView(collector, kind="kv", provenance="simulated") as kv_view:
+        feed(collector, 2)
+    assert _labels(kv_view) == ["simulated: 7B on A100-80GB"] * 2
+    with LiveView(collector, provenance="simulated: llama-70b on H200") as named:
+        feed(collector, 1)
+    assert set(_labels(named)) == {"simulated: llama-70b on H200"}
+    with pytest.raises(ValueError, match="measured"):
+        LiveView(collector, provenance="guessed")
+    with pytest.raises(TypeError, match="provenance must be a string"):
+        LiveView(collector, provenance=True)
+
+
+def test_live_view_reads_simulated_off_the_simulator_engine():
+    from minillm.sim import simulate
+    from minillm.workload import trace_from_prompts
+
+    res = simulate(trace_from_prompts([[7] * 16, [8] * 8], max_tokens=[4, 3]), hardware="H200", model="llama-7b",
+                   engine_config={"batching": "continuous", "max_num_seqs": 4})
+    view = LiveView(res.engine)  # after the run: close() draws what the collector holds since attach
+    view.redraw(final=True)
+    assert _labels(view) == ["simulated: llama-7b on H200"] * 4
+    with pytest.raises(ValueError, match="this engine is simulated"):
+        LiveView(res.engine, provenance="measured")
+
+
+def test_live_view_reads_measured_off_the_real_engine(tiny_llm):
+    from minillm import SamplingParams
+
+    with LiveView(tiny_llm) as view:
+        tiny_llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(max_tokens=2, ignore_eos=True),
+                          use_tqdm=False)
+    assert _labels(view) == ["measured: this CPU, tiny model"] * 4
+    with pytest.raises(ValueError, match="this engine is measured"):
+        LiveView(tiny_llm, provenance="simulated")
+
+
 # ---- style: one color per system, a provenance label per panel -------------------------------
 from minillm.viz.style import (  # noqa: E402
     label_measured,

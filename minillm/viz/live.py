@@ -21,6 +21,13 @@ Layouts: `kind="batching"` shows the four panels of `dashboard`; `kind="kv"` sho
 blocks (or slabs) colored by owner, read from the live manager `view.kv` at each redraw
 (`minillm.viz.kv_heatmap`), beside KV used, reserved and total over steps. A layout is a
 `Layout(nrows, ncols, draw)` in `LAYOUTS`; `register_layout` adds more.
+
+Every panel says where its numbers come from (`minillm.viz.style.label_provenance`), read off what
+drives the engine: the simulator's executor (`minillm.sim.SimExecutor`) gives "simulated: <model>
+on <hardware>", the real model "measured: this CPU, tiny model" (or "this GPU"). A bare
+`MetricsCollector` does not say who filled it: it is labelled "measured: this CPU, tiny model"
+unless `provenance=` says otherwise ("simulated", or a whole label such as
+"simulated: llama-7b on A100-80GB").
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from matplotlib.figure import Figure
 from minillm.metrics import MetricsCollector, RequestMetrics, StepRecord
 from minillm.viz.kv_heatmap import draw_kv_layout
 from minillm.viz.plots import draw_dashboard
+from minillm.viz.style import PROVENANCE_KINDS, label_provenance
 
 
 @dataclass
@@ -86,13 +94,44 @@ def _collector_of(source: Any) -> tuple[MetricsCollector, Any]:
     return metrics, engine
 
 
+_DEFAULT_WHAT = {"measured": "this CPU, tiny model", "simulated": "7B on A100-80GB"}
+
+
+def _source_provenance(engine: Any) -> tuple[str, str] | None:
+    """(kind, what) read off the engine's executor; None when there is no engine to ask."""
+    if engine is None:
+        return None
+    from minillm.sim.executor import SimExecutor  # lazily: the simulator imports the engine
+
+    executor = getattr(engine, "executor", None)
+    if isinstance(executor, SimExecutor):
+        return "simulated", f"{executor.shape.name} on {executor.hw.name}"
+    device = getattr(getattr(executor, "model", None), "device", None)
+    where = "this GPU" if getattr(device, "type", device) == "cuda" else "this CPU"
+    return "measured", f"{where}, tiny model"
+
+
+def _parse_provenance(provenance: str) -> tuple[str, str]:
+    """"measured", "simulated" or "<kind>: <what>" → (kind, what)."""
+    if not isinstance(provenance, str):
+        raise TypeError(f"provenance must be a string such as 'measured' or 'simulated: 7B on A100-80GB', "
+                        f"got {type(provenance).__name__}")
+    kind, _, what = (part.strip() for part in provenance.partition(":"))
+    if kind not in PROVENANCE_KINDS:
+        raise ValueError(f"provenance={provenance!r}: it must start with one of {PROVENANCE_KINDS}, "
+                         "e.g. 'measured' or 'simulated: 7B on A100-80GB'")
+    return kind, what or _DEFAULT_WHAT[kind]
+
+
 class LiveView:
     def __init__(self, source: Any, every: int = 5, max_num_seqs: int | None = None, kind: str = "batching",
                  min_interval_s: float = 0.2, max_overhead: float | None = 0.2, render: bool | None = None,
-                 dpi: int = 72) -> None:
+                 dpi: int = 72, provenance: str | None = None) -> None:
         """`source`: an LLM, LLMEngine or MetricsCollector. `render`: draw while running (default: only
         in a notebook). `max_num_seqs` defaults to the engine's. `max_overhead=None` and
-        `min_interval_s=0` redraw exactly every `every` steps (tests do)."""
+        `min_interval_s=0` redraw exactly every `every` steps (tests do). `provenance`: the label on
+        every panel; by default read from the engine (simulator or real model), "measured: this
+        CPU, tiny model" for a bare collector; an explicit one that contradicts the engine is an error."""
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be an integer >= 1, got {every!r}")
         if max_overhead is not None and not 0 < max_overhead < 1:
@@ -100,6 +139,14 @@ class LiveView:
         if kind not in LAYOUTS:
             raise ValueError(f"kind={kind!r}; choose one of {sorted(LAYOUTS)}")
         self.collector, self.engine = _collector_of(source)
+        detected = _source_provenance(self.engine)
+        if provenance is None:
+            self.provenance = detected or ("measured", _DEFAULT_WHAT["measured"])
+        else:
+            self.provenance = _parse_provenance(provenance)
+            if detected is not None and detected[0] != self.provenance[0]:
+                raise ValueError(f"provenance={provenance!r}, but this engine is {detected[0]} "
+                                 f"({detected[0]}: {detected[1]}); leave provenance=None to read it off the engine")
         self.kv = getattr(self.engine, "kv", None)  # the live KV manager, for layouts that draw its blocks
         if max_num_seqs is None and self.engine is not None:
             max_num_seqs = getattr(getattr(self.engine, "config", None), "max_num_seqs", None)
@@ -176,6 +223,9 @@ class LiveView:
         for ax in self._axes:
             ax.clear()
         layout.draw(self._axes, self)
+        for ax in self._axes:  # after the layout's titles: the label lifts them a line
+            if ax.get_visible() and ax.axison:
+                label_provenance(ax, *self.provenance)
         self.figure.suptitle(self._headline())
         # tight_layout measures every label, which costs more than the drawing itself: only for the
         # first picture shown and for the final figure.
