@@ -289,3 +289,19 @@ def test_a_half_added_request_is_taken_out_again(server):
     ok = httpx.post(url + "/v1/completions", json=ok_completion(temperature=0.0), headers=AUTH, timeout=30)
     assert ok.status_code == 200
     assert client.num_in_flight == 0 and not engine.requests and engine.kv.usage().reserved_tokens == 0
+
+
+def test_a_speculative_server_refuses_penalties_before_streaming():
+    """With --speculative-config the engine cannot apply penalties or min_tokens; the server says so
+    with a 400 naming the field, instead of a 200 stream that then carries an error event."""
+    with running_server(max_num_seqs=2, max_model_len=128,
+                        speculative_config={"method": "ngram", "num_speculative_tokens": 2}) as (url, app):
+        for extra, param in (({"presence_penalty": 0.5}, "presence_penalty"), ({"min_tokens": 2}, "min_tokens"),
+                             ({"repetition_penalty": 1.2, "frequency_penalty": 0.1}, "frequency_penalty")):
+            for stream in (False, True):
+                r = httpx.post(url + "/v1/completions", json=ok_completion(stream=stream, **extra), timeout=30)
+                assert r.status_code == 400, (extra, stream, r.text)
+                err = r.json()["error"]
+                assert err["param"] == param and "--speculative-config" in err["message"]
+        r = httpx.post(url + "/v1/completions", json=ok_completion(temperature=0.0, max_tokens=6), timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6

@@ -128,6 +128,7 @@ class _Server:
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.engine.config.max_model_len
         self.vocab_size = llm.model_config.vocab_size
+        self.speculative = llm.engine.config.speculative_config is not None
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}  # id -> its text alone (logprobs), at most vocab entries
 
@@ -170,10 +171,19 @@ class _Server:
 
     def _params(self, body: SamplingFields, max_tokens: int, logprobs: int | None):
         try:
-            return body.sampling_params(max_tokens, logprobs)
+            params = body.sampling_params(max_tokens, logprobs)
         except ValueError as err:  # SamplingParams' own checks: the message starts with the field
             msg = str(err)
             raise APIError(400, msg, msg.split(" ", 1)[0]) from None
+        if self.speculative:  # the engine would refuse these only once queued (a 200 stream, then an error)
+            unsupported = [name for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                                                  ("repetition_penalty", 1.0), ("min_tokens", 0))
+                           if getattr(params, name) != off]
+            if unsupported:
+                raise APIError(400, f"{', '.join(unsupported)} cannot be used on this server: it runs with "
+                                    "--speculative-config, whose rejection sampler does not apply penalties or "
+                                    "min_tokens", unsupported[0])
+        return params
 
     def _submit(self, prompts: list[list[int]], params) -> Stream:
         try:
