@@ -123,13 +123,33 @@ def test_snapshot_sees_patched_functions_methods_and_code() -> None:
     exec("def f():\n    return 1\nclass C:\n    def m(self):\n        return 2\n", module.__dict__)  # noqa: S102
     sys.modules[module.__name__] = module
     try:
-        before = snapshot(("minillm_fake_for_test",))
-        assert tampered(before, ("minillm_fake_for_test",)) == []
+        before = snapshot(("minillm_fake_for_test",), False)
+        assert tampered(before, ("minillm_fake_for_test",), False) == []
         module.C.m = lambda self: 3
         module.f.__code__ = (lambda: 4).__code__
-        assert tampered(before, ("minillm_fake_for_test",)) == ["minillm_fake_for_test.C.m", "minillm_fake_for_test.f"]
+        assert tampered(before, ("minillm_fake_for_test",), False) == ["minillm_fake_for_test.C.m",
+                                                                       "minillm_fake_for_test.f"]
     finally:
         del sys.modules[module.__name__]
+
+
+def test_snapshot_sees_patched_library_functions() -> None:
+    import torch
+
+    before = snapshot()
+    original = torch.equal
+    try:
+        torch.equal = lambda *args: True  # a learner making every comparison pass
+        assert "torch.equal" in tampered(before)
+    finally:
+        torch.equal = original
+    tolist = torch.Tensor.tolist
+    try:
+        torch.Tensor.tolist = lambda self: []
+        assert "torch.Tensor.tolist" in tampered(before)
+    finally:
+        torch.Tensor.tolist = tolist
+    assert tampered(before) == []
 
 
 # --- compose: what is run ---------------------------------------------------------------------------

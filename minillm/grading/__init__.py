@@ -282,11 +282,42 @@ def _identity(value: Any) -> tuple:
     return (id(value), id(code) if code is not None else None)
 
 
-def snapshot(prefixes: Iterable[str] = ("minillm",)) -> dict[str, tuple]:
-    """Identity of every function, class attribute and code object in the loaded modules whose name
-    starts with one of `prefixes`: what a learner could monkeypatch."""
-    prefixes = tuple(prefixes)
+# What the checks rely on outside minillm: a learner cell that replaces one of these (torch.equal,
+# Tensor.tolist, sorted, random.Random, ...) is tampering too. None: every callable of the module.
+# (Not all of torch: from_pretrained itself swaps torch.manual_seed while it loads a model.)
+LIBRARIES: dict[str, tuple[str, ...] | None] = {
+    "builtins": None,
+    "random": None,
+    "torch": ("equal", "allclose", "isclose", "eq", "ne", "tensor", "as_tensor", "stack", "cat", "all", "any",
+              "repeat_interleave", "cumsum", "arange", "full", "zeros"),
+    "torch.Tensor": ("__eq__", "__ne__", "__bool__", "__iter__", "__getitem__", "__len__", "tolist", "item",
+                     "equal", "all", "any", "long", "as_subclass"),
+    "numpy": ("array_equal", "allclose", "isclose", "sort", "cumsum", "array", "asarray"),
+}
+
+
+def _library_state() -> dict[str, tuple]:
     state: dict[str, tuple] = {}
+    for owner_name, names in LIBRARIES.items():
+        module_name, _, class_name = owner_name.partition(".")
+        owner = sys.modules.get(module_name)  # a library nobody imported cannot have been patched
+        if owner is not None and class_name:
+            owner = getattr(owner, class_name, None)
+        if owner is None:
+            continue
+        if names is None:
+            state.update((f"{owner_name}.{n}", (id(v),)) for n, v in vars(owner).items() if callable(v))
+        else:  # looked up as the checks look them up (a Tensor method lives on a base class)
+            state.update((f"{owner_name}.{n}", (id(getattr(owner, n, None)),)) for n in names)
+    return state
+
+
+def snapshot(prefixes: Iterable[str] = ("minillm",), libraries: bool = True) -> dict[str, tuple]:
+    """Identity of every function, class attribute and code object in the loaded modules whose name
+    starts with one of `prefixes`, and of the library functions in LIBRARIES: what a learner could
+    monkeypatch."""
+    prefixes = tuple(prefixes)
+    state: dict[str, tuple] = _library_state() if libraries else {}
     for module_name, module in list(sys.modules.items()):
         if module is None or not module_name.startswith(prefixes):
             continue
@@ -301,7 +332,7 @@ def snapshot(prefixes: Iterable[str] = ("minillm",)) -> dict[str, tuple]:
     return state
 
 
-def tampered(before: dict[str, tuple], prefixes: Iterable[str] = ("minillm",)) -> list[str]:
+def tampered(before: dict[str, tuple], prefixes: Iterable[str] = ("minillm",), libraries: bool = True) -> list[str]:
     """The names in `before` whose function, attribute or code has changed since."""
-    now = snapshot(prefixes)
+    now = snapshot(prefixes, libraries)
     return sorted(name for name, identity in before.items() if now.get(name) != identity)
