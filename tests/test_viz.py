@@ -474,3 +474,19 @@ def test_provenance_label_does_not_cover_the_title():
     title_box, label_box = ax.title.get_window_extent(renderer), label.get_window_extent(renderer)
     assert title_box.y0 >= label_box.y1 - 1  # the title sits above the label
     assert ax.title.get_text().startswith("a long title") and ax.title.get_fontsize() == size
+
+
+def test_provenance_label_lifts_a_left_title_clear_of_itself():
+    """feature_chart titles its panels with loc="left"; the label must not cover a two-line title."""
+    import matplotlib.pyplot as plt
+
+    from minillm.viz.style import label_simulated
+
+    fig, ax = plt.subplots()
+    ax.set_title("goodput\n(higher is better)", loc="left")
+    label = label_simulated(ax)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    title_box = ax._left_title.get_window_extent(renderer)
+    assert title_box.y0 >= label.get_window_extent(renderer).y1
+    plt.close(fig)

@@ -137,10 +137,13 @@ def label_provenance(ax: Axes, kind: str, what: str) -> Text:
         old.remove()
     text = ax.text(1.0, 1.005, f"{kind}: {what}", transform=ax.transAxes, ha="right", va="bottom",
                    fontsize="x-small", color="#555555", style="italic", gid=PROVENANCE_GID)
-    title = ax.title
-    if title.get_text():  # lift the title one small line, above the label (label after set_title)
-        ax.set_title(title.get_text(), fontsize=title.get_fontsize(), fontweight=title.get_fontweight(),
-                     pad=rcParams["axes.titlepad"] + _LABEL_PAD_PT)
+    # Lift the title one small line, above the label (label after set_title). A panel may carry a
+    # centre, a left and a right title (`set_title(loc=...)`); each is lifted.
+    titles = {"center": ax.title, "left": getattr(ax, "_left_title", None), "right": getattr(ax, "_right_title", None)}
+    for loc, title in titles.items():
+        if title is not None and title.get_text():
+            ax.set_title(title.get_text(), loc=loc, fontsize=title.get_fontsize(),
+                         fontweight=title.get_fontweight(), pad=rcParams["axes.titlepad"] + _LABEL_PAD_PT)
     return text
 
 
