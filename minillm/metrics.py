@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from minillm.report import LATENCY_METRICS, Report, format_value, latency_keys, ratio
+
 
 @dataclass
 class RequestMetrics:
@@ -127,14 +129,6 @@ class LatencyStats:
                    {p: float(np.percentile(ms, p)) for p in percentiles})
 
 
-def _pword(p: float) -> str:
-    return str(int(p)) if int(p) == p else str(p)
-
-
-def _ratio(num: float, den: float) -> float:
-    return num / den if den > 0 else float("nan")
-
-
 @dataclass
 class Summary:
     completed: int
@@ -158,49 +152,28 @@ class Summary:
 
     def to_dict(self) -> dict:
         """Flat dict; latency keys as in vllm's result JSON (mean_ttft_ms, p99_tpot_ms, …)."""
-        d = {k: v for k, v in asdict(self).items() if k not in ("ttft", "tpot", "itl", "e2el")}
-        for name in ("ttft", "tpot", "itl", "e2el"):
-            s: LatencyStats = getattr(self, name)
-            d[f"mean_{name}_ms"], d[f"median_{name}_ms"], d[f"std_{name}_ms"] = s.mean_ms, s.median_ms, s.std_ms
-            for p, v in s.percentiles_ms.items():
-                d[f"p{_pword(p)}_{name}_ms"] = v
+        d = {k: v for k, v in asdict(self).items() if k not in LATENCY_METRICS}
+        for name in LATENCY_METRICS:
+            d.update(latency_keys(name, getattr(self, name)))
         return d
 
     def table(self, title: str = "Serving Benchmark Result") -> str:
         """An aligned text block laid out like `vllm bench serve`'s."""
-        lines = [f"{' ' + title + ' ':=^50}"]
-
-        def row(label: str, value: float | int | None) -> None:
-            text = "-" if value is None else (f"{value}" if isinstance(value, int) else f"{value:.2f}")
-            lines.append(f"{label:<40} {text}")
-
-        row("Successful requests:", self.completed)
-        row("Benchmark duration (s):", self.duration_s)
-        row("Total input tokens:", self.total_input_tokens)
-        row("Total generated tokens:", self.total_output_tokens)
-        row("Request throughput (req/s):", self.request_throughput)
-        if self.request_goodput is not None:
-            row("Request goodput (req/s):", self.request_goodput)
-        row("Output token throughput (tok/s):", self.output_throughput)
-        row("Total token throughput (tok/s):", self.total_token_throughput)
-        for name, header in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                             ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
-            s: LatencyStats = getattr(self, name)
-            lines.append(f"{header:-^50}")
-            row(f"Mean {name.upper()} (ms):", s.mean_ms)
-            row(f"Median {name.upper()} (ms):", s.median_ms)
-            for p, v in s.percentiles_ms.items():
-                if p != 50:
-                    row(f"P{_pword(p)} {name.upper()} (ms):", v)
-        lines.append(f"{'Engine':-^50}")
-        row("Steps:", self.num_steps)
-        row("Padding waste (%):", 100 * self.padding_waste)
-        row("Mean KV occupancy (%):", 100 * self.mean_kv_occupancy)
-        row("KV reservation waste (%):", 100 * self.kv_reservation_waste)
-        row("Preemptions:", self.num_preemptions)
-        row("Prefix cache hit rate (%):", 100 * self.prefix_cache_hit_rate)
-        lines.append("=" * 50)
-        return "\n".join(lines)
+        report = Report(title)
+        report.row("Successful requests:", self.completed)
+        report.run_totals(self.duration_s, self.total_input_tokens, self.total_output_tokens,
+                          self.request_throughput, self.request_goodput, self.output_throughput)
+        report.row("Total token throughput (tok/s):", self.total_token_throughput)
+        for name in LATENCY_METRICS:
+            report.latency(name, getattr(self, name), skip_percentiles=(50,))
+        report.section("Engine")
+        report.row("Steps:", self.num_steps)
+        report.row("Padding waste (%):", 100 * self.padding_waste)
+        report.row("Mean KV occupancy (%):", 100 * self.mean_kv_occupancy)
+        report.row("KV reservation waste (%):", 100 * self.kv_reservation_waste)
+        report.row("Preemptions:", self.num_preemptions)
+        report.row("Prefix cache hit rate (%):", 100 * self.prefix_cache_hit_rate)
+        return report.render()
 
     def __str__(self) -> str:
         return self.table()
@@ -236,7 +209,7 @@ def summarize(
             # vllm treats a single-token output's TPOT as 0 for goodput.
             checks = ((slo.ttft_ms, r.ttft), (slo.tpot_ms, r.tpot or 0.0), (slo.e2el_ms, r.e2e_latency))
             return all(limit is None or (v is not None and v <= limit / 1000) for limit, v in checks)
-        goodput = _ratio(sum(good(r) for r in done), duration_s)
+        goodput = ratio(sum(good(r) for r in done), duration_s)
 
     computed = sum(s.num_computed_tokens for s in steps)
     occupancy = [s.kv_used_tokens / s.kv_total_tokens for s in steps if s.kv_total_tokens > 0]
@@ -246,17 +219,17 @@ def summarize(
         total_input_tokens=total_in,
         total_output_tokens=total_out,
         duration_s=float(duration_s),
-        request_throughput=_ratio(len(done), duration_s),
-        output_throughput=_ratio(total_out, duration_s),
-        total_token_throughput=_ratio(total_in + total_out, duration_s),
+        request_throughput=ratio(len(done), duration_s),
+        output_throughput=ratio(total_out, duration_s),
+        total_token_throughput=ratio(total_in + total_out, duration_s),
         request_goodput=goodput,
         ttft=LatencyStats.of(ttfts, percentiles),
         tpot=LatencyStats.of(tpots, percentiles),
         itl=LatencyStats.of(itls, percentiles),
         e2el=LatencyStats.of(e2els, percentiles),
-        padding_waste=_ratio(sum(s.num_padding_tokens for s in steps), computed),
+        padding_waste=ratio(sum(s.num_padding_tokens for s in steps), computed),
         mean_kv_occupancy=float(np.mean(occupancy)) if occupancy else float("nan"),
-        kv_reservation_waste=1.0 - _ratio(sum(s.kv_used_tokens for s in steps), reserved),
+        kv_reservation_waste=1.0 - ratio(sum(s.kv_used_tokens for s in steps), reserved),
         num_preemptions=max(sum(r.num_preemptions for r in requests), sum(s.num_preemptions for s in steps)),
         prefix_cache_hit_rate=_prefix_hit_rate(done, steps, total_in),
         num_steps=len(steps),
@@ -270,7 +243,7 @@ def _prefix_hit_rate(done: Sequence[RequestMetrics], steps: Sequence[StepRecord]
     queried = sum(s.num_prefix_queried_tokens for s in steps)
     if queried:
         return sum(s.num_prefix_hit_tokens for s in steps) / queried
-    return _ratio(sum(r.num_cached_prompt_tokens for r in done), total_in) if total_in else 0.0
+    return ratio(sum(r.num_cached_prompt_tokens for r in done), total_in) if total_in else 0.0
 
 
 # (label, getter) pairs shown by compare(); ratios > 1 mean "more than the baseline".
@@ -303,9 +276,9 @@ def compare(summaries: dict[str, Summary], baseline: str) -> str:
         cells = []
         for name in names:
             v = get(summaries[name])
-            text = "-" if v is None else (f"{v}" if isinstance(v, int) else f"{v:.2f}")
+            text = format_value(v)
             if v is not None and name != baseline:
-                text += f" ({_ratio(v, b):.2f}x)"
+                text += f" ({ratio(v, b):.2f}x)"
             cells.append(f"{text:>{width}}")
         lines.append(f"{label:<28}" + "".join(cells))
     return "\n".join(lines)
@@ -322,12 +295,12 @@ class SpecDecodeStats:
 
     @property
     def acceptance_rate(self) -> float:
-        return _ratio(self.num_accepted_tokens, self.num_draft_tokens)
+        return ratio(self.num_accepted_tokens, self.num_draft_tokens)
 
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens per speculative row: 1 (the target's own) + accepted guesses, on average."""
-        return 1 + _ratio(self.num_accepted_tokens, self.num_drafts) if self.num_drafts else float("nan")
+        return 1 + ratio(self.num_accepted_tokens, self.num_drafts) if self.num_drafts else float("nan")
 
     def record(self, num_guesses: int, num_accepted: int) -> None:
         self.num_drafts += 1

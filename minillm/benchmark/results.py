@@ -25,14 +25,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from minillm.metrics import LatencyStats
+from minillm.report import LATENCY_METRICS, Report, latency_keys
 
-METRIC_NAMES = ("ttft", "tpot", "itl", "e2el")
-_HEADERS = {
-    "ttft": "Time to First Token",
-    "tpot": "Time per Output Token (excl. 1st token)",
-    "itl": "Inter-token Latency",
-    "e2el": "End-to-end Latency",
-}
+METRIC_NAMES = LATENCY_METRICS  # ttft, tpot, itl, e2el: what --percentile-metrics may name
 GOODPUT_KEYS = ("ttft", "tpot", "e2el")
 
 
@@ -135,52 +130,24 @@ class BenchmarkMetrics:
         d["max_output_tokens_per_s"] = d.pop("peak_output_throughput")
         d["max_concurrent_requests"] = d.pop("peak_concurrent_requests")
         for name in METRIC_NAMES:
-            stats: LatencyStats = getattr(self, name)
-            d[f"mean_{name}_ms"], d[f"median_{name}_ms"], d[f"std_{name}_ms"] = (
-                stats.mean_ms, stats.median_ms, stats.std_ms)
-            for p, v in stats.percentiles_ms.items():
-                d[f"p{_pword(p)}_{name}_ms"] = v
+            d.update(latency_keys(name, getattr(self, name)))
         return d
 
     def table(self, max_concurrency: int | None = None, metrics: Sequence[str] = METRIC_NAMES) -> str:
         """The report, laid out line for line like `vllm bench serve`'s."""
-        lines = [f"{' Serving Benchmark Result ':=^50}"]
-
-        def row(label: str, value: float | int | None) -> None:
-            text = "-" if value is None else (f"{value}" if isinstance(value, int) else f"{value:.2f}")
-            lines.append(f"{label:<40} {text}")
-
-        row("Successful requests:", self.completed)
-        row("Failed requests:", self.failed)
+        report = Report("Serving Benchmark Result")
+        report.row("Successful requests:", self.completed)
+        report.row("Failed requests:", self.failed)
         if max_concurrency is not None:
-            row("Maximum request concurrency:", max_concurrency)
-        row("Benchmark duration (s):", self.duration_s)
-        row("Total input tokens:", self.total_input_tokens)
-        row("Total generated tokens:", self.total_output_tokens)
-        row("Request throughput (req/s):", self.request_throughput)
-        if self.request_goodput is not None:
-            row("Request goodput (req/s):", self.request_goodput)
-        row("Output token throughput (tok/s):", self.output_throughput)
-        row("Peak output token throughput (tok/s):", self.peak_output_throughput)
-        row("Peak concurrent requests:", self.peak_concurrent_requests)
-        row("Total Token throughput (tok/s):", self.total_token_throughput)
+            report.row("Maximum request concurrency:", max_concurrency)
+        report.run_totals(self.duration_s, self.total_input_tokens, self.total_output_tokens,
+                          self.request_throughput, self.request_goodput, self.output_throughput)
+        report.row("Peak output token throughput (tok/s):", self.peak_output_throughput)
+        report.row("Peak concurrent requests:", self.peak_concurrent_requests)
+        report.row("Total Token throughput (tok/s):", self.total_token_throughput)
         for name in metrics:
-            stats: LatencyStats = getattr(self, name)
-            lines.append(f"{_HEADERS[name]:-^50}")
-            row(f"Mean {name.upper()} (ms):", stats.mean_ms)
-            row(f"Median {name.upper()} (ms):", stats.median_ms)
-            for p, v in stats.percentiles_ms.items():
-                row(f"P{_pword(p)} {name.upper()} (ms):", v)
-        lines.append("=" * 50)
-        return "\n".join(lines)
-
-
-def _pword(p: float) -> str:
-    return str(int(p)) if float(p).is_integer() else str(p)
-
-
-def _ratio(num: float, den: float) -> float:
-    return num / den if den > 0 else float("nan")
+            report.latency(name, getattr(self, name))
+        return report.render()
 
 
 def meets_slos(outcome: RequestOutcome, slos_ms: dict[str, float]) -> bool:
