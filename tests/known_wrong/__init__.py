@@ -30,6 +30,17 @@ class Mutant:
     expect: str | None = None  # text the failure message must contain
 
 
+def _seed_everything(seed: int = 0) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def solution_path(number: str) -> Path:
     found = sorted((REPO_ROOT / "solutions").glob(f"ex{number}_*.ipynb"))
     if len(found) != 1:
@@ -52,6 +63,7 @@ def apply_edits(sources: list[str], edits) -> list[str]:
 def run_task(number: str, task: int, mutant: Mutant | None = None) -> TaskResult:
     """The solution of exercise `number` with `mutant` applied, graded on `task`, in this process."""
     solution = solution_path(number)
+    _seed_everything()  # a mutant that draws unseeded random numbers behaves the same in any test order
     plan = compose(solution, solution)
     learner = [i for i, cell in enumerate(plan.cells) if cell["kind"] == "learner"]
     sources = apply_edits([plan.cells[i]["source"] for i in learner], mutant.edits if mutant else ())
