@@ -149,8 +149,6 @@ def _regions(source: str) -> list[str]:
     return out
 
 
-# The exercises of issue 8's tiered-hint rule; ex08 onwards are checked for verbatim code only.
-TIERED_HINTS = {"02", "03", "04", "05", "06", "07"}
 WINDOW = 36  # characters of a solution line that a hint may not quote
 
 
@@ -160,10 +158,18 @@ def test_hints_are_tiered_and_never_the_solution_verbatim(solution: Path) -> Non
     code = [line for c in notebook["cells"] if c["cell_type"] == "code" for line in _regions("".join(c["source"]))]
     hints = [block for c in notebook["cells"] if c["cell_type"] == "markdown"
              for block in "".join(c["source"]).split("<details>")[1:]]
-    if solution.name[2:4] in TIERED_HINTS:
-        tasks = sum(_graded(c) for c in notebook["cells"])
-        assert sum("<summary>Hint 1</summary>" in h for h in hints) >= tasks, "a nudge (Hint 1) per task"
-        assert sum("<summary>Hint 2</summary>" in h for h in hints) >= tasks, "a stronger hint (Hint 2) per task"
+    # Issue 8's tiered-hint rule, for every exercise SOLUTIONS globbed: the markdown between one graded cell and the
+    # next holds that task's folded nudge (Hint 1) and then its stronger hint (Hint 2).
+    prose, tasks = "", 0
+    for cell in notebook["cells"]:
+        if cell["cell_type"] == "markdown":
+            prose += "".join(cell["source"])
+        elif _graded(cell):
+            tasks += 1
+            one, two = prose.find("<details><summary>Hint 1</summary>"), prose.find("<details><summary>Hint 2</summary>")
+            assert 0 <= one < two, f"{solution.name}: graded task {tasks} lacks a folded Hint 1 followed by a Hint 2"
+            prose = ""
+    assert tasks > 0, f"{solution.name}: no graded cell (# NBVAL_CHECK_OUTPUT) found"
     normal = lambda text: " ".join(text.replace("`", "").split())  # noqa: E731
     text = " ".join(normal(h) for h in hints)
     leaked = sorted({normal(line)[i:i + WINDOW] for line in code for i in range(max(0, len(normal(line)) - WINDOW) + 1)
