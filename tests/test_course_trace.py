@@ -86,3 +86,16 @@ def test_chart_draws_four_labelled_panels_and_prints_its_numbers(capsys):
     with pytest.raises(ValueError, match="without an SLO"):
         feature_rows(no_slo)
     assert SIM_SLO.ttft_ms == 1000 and SIM_SLO.tpot_ms == 50
+
+
+def test_simulate_course_memo_answers_equal_runs_and_only_those():
+    from minillm.course_trace import LADDER, sim_trace, simulate_course
+
+    knobs = {**LADDER[0].engine_config}
+    first = simulate_course(knobs, sim_trace(20, 4))
+    assert simulate_course(dict(knobs), sim_trace(20, 4)) is first  # equal knobs, an equal (rebuilt) trace
+    other_trace = simulate_course(knobs, sim_trace(20, 8))
+    other_knobs = simulate_course({**knobs, "max_num_seqs": 8}, sim_trace(20, 4))
+    assert other_trace is not first and other_knobs is not first
+    assert other_trace.summary.duration_s != first.summary.duration_s
+    assert max(s.num_seqs for s in other_knobs.steps) <= 8
