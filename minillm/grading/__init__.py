@@ -264,6 +264,23 @@ def task(number: int, name: str, check_time_limit_s: int = DEFAULT_TIME_LIMIT_S)
     return decorate
 
 
+def run_until_done(engine: Any, max_iterations: int, stalled: str) -> None:
+    """Step `engine` until nothing is unfinished, waiting for work when a step runs nothing.
+
+    After `max_iterations` with requests left, FAIL with `stalled` (its `{unfinished}` becomes their
+    count): the message should say what the learner's code may have missed.
+    """
+    for _ in range(max_iterations):
+        if not engine.has_unfinished():
+            return
+        before = engine.num_steps
+        engine.step()
+        if engine.num_steps == before:
+            engine.wait_for_work()
+    if engine.has_unfinished():
+        raise Fail(stalled.format(unfinished=len(engine.requests)))
+
+
 def tasks_of(module: types.ModuleType) -> dict[int, Callable]:
     """The `@task` checks of a grading module, by task number."""
     found = {}

@@ -14,7 +14,7 @@ from minillm import LLM, SamplingParams
 from minillm.clock import SimClock
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
-from minillm.grading import Fail, forbid, refuse_subclass, task
+from minillm.grading import Fail, forbid, refuse_subclass, run_until_done, task
 from minillm.kv.slab import SlabKVManager
 from minillm.llm import BUNDLED_TARGET
 from minillm.model.config import ModelConfig
@@ -126,15 +126,7 @@ def run_plans(make_scheduler, scenario):
     for i, (prompt_len, max_tokens, arrival) in enumerate(requests):
         engine.add_request({"prompt_token_ids": [5] * prompt_len}, request_id=f"r{i}", arrival_time=arrival,
                            params=SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    for _ in range(2_000):
-        if not engine.has_unfinished():
-            break
-        before = engine.num_steps
-        engine.step()
-        if engine.num_steps == before:
-            engine.wait_for_work()
-    if engine.has_unfinished():
-        raise Fail(f"the engine stalled with {len(engine.requests)} unfinished request(s)")
+    run_until_done(engine, 2_000, "the engine stalled with {unfinished} unfinished request(s)")
     return executor.plans
 
 

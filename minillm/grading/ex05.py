@@ -13,7 +13,7 @@ import random
 import torch
 
 from minillm import LLM, SamplingParams
-from minillm.grading import Fail, forbid, refuse_subclass, task
+from minillm.grading import Fail, forbid, refuse_subclass, run_until_done, task
 from minillm.kv.block_allocator import BlockAllocator
 from minillm.kv.block_manager import BlockManager
 from minillm.kv.block_table import BlockTableBuffer
@@ -139,15 +139,7 @@ def _engine_run(llm, max_iterations=2_000):
     requests = [engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
                 for prompt, n in zip(PROMPTS, OUTPUT_LENS)]  # all requests waiting at t = 0
     engine.expect_more_requests = False
-    for _ in range(max_iterations):
-        if not engine.has_unfinished():
-            break
-        before = engine.num_steps
-        engine.step()
-        if engine.num_steps == before:
-            engine.wait_for_work()
-    else:
-        raise Fail(f"the engine stalled: {len(engine.requests)} requests unfinished after "
+    run_until_done(engine, max_iterations, "the engine stalled: {unfinished} requests unfinished after "
                    f"{max_iterations} iterations (are released blocks returned to the free list?)")
     allocator = engine.kv.allocator
     in_use = sum(1 for count in allocator.ref_counts if count > 0)

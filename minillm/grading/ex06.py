@@ -15,7 +15,7 @@ from minillm import LLM, SamplingParams
 from minillm.clock import SimClock
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine, make_kv_manager
-from minillm.grading import Fail, forbid, task
+from minillm.grading import Fail, forbid, run_until_done, task
 from minillm.llm import BUNDLED_TARGET
 from minillm.model.config import ModelConfig
 from minillm.request import Request, RequestStatus
@@ -121,15 +121,7 @@ def run_plans(make_scheduler, scenario):
     for i, (prompt_len, max_tokens, arrival, priority) in enumerate(requests):
         engine.add_request({"prompt_token_ids": [5] * prompt_len}, request_id=f"r{i}", arrival_time=arrival,
                            params=SamplingParams(max_tokens=max_tokens, temperature=0.0), priority=priority)
-    for _ in range(5_000):
-        if not engine.has_unfinished():
-            break
-        before = engine.num_steps
-        engine.step()
-        if engine.num_steps == before:
-            engine.wait_for_work()
-    if engine.has_unfinished():
-        raise Fail(f"the engine stalled with {len(engine.requests)} unfinished request(s)")
+    run_until_done(engine, 5_000, "the engine stalled with {unfinished} unfinished request(s)")
     return executor.plans, engine.scheduler.num_preemptions, kv.num_free_blocks
 
 
