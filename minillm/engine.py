@@ -36,6 +36,7 @@ import torch
 from minillm.clock import WallClock
 from minillm.config import EngineConfig
 from minillm.detokenizer import IncrementalDetokenizer
+from minillm.executor.uniproc import UniProcExecutor
 from minillm.kv.block_manager import BlockManager
 from minillm.kv.padded import PaddedKVManager
 from minillm.kv.slab import SlabKVManager
@@ -51,11 +52,11 @@ from minillm.request import (
     SamplingParams,
     derive_seed,
 )
-from minillm.runner import ModelRunner
 from minillm.scheduler.base import RequestUpdate, ScheduledBatch, Scheduler
 from minillm.scheduler.continuous import ContinuousScheduler
 from minillm.scheduler.dynamic import DynamicScheduler
 from minillm.scheduler.static import StaticScheduler
+from minillm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("minillm.engine")
 
@@ -102,7 +103,9 @@ class LLMEngine:
                                                             str(model.device))
         self.scheduler = scheduler if scheduler is not None else make_scheduler(self.config, self.kv)
         # The executor turns a plan into next tokens: the real model, or the simulator's stand-in.
-        self.executor = executor if executor is not None else ModelRunner(model, self.kv, self.config.attention_backend)
+        if executor is None:
+            executor = UniProcExecutor(ModelRunner(model, self.kv.cache_spec, self.config.attention_backend), self.kv)
+        self.executor = executor
         self.device = model.device if model is not None else "cpu"
         # Speculative decoding: who guesses the next tokens (chapter 09). A draft model is loaded by LLM.
         spec = self.config.speculative_config

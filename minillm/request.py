@@ -178,11 +178,13 @@ class Request:
         self.sink: Any = None
         self.sent_text = ""
         self.error: str | None = None
+        # The seed of its random stream: the worker that samples it keeps a generator seeded so.
+        self.seed = params.seed if params.seed is not None else default_seed
         self.generator: torch.Generator | None = None
         if not params.greedy:
             # On the device that samples: a CPU generator cannot drive torch.multinomial on CUDA.
             self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(params.seed if params.seed is not None else default_seed)
+            self.generator.manual_seed(self.seed)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -66,24 +66,34 @@ def filtered_probs(logits: torch.Tensor, requests: list[Request]) -> tuple[torch
 
     Returns (probs [N, vocab] in sorted order, the sorting permutation [N, vocab]).
     """
+    vocab = logits.shape[-1]
+    return filter_probs(logits, [r.params.temperature for r in requests],
+                        [r.params.top_k if r.params.top_k > 0 else vocab for r in requests],
+                        [r.params.top_p for r in requests],
+                        [r.params.min_p for r in requests] if any(r.params.min_p > 0 for r in requests) else None)
+
+
+def filter_probs(logits: torch.Tensor, temperature, top_k, top_p, min_p=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`filtered_probs` on per-row values (lists or arrays; top_k already `vocab` where unlimited,
+    min_p None when no row uses it): what the worker's batched sampler calls."""
     device = logits.device
-    temperature = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype, device=device)
+    temperature = torch.as_tensor(temperature, dtype=logits.dtype, device=device)
     sorted_logits, order = torch.sort(logits / temperature.unsqueeze(1), dim=-1, descending=True)
     vocab = logits.shape[-1]
     rank = torch.arange(vocab, device=device).unsqueeze(0)
 
-    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in requests], device=device)
+    top_k = torch.as_tensor(top_k, device=device)
     sorted_logits = sorted_logits.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
 
     probs = sorted_logits.softmax(dim=-1)
-    top_p = torch.tensor([r.params.top_p for r in requests], dtype=probs.dtype, device=device)
+    top_p = torch.as_tensor(top_p, dtype=probs.dtype, device=device)
     # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass *before* it
     # already reaches top_p. The first token is always kept.
     mass_before = probs.cumsum(dim=-1) - probs
     probs = probs.masked_fill(mass_before >= top_p.unsqueeze(1), 0.0)
-    if any(r.params.min_p > 0 for r in requests):
+    if min_p is not None:
         # min-p: drop tokens below min_p × the most likely token's probability (sorted: column 0).
-        min_p = torch.tensor([r.params.min_p for r in requests], dtype=probs.dtype, device=device)
+        min_p = torch.as_tensor(min_p, dtype=probs.dtype, device=device)
         probs = probs.masked_fill(probs < min_p.unsqueeze(1) * probs[:, :1], 0.0)
     return probs / probs.sum(dim=-1, keepdim=True), order
 

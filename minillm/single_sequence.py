@@ -13,9 +13,10 @@ import torch
 from minillm.attention.flat_pool import FlatPoolAttention
 from minillm.kv.slab import SlabKVManager
 from minillm.model.llama import LlamaModel
-from minillm.request import Request, SamplingParams
-from minillm.runner import ModelRunner
+from minillm.request import Request, RequestStatus, SamplingParams
 from minillm.scheduler.base import ScheduledBatch
+from minillm.scheduler.output import SchedulerOutputBuilder
+from minillm.worker.model_runner import ModelRunner
 
 
 class SingleSequence:
@@ -27,11 +28,13 @@ class SingleSequence:
         self.kv = SlabKVManager(c.num_layers, c.num_kv_heads, c.head_dim, num_slabs=1,
                                 slab_len=max_len or model.rope.max_positions, dtype=model.dtype,
                                 device=str(model.device))
-        self.runner = ModelRunner(model, self.kv)
+        self.runner = ModelRunner(model, self.kv.cache_spec)
+        self.plans = SchedulerOutputBuilder(self.kv)
         self.request = Request("single", [], SamplingParams(max_tokens=1, temperature=0.0), 0.0)
 
     def reset(self) -> None:
         self.kv.free(self.request)
+        self.request.status = RequestStatus.FINISHED_ABORTED  # the worker forgets it at the next plan
         self.request = Request("single", [], SamplingParams(max_tokens=1, temperature=0.0), 0.0)
 
     def feed(self, token_ids: list[int]) -> torch.Tensor:
@@ -40,11 +43,12 @@ class SingleSequence:
         req.all_token_ids.extend(token_ids)
         if not self.kv.allocate(req, len(token_ids)):
             raise RuntimeError("the single-sequence KV slab is full")
-        batch = ScheduledBatch([req], [len(token_ids)])
-        self.runner.apply_kv_moves(batch)  # a fresh slab is zeroed before first use
-        input_ids, positions, meta, _ = self.runner.prepare(batch)
-        attention = FlatPoolAttention(self.kv.k_pool, self.kv.v_pool, meta, self.model.config.sliding_windows)
-        hidden = self.model.forward(input_ids, positions, attention)
+        plan = self.plans.build(ScheduledBatch([req], [len(token_ids)]))
+        self.runner.update_state(plan)  # a fresh slab is zeroed before first use
+        inputs = self.runner.prepare(plan)
+        attention = FlatPoolAttention(self.runner.k_pool, self.runner.v_pool, inputs.meta,
+                                      self.model.config.sliding_windows)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, attention)
         req.num_computed_tokens += len(token_ids)  # no scheduler here: this class is its own
         return self.model.compute_logits(hidden)
 

@@ -15,6 +15,7 @@ from minillm.kv.block_manager import BlockManager
 from minillm.request import Request
 from minillm.runner import ModelRunner, group_by_length
 from minillm.scheduler.base import ScheduledBatch
+from minillm.scheduler.output import SchedulerOutputBuilder
 
 
 def reference(q, k_pool, v_pool, table, ctx, n, bs, window):
@@ -49,10 +50,6 @@ def test_grouped_rows_equal_per_row_attention(block_size, window):
         req.num_computed_tokens = cached
         reqs.append(req)
         counts.append(n)
-    kv.k_pool.normal_()
-    kv.v_pool.normal_()
-    kv.k_pool[:, kv.null_block * block_size :] = 0
-    kv.v_pool[:, kv.null_block * block_size :] = 0
     decode = [i for i, (c, n) in enumerate(rows) if n == 1 and c > 0]
     order = decode + [i for i in range(len(rows)) if i not in decode]
     plan = ScheduledBatch([reqs[i] for i in order], [counts[i] for i in order])
@@ -63,20 +60,28 @@ def test_grouped_rows_equal_per_row_attention(block_size, window):
         class config:  # noqa: N801 - stands in for a ModelConfig
             sliding_windows = (window,)
 
-    runner = ModelRunner(Stub(), kv)
-    _, _, meta, _ = runner.prepare(plan)
+    runner = ModelRunner(Stub(), kv.cache_spec)
+    step = SchedulerOutputBuilder(kv).build(plan)
+    runner.update_state(step)
+    k_pool, v_pool = runner.k_pool, runner.v_pool
+    k_pool.normal_()
+    v_pool.normal_()
+    k_pool[:, kv.null_block * block_size :] = 0
+    v_pool[:, kv.null_block * block_size :] = 0
+    inputs = runner.prepare(step)
+    meta = inputs.meta
     assert len(meta.decode_groups) >= 2  # lengths 1 … 34 do not share one padded call
     total_q = sum(counts)
     q = torch.randn(total_q, h_q, d, dtype=torch.float64)
     k_new = torch.randn(total_q, h_kv, d, dtype=torch.float64)
     v_new = torch.randn(total_q, h_kv, d, dtype=torch.float64)
 
-    out = FlatPoolAttention(kv.k_pool, kv.v_pool, meta, (window,))(0, q, k_new, v_new)
+    out = FlatPoolAttention(k_pool, v_pool, meta, (window,))(0, q, k_new, v_new)
     start = 0
-    for plan_index in runner.last_order:
+    for plan_index in inputs.order:
         req, n = plan.requests[plan_index], plan.num_new_tokens[plan_index]
         ctx = req.num_computed_tokens + n
-        want = reference(q[start : start + n], kv.k_pool[0], kv.v_pool[0], kv.block_tables[req.request_id], ctx, n,
+        want = reference(q[start : start + n], k_pool[0], v_pool[0], kv.block_tables[req.request_id], ctx, n,
                          block_size, window)
         torch.testing.assert_close(out[start : start + n], want, rtol=1e-9, atol=1e-9)
         start += n
@@ -96,9 +101,9 @@ def test_uninitialised_pool_memory_never_reaches_a_result():
     knobs = dict(max_num_seqs=3, block_size=16, num_kv_blocks=40, max_model_len=256)
     clean = [o.outputs[0].token_ids for o in LLM(**knobs).generate(prompts, greedy, use_tqdm=False)]
     llm = LLM(**knobs)
-    kv = llm.engine.kv
+    kv, worker = llm.engine.kv, llm.engine.executor.worker
     real_slots = kv.null_block * kv.block_size  # every slot but the null block's: as if torch.empty
-    kv.k_pool[:, :real_slots] = float("nan")
-    kv.v_pool[:, :real_slots] = float("nan")
+    worker.k_pool[:, :real_slots] = float("nan")
+    worker.v_pool[:, :real_slots] = float("nan")
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     assert got == clean  # tails of partial blocks and -1 padding read zeros, never NaN

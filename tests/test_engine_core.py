@@ -237,12 +237,12 @@ def test_every_per_step_input_is_on_the_model_device():
     engine.step()
     engine.add_request("Blessed are", SamplingParams(max_tokens=4, temperature=0.0))
     plan = engine.scheduler.schedule(engine.clock.now())
-    runner = engine.executor
-    runner.model.device = torch.device("meta")  # where every step tensor must land
+    executor = engine.executor
+    executor.worker.model.device = torch.device("meta")  # where every step tensor must land
     try:
-        ids, positions, meta, _ = runner.prepare(plan)
+        ids, positions, meta, _ = executor.prepare(plan)
     finally:
-        runner.model.device = torch.device("cpu")
+        executor.worker.model.device = torch.device("cpu")
     tensors = [ids, positions, meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables]
     for g in meta.decode_groups + meta.prefill_groups:
         tensors += [t for t in (g.block_ids, g.seq_lens, g.query_index, g.query_lens, g.valid) if t is not None]

@@ -49,7 +49,6 @@ def test_trim_frees_tail_blocks_and_keeps_usage_exact():
     kv.trim(req, 9)  # two accepted: 9 tokens, 3 blocks
     assert len(kv.block_tables["a"]) == 3 and kv.allocator.num_in_use == 3
     assert kv.usage().used_tokens == 9 == recount_used(kv)
-    assert list(kv.block_table.table[kv.block_table.row_of["a"], :4]) == [*kv.block_tables["a"], -1]
     with pytest.raises(RuntimeError, match="prefix cache"):
         kv.trim(req, 3)  # block 0 is full and cached: it cannot be cut
     kv.free(req)

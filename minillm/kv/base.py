@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from minillm.request import Request
@@ -34,6 +33,28 @@ class KVUsage:
 
 
 @dataclass(frozen=True)
+class KVCacheSpec:
+    """The KV pool a worker allocates for a manager's layout: `[num_layers, num_slots, H_kv, D]` for
+    K and for V. Slot `b * block_size + i` is position i of block b; `null_block` is never handed
+    out and stays zero (padding entries of a block table read it)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_slots: int
+    block_size: int
+    null_block: int
+    max_blocks_per_seq: int  # width of a block-table row
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    allocate: bool = True  # False: accounting only (the simulator's 7B pools need no memory)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True)
 class CachedPrefix:
     """A prefix-cache lookup's result: blocks holding a request's first `num_tokens` tokens.
 
@@ -45,21 +66,11 @@ class CachedPrefix:
     num_query_tokens: int  # the tokens looked up (vLLM's hit rate: hits ÷ queried)
 
 
-class BlockTableView(Protocol):
-    """The persistent block-table buffer (`minillm.kv.block_table.BlockTableBuffer`)."""
-
-    row_of: dict[str, int]
-
-    def gather(self, rows: np.ndarray, width: int) -> np.ndarray: ...
-
-
 class KVManager(Protocol):
-    k_pool: torch.Tensor  # [num_layers, num_slots, H_kv, D]; slots = (num_blocks + 1) * block_size
-    v_pool: torch.Tensor
+    cache_spec: KVCacheSpec  # the pool the worker allocates (the manager holds no tensors)
     block_size: int  # tokens per block (a slab is one block of max_model_len)
     null_block: int  # a block that is never handed out and stays zero: where -1 entries read
-    block_table: BlockTableView
-    fresh_blocks: list[int]  # blocks handed out since the runner last zeroed them
+    fresh_blocks: list[int]  # blocks handed out since the last plan (the worker zeroes them)
     num_query_tokens: int  # prefix cache: tokens looked up by admissions so far (0 without a cache)
     num_hit_tokens: int  # ... and found cached
 
@@ -113,16 +124,17 @@ class KVManager(Protocol):
 
     def usage(self) -> KVUsage: ...
 
-    # -- the executor's side
-    def copy_out(self, request_id: str, blocks: list[int]) -> None: ...
+    # -- what the plan reads (minillm.scheduler.output)
+    def block_ids_of(self, request_id: str) -> list[int]: ...
 
-    def copy_in(self, request_id: str, blocks: list[int]) -> None: ...
+    def take_fresh_blocks(self) -> list[int]: ...
 
 
 class PaddedKV(Protocol):
-    """What static and dynamic batching need: one rectangle per batch, held until the batch ends."""
+    """What static and dynamic batching need: one rectangle per batch, held until the batch ends
+    (the rectangle's tensors are the worker's)."""
 
-    cache: object  # minillm.attention.padded.PaddedBatchCache of the running batch
+    max_len: int  # slots per row of the running batch
     num_query_tokens: int
     num_hit_tokens: int
 

@@ -29,9 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from minillm.config import PREFIX_CACHES
-from minillm.kv.base import CachedPrefix, KVUsage
+from minillm.kv.base import CachedPrefix, KVCacheSpec, KVUsage
 from minillm.kv.block_allocator import BlockAllocator
-from minillm.kv.block_table import BlockTableBuffer
 from minillm.kv.radix import RadixTree
 from minillm.request import Request
 
@@ -143,10 +142,8 @@ class SwappedKV:
     """A preempted request's K/V in host memory (`preemption_mode="swap"`)."""
 
     num_tokens: int
-    num_blocks: int  # host blocks charged to the swap space
-    k: torch.Tensor | None = None  # [L, num_blocks * block_size, H_kv, D] once copied out
-    v: torch.Tensor | None = None
-    copied: bool = False
+    num_blocks: int  # host blocks charged to the swap space (the worker holds the copy)
+    copied: bool = False  # the step that copies it out completed
 
 
 class BlockManager:
@@ -171,14 +168,14 @@ class BlockManager:
         self.allocator.on_evict = self._forget
         self.watermark_blocks = int(watermark * num_blocks)
         self.null_block = num_blocks
-        shape = (num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim)
-        self.k_pool = torch.zeros(shape, dtype=dtype, device=device) if allocate_pool else None
-        self.v_pool = torch.zeros(shape, dtype=dtype, device=device) if allocate_pool else None
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_kind = prefix_cache
         self.prefix_cache: HashChain | RadixTree = (HashChain if prefix_cache == "hash" else RadixTree)(block_size)
         max_blocks = -(-max_model_len // block_size) if max_model_len else num_blocks
-        self.block_table = BlockTableBuffer(max(1, min(max_blocks, num_blocks)))
+        self.max_blocks_per_seq = max(1, min(max_blocks, num_blocks))
+        # The pool itself is the worker's (minillm.worker): this manager only says which blocks are whose.
+        self.cache_spec = KVCacheSpec(num_layers, num_kv_heads, head_dim, (num_blocks + 1) * block_size, block_size,
+                                      self.null_block, self.max_blocks_per_seq, dtype, device, allocate_pool)
         self.block_tables: dict[str, list[int]] = {}  # the same tables as Python lists
         self._tokens_of: dict[str, int] = {}  # tokens whose K/V are (or are about to be) in the table
         self._offered: dict[str, tuple[int, object]] = {}  # full blocks offered to the cache, and the cursor
@@ -190,7 +187,7 @@ class BlockManager:
         self._step_offers: list[tuple[str, tuple[int, object] | None]] = []
         self._step_lookups: list[tuple[int, int]] = []
         self._step_swapped_in: list[str] = []
-        self.fresh_blocks: list[int] = []  # handed out since the runner last zeroed them
+        self.fresh_blocks: list[int] = []  # handed out since the last plan: the worker zeroes them
         # Swap space: host memory for preempted requests' K/V (vLLM's swap_space, GiB).
         bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
         self.swap_capacity_blocks = int(swap_space_gib * 2**30 // bytes_per_block)
@@ -334,7 +331,6 @@ class BlockManager:
             new = [self.allocator.allocate() for _ in range(need)]
             self.fresh_blocks.extend(new)
             table.extend(new)
-            self.block_table.append(rid, new)
         self._used_tokens += total + num_lookahead_tokens - self._tokens_of[rid]
         self._tokens_of[rid] = total + num_lookahead_tokens
         if self.enable_prefix_caching:
@@ -347,7 +343,6 @@ class BlockManager:
                 self._used_tokens += self.block_size  # revived from the cache: in use again
             self.allocator.share(block)
         table.extend(cached.blocks)
-        self.block_table.append(rid, list(cached.blocks))
         self._tokens_of[rid] = cached.num_tokens
         self._offered[rid] = (len(cached.blocks), self._cursor_after(cached.blocks))
         self.prefix_cache.touch(cached.blocks)
@@ -387,7 +382,6 @@ class BlockManager:
         self._release_tail(rid, 0)
         del self.block_tables[rid]
         self._tokens_of.pop(rid, None)
-        self.block_table.drop(rid)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Roll the request's KV back to its first `num_tokens` tokens: tail blocks are freed
@@ -405,7 +399,6 @@ class BlockManager:
         if keep:  # the last kept block now holds fewer tokens
             self._used_tokens -= min(bs, old - (keep - 1) * bs) - (num_tokens - (keep - 1) * bs)
         self._tokens_of[rid] = num_tokens
-        self.block_table.truncate(rid, keep)
 
     # ---- one step: keep it, or take it back ------------------------------------------------------
     def commit_step(self) -> None:
@@ -413,6 +406,8 @@ class BlockManager:
         for query, hit in self._step_lookups:
             self.num_query_tokens += query
             self.num_hit_tokens += hit
+        for saved in self.swapped.values():
+            saved.copied = True  # this step's swap-outs were copied by the worker before its forward
         for rid in self._step_swapped_in:
             self._release_swapped(rid)
         self._step_lookups.clear()
@@ -433,7 +428,7 @@ class BlockManager:
                     del self._offered[rid]
                 else:
                     self._offered[rid] = before
-        lost = [rid for rid, saved in self.swapped.items() if not saved.copied and self.k_pool is not None]
+        lost = [rid for rid, saved in self.swapped.items() if not saved.copied]
         for rid in lost:
             self._release_swapped(rid)
         self._step_registered.clear()
@@ -453,19 +448,11 @@ class BlockManager:
         if self.swap_used_blocks + len(blocks) > self.swap_capacity_blocks:
             return None
         self.swap_used_blocks += len(blocks)
-        self.swapped[rid] = SwappedKV(tokens, len(blocks), copied=self.k_pool is None or not blocks)
+        self.swapped[rid] = SwappedKV(tokens, len(blocks), copied=not blocks)  # copied once the step completes
         self._swapped_tokens += tokens
         self.num_swapped_out_tokens += tokens
         self.free(request)
         return blocks
-
-    def copy_out(self, request_id: str, blocks: list[int]) -> None:
-        """Executor side of a swap-out: device blocks → host (before anyone overwrites them)."""
-        saved = self.swapped[request_id]
-        if self.k_pool is not None and blocks:
-            slots = self._block_slots(blocks)
-            saved.k, saved.v = self.k_pool[:, slots].to("cpu"), self.v_pool[:, slots].to("cpu")
-        saved.copied = True
 
     def is_swapped(self, request: Request) -> bool:
         return request.request_id in self.swapped
@@ -492,17 +479,6 @@ class BlockManager:
         self.num_swapped_in_tokens += saved.num_tokens - skip * self.block_size
         return self.block_tables[rid][skip : saved.num_blocks]
 
-    def copy_in(self, request_id: str, blocks: list[int]) -> None:
-        """Executor side of a swap-in: host → the request's device blocks that the prefix cache did not cover."""
-        saved = self.swapped[request_id]
-        if self.k_pool is None or not blocks or saved.k is None:
-            return
-        skip = saved.num_blocks - len(blocks)
-        bs = self.block_size
-        slots = self._block_slots(blocks)
-        self.k_pool[:, slots] = saved.k[:, skip * bs :].to(self.k_pool.device)
-        self.v_pool[:, slots] = saved.v[:, skip * bs :].to(self.v_pool.device)
-
     def _release_swapped(self, request_id: str) -> None:
         saved = self.swapped.pop(request_id, None)
         if saved is not None:
@@ -512,12 +488,17 @@ class BlockManager:
     def drop_swapped(self, request: Request) -> None:
         self._release_swapped(request.request_id)
 
-    def _block_slots(self, blocks: list[int]) -> torch.Tensor:
-        bs = self.block_size
-        base = torch.tensor(blocks, dtype=torch.long, device=self.k_pool.device)[:, None] * bs
-        return (base + torch.arange(bs, device=self.k_pool.device)[None, :]).reshape(-1)
+    # ---- what the plan reads ---------------------------------------------------------------------
+    def block_ids_of(self, request_id: str) -> list[int]:
+        """The request's block table (the plan sends the worker its changes)."""
+        return self.block_tables.get(request_id, [])
 
-    # ---- addressing for the runner ---------------------------------------------------------------
+    def take_fresh_blocks(self) -> list[int]:
+        """Blocks handed out since the last plan, which the worker zeroes before they are written."""
+        fresh, self.fresh_blocks = self.fresh_blocks, []
+        return fresh
+
+    # ---- addressing, position by position (chapter 05; the worker does it for whole batches) -----------------------------------------------------------
     def slot_mapping(self, requests: list[Request], num_new_tokens: list[int]) -> torch.Tensor:
         bs = self.block_size
         slots: list[int] = []

@@ -2,15 +2,15 @@
 
 Static and dynamic batching reserve `rows × (longest prompt + longest output)` slots when a batch
 starts and hold them until its last row finishes, as HF `generate` does. `usage()` reports how
-few of those slots ever hold a real token.
+few of those slots ever hold a real token. The rectangle's tensors are the worker's
+(`minillm.worker.model_runner`): the plan tells it when a batch starts and how long its rows are.
 """
 
 from __future__ import annotations
 
 import torch
 
-from minillm.attention.padded import PaddedBatchCache
-from minillm.kv.base import KVUsage
+from minillm.kv.base import KVCacheSpec, KVUsage
 from minillm.request import Request
 
 
@@ -22,20 +22,17 @@ class PaddedKVManager:
         self.shape = (num_layers, num_kv_heads, head_dim)
         self.dtype, self.device, self.allocate_pool = dtype, device, allocate_pool
         self.capacity_tokens = max_num_seqs * max_model_len
-        self.cache: PaddedBatchCache | None = None
+        # No shared pool (num_slots=0): the worker makes one rectangle per batch, of these dimensions.
+        self.cache_spec = KVCacheSpec(num_layers, num_kv_heads, head_dim, 0, 1, 0, 1, dtype, device, allocate_pool)
         self.rows: list[Request] = []
         self.max_len = 0
         self.num_query_tokens = self.num_hit_tokens = 0  # no prefix cache
 
     def start_batch(self, rows: list[Request], max_len: int) -> None:
-        num_layers, num_kv_heads, head_dim = self.shape
         self.rows, self.max_len = rows, max_len
-        if self.allocate_pool:
-            self.cache = PaddedBatchCache(num_layers, len(rows), max_len, num_kv_heads, head_dim,
-                                          self.dtype, self.device)
 
     def end_batch(self) -> None:
-        self.cache, self.rows, self.max_len = None, [], 0
+        self.rows, self.max_len = [], 0
 
     def free(self, request: Request) -> None:
         """A finished row keeps its slots until the whole batch ends."""

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from minillm.kv.base import CachedPrefix, KVUsage
-from minillm.kv.block_table import BlockTableBuffer
+from minillm.kv.base import CachedPrefix, KVCacheSpec, KVUsage
 from minillm.request import Request
 
 
@@ -26,14 +25,12 @@ class SlabKVManager:
         self.num_slabs, self.slab_len = num_slabs, slab_len
         self.block_size = slab_len
         self.null_block = 0  # never read: a slab table has no padding entries
-        shape = (num_layers, num_slabs * slab_len, num_kv_heads, head_dim)
-        self.k_pool = torch.zeros(shape, dtype=dtype, device=device) if allocate_pool else None
-        self.v_pool = torch.zeros(shape, dtype=dtype, device=device) if allocate_pool else None
+        self.cache_spec = KVCacheSpec(num_layers, num_kv_heads, head_dim, num_slabs * slab_len, slab_len,
+                                      self.null_block, 1, dtype, device, allocate_pool)
         self.free_slabs = list(range(num_slabs - 1, -1, -1))  # pop() hands out slab 0 first
         self.slab_of: dict[str, int] = {}
         self._tokens_of: dict[str, int] = {}  # tokens of each request that have (or will have) K/V here
         self._used_tokens = 0
-        self.block_table = BlockTableBuffer(1)
         self.fresh_blocks: list[int] = []
         self.num_query_tokens = self.num_hit_tokens = 0  # no prefix cache
 
@@ -57,7 +54,6 @@ class SlabKVManager:
             if not self.free_slabs:
                 return False
             slab = self.slab_of[rid] = self.free_slabs.pop()
-            self.block_table.append(rid, [slab])
             self.fresh_blocks.append(slab)
         self._used_tokens += needed - self._tokens_of.get(rid, 0)
         self._tokens_of[rid] = needed
@@ -78,7 +74,6 @@ class SlabKVManager:
         if slab is not None:
             self.free_slabs.append(slab)
             self._used_tokens -= self._tokens_of.pop(request.request_id)
-            self.block_table.drop(request.request_id)
 
     # Slabs cannot swap (the config refuses preemption_mode="swap" with slabs) and never need to:
     # a running request's slab always has room for its next token.
@@ -94,30 +89,19 @@ class SlabKVManager:
     def drop_swapped(self, request: Request) -> None:
         pass
 
-    def copy_out(self, request_id: str, blocks: list[int]) -> None:
-        raise RuntimeError("slabs do not swap")
-
-    def copy_in(self, request_id: str, blocks: list[int]) -> None:
-        raise RuntimeError("slabs do not swap")
-
     def commit_step(self) -> None:
         pass
 
     def rollback_step(self) -> list[str]:
         return []
 
-    def slot_mapping(self, requests: list[Request], num_new_tokens: list[int]) -> torch.Tensor:
-        slots: list[int] = []
-        for req, n in zip(requests, num_new_tokens):
-            start = self.slab_of[req.request_id] * self.slab_len + req.num_computed_tokens
-            slots.extend(range(start, start + n))
-        return torch.tensor(slots, dtype=torch.long)
+    def block_ids_of(self, request_id: str) -> list[int]:
+        slab = self.slab_of.get(request_id)
+        return [] if slab is None else [slab]
 
-    def key_index(self, requests: list[Request], context_lens: list[int]) -> torch.Tensor:
-        bases = torch.tensor([self.slab_of[r.request_id] * self.slab_len for r in requests])
-        k_max = max(context_lens)
-        # Slots past a row's context (still inside its own slab) hold stale data; the mask hides them.
-        return bases[:, None] + torch.arange(k_max)[None, :]
+    def take_fresh_blocks(self) -> list[int]:
+        fresh, self.fresh_blocks = self.fresh_blocks, []
+        return fresh
 
     def usage(self) -> KVUsage:
         return KVUsage(used_tokens=self._used_tokens, reserved_tokens=len(self.slab_of) * self.slab_len,

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import torch
 
+from minillm.executor.uniproc import UniProcExecutor
 from minillm.kv.block_manager import BlockManager
 from minillm.model.llama import LlamaModel
-from minillm.request import Request, SamplingParams, derive_seed
-from minillm.runner import ModelRunner
+from minillm.request import Request, RequestStatus, SamplingParams, derive_seed
 from minillm.scheduler.base import ScheduledBatch
 from minillm.spec.rejection import target_probs
+from minillm.worker.model_runner import ModelRunner
 
 
 class DraftModelProposer:
@@ -30,7 +31,8 @@ class DraftModelProposer:
         self.k = num_speculative_tokens
         self.kv = BlockManager(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, model.dtype,
                                str(model.device), max_model_len=max_model_len, watermark=0.0)
-        self.runner = ModelRunner(model, self.kv)
+        # The draft's own worker, fed plans like the target's (in this process).
+        self.executor = UniProcExecutor(ModelRunner(model, self.kv.cache_spec), self.kv)
         self.shadow: dict[str, Request] = {}
 
     def _shadow_of(self, req: Request) -> Request:
@@ -68,8 +70,7 @@ class DraftModelProposer:
             if not rows:
                 break
             plan = ScheduledBatch([active[i][1] for i in rows], step_counts)
-            self.runner.apply_kv_moves(plan)
-            logits, _ = self.runner.compute_logits(plan)
+            logits, _ = self.executor.compute_logits(plan)
             for j, i in enumerate(rows):
                 req, shadow = active[i]
                 shadow.num_computed_tokens += step_counts[j]
@@ -112,3 +113,4 @@ class DraftModelProposer:
         shadow = self.shadow.pop(req.request_id, None)
         if shadow is not None:
             self.kv.free(shadow)
+            shadow.status = RequestStatus.FINISHED_ABORTED  # its worker forgets it at the next plan

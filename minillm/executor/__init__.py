@@ -1,0 +1,14 @@
+"""Executors: who runs the plan (chapter 04; more processes come with the parallelism chapters).
+
+- `abstract.Executor` — the protocol the engine calls: `execute(batch)`, `step_duration_s()`.
+- `uniproc.UniProcExecutor` — one worker in this process.
+
+A driver-side stand-in (the simulator's `SimExecutor`, tests' and graders' fakes) implements the
+same protocol and reads the scheduler's plan directly; an executor with workers turns it into the
+data that crosses, `SchedulerOutput`, and calls `execute_model(plan)` on each worker.
+"""
+
+from minillm.executor.abstract import Executor
+from minillm.executor.uniproc import UniProcExecutor
+
+__all__ = ["Executor", "UniProcExecutor"]

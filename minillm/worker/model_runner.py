@@ -1,0 +1,344 @@
+"""The worker: from a plan (data) to model inputs, logits and sampled tokens (chapter 04).
+
+The worker owns everything a forward pass touches — the model, the KV pool (and the host copies
+of swapped-out requests), the persistent `InputBatch` — and knows requests only by id, through
+the plans it is fed (`minillm.scheduler.output.SchedulerOutput`). It never changes a request: it
+reports what it sampled in a `ModelRunnerOutput`, and the scheduler's `update_from_output`
+decides what that means.
+
+One step: apply the plan's diffs to the input batch; carry out its KV moves (swap-out copies
+device → host, zero freshly handed-out blocks, swap-in copies host → device); flatten the new
+tokens of every row into one ragged batch (`input_ids[T]`, `positions[T]`) with the addresses
+attention needs, computed here from the batch's block-table rows (`slot_mapping[T]`,
+`block_tables[B, max_blocks]`, `query_start_loc`, `seq_lens`); run the model; sample the rows
+the plan marks (`samples`): the last new token of each request that caught up with its known
+tokens (a prefill chunk short of its prompt's end samples nothing), all 1+k of a speculative row.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from minillm.attention.flat_pool import AttentionMetadata, FlatPoolAttention, RowGroup
+from minillm.attention.padded import PaddedAttention, PaddedBatchCache
+from minillm.kv.base import KVCacheSpec
+from minillm.model.llama import LlamaModel
+from minillm.sampling import sampled_logprobs
+from minillm.scheduler.base import ModelRunnerOutput
+from minillm.scheduler.output import SchedulerOutput
+from minillm.spec.rejection import rejection_sample
+from minillm.worker.input_batch import InputBatch
+from minillm.worker.sampler import sample
+
+# Rows share one attention call while the keys it reads stay within this factor of the keys
+# they have (in blocks); beyond it a new group starts. Grouping trades padded reads for calls.
+KEY_READ_SLACK = 1.25
+
+
+def group_by_length(num_blocks: list[int], slack: float = KEY_READ_SLACK) -> list[tuple[int, int]]:
+    """Split rows sorted by length (longest first) into runs [start, end) whose padded reads
+    (rows × longest) stay within `slack` × their real block counts."""
+    groups, start, total = [], 0, 0
+    for i, nb in enumerate(num_blocks):
+        if i > start and (i - start + 1) * num_blocks[start] > slack * (total + nb):
+            groups.append((start, i))
+            start, total = i, 0
+        total += nb
+    if num_blocks:
+        groups.append((start, len(num_blocks)))
+    return groups
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs, and how its logits rows map back to the plan."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_rows: list[int]  # flattened token rows whose logits are computed
+    order: list[int]  # order[j]: the plan row of flattened sequence j (decode rows first, longest first)
+    sampled: list[int] = field(default_factory=list)  # plan rows that sample, in plan order
+    spans: list[tuple[int, int]] = field(default_factory=list)  # per sampled row: (first logits row, width)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, cache_spec: KVCacheSpec, attention_backend: str = "auto") -> None:
+        self.model = model
+        self.cache_spec = cache_spec
+        on_cuda = torch.device(model.device).type == "cuda"
+        self.attention_backend = ("numba" if on_cuda else "torch") if attention_backend == "auto" else attention_backend
+        self.block_size = cache_spec.block_size
+        self.null_block = cache_spec.null_block
+        self.k_pool = self.v_pool = None
+        if cache_spec.allocate and cache_spec.num_slots:
+            self.k_pool = torch.zeros(cache_spec.shape, dtype=cache_spec.dtype, device=model.device)
+            self.v_pool = torch.zeros(cache_spec.shape, dtype=cache_spec.dtype, device=model.device)
+        self.padded_cache: PaddedBatchCache | None = None  # static/dynamic batching's rectangle
+        self.swapped: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}  # host K, V, number of blocks
+        self.input_batch = InputBatch(cache_spec.max_blocks_per_seq, model.device)
+        self.keys_read = 0  # decode attention, over the runner's life: keys gathered ...
+        self.keys_exist = 0  # ... and keys the rows really have
+        self.model_time_s = 0.0  # wall time in the model's forward and lm_head (CPU; a GPU would need syncs)
+
+    # ---- the plan's diffs and KV moves -----------------------------------------------------------
+    def update_state(self, plan: SchedulerOutput) -> None:
+        """Apply the plan to the input batch, then its KV moves, in the only safe order: copy
+        victims out before their blocks are zeroed or rewritten, zero fresh blocks, copy back in."""
+        for rid in plan.finished_req_ids:
+            self.swapped.pop(rid, None)
+        if self.swapped:  # a host copy is dropped once its request runs without needing it
+            swapping_in = {rid for rid, _ in plan.blocks_to_swap_in}
+            for rid in plan.req_ids:
+                if rid in self.swapped and rid not in swapping_in:
+                    del self.swapped[rid]
+        self.input_batch.update(plan)
+        for rid, blocks in plan.blocks_to_swap_out:
+            self._copy_out(rid, blocks)
+        if plan.blocks_to_zero and self.k_pool is not None:
+            fresh = torch.tensor(plan.blocks_to_zero, dtype=torch.long, device=self.k_pool.device)
+            for pool in (self.k_pool, self.v_pool):
+                pool.view(pool.shape[0], -1, self.block_size * pool.shape[2] * pool.shape[3]).index_fill_(1, fresh, 0)
+        for rid, blocks in plan.blocks_to_swap_in:
+            self._copy_in(rid, blocks)
+
+    def _block_slots(self, blocks: list[int]) -> torch.Tensor:
+        bs, device = self.block_size, self.k_pool.device
+        base = torch.tensor(blocks, dtype=torch.long, device=device)[:, None] * bs
+        return (base + torch.arange(bs, device=device)[None, :]).reshape(-1)
+
+    def _copy_out(self, rid: str, blocks: list[int]) -> None:
+        if self.k_pool is None or not blocks:
+            return
+        slots = self._block_slots(blocks)
+        self.swapped[rid] = (self.k_pool[:, slots].to("cpu"), self.v_pool[:, slots].to("cpu"), len(blocks))
+
+    def _copy_in(self, rid: str, blocks: list[int]) -> None:
+        """Host → the request's device blocks that the prefix cache did not cover."""
+        saved = self.swapped.get(rid)
+        if self.k_pool is None or not blocks or saved is None:
+            return
+        k, v, num_blocks = saved
+        skip = (num_blocks - len(blocks)) * self.block_size
+        slots = self._block_slots(blocks)
+        self.k_pool[:, slots] = k[:, skip:].to(self.k_pool.device)
+        self.v_pool[:, slots] = v[:, skip:].to(self.v_pool.device)
+
+    # ---- inputs ------------------------------------------------------------------------------------
+    def prepare(self, plan: SchedulerOutput) -> StepInputs:
+        """Model inputs for a (ragged) step whose diffs `update_state` applied.
+
+        Rows are reordered for attention — decode rows longest first, then the rest longest first;
+        the logits rows come in plan order (`StepInputs.sampled` holds their plan rows)."""
+        device, bs = self.model.device, self.block_size
+        counts, starts = plan.num_scheduled_tokens, plan.num_computed_tokens
+        num_rows = len(counts)
+        lens = [s + n for s, n in zip(starts, counts)]
+        decode = sorted((i for i in range(num_rows) if plan.is_decode[i]), key=lambda i: -lens[i])
+        multi = sorted((i for i in range(num_rows) if not plan.is_decode[i]), key=lambda i: -lens[i])
+        order = decode + multi
+        spec = plan.spec_token_ids
+        token_ids: list[int] = []
+        positions: list[int] = []
+        query_start = [0]
+        row_of_plan = [0] * num_rows
+        for j, i in enumerate(order):
+            s, n = starts[i], counts[i]
+            row_of_plan[i] = j
+            token_ids.extend(plan.new_token_ids[i])
+            if n == 1:
+                positions.append(s)
+            else:
+                token_ids.extend(spec.get(plan.req_ids[i], ()))  # the pending token, then k unverified guesses
+                positions.extend(range(s, s + n))
+            query_start.append(query_start[-1] + n)
+        # Rows that need logits: the last of each sampling row, all 1+k of a speculative row.
+        sampled = [i for i in range(num_rows) if plan.samples[i]]
+        logits_rows: list[int] = []
+        spans: list[tuple[int, int]] = []
+        for i in sampled:
+            end = query_start[row_of_plan[i] + 1]
+            width = 1 + len(spec.get(plan.req_ids[i], ()))
+            spans.append((len(logits_rows), width))
+            logits_rows.extend(range(end - width, end))
+
+        row_ids = self.input_batch.rows_of([plan.req_ids[i] for i in order])
+        seq_lens = np.fromiter((lens[i] for i in order), np.int64, num_rows)
+        q_lens = np.fromiter((counts[i] for i in order), np.int64, num_rows)
+        width = int(-(-seq_lens.max() // bs))
+        tables = self.input_batch.block_table.gather(row_ids, width)
+        pos = np.asarray(positions, dtype=np.int64)
+        token_row = np.repeat(np.arange(num_rows), q_lens)
+        slot_mapping = tables[token_row, pos // bs].astype(np.int64) * bs + pos % bs
+        safe_tables = np.where(tables < 0, self.null_block, tables).astype(np.int64)
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+            block_tables=torch.from_numpy(tables).to(device),
+            num_decode=len(decode), block_size=bs, num_tokens=len(token_ids))
+        blocks_of = -(-seq_lens // bs)
+        nd = len(decode)
+        for start, end in group_by_length(blocks_of[:nd].tolist()):
+            meta.decode_groups.append(self._group(start, end, seq_lens, blocks_of, safe_tables, device))
+        self.keys_read += sum(g.num_rows * g.key_len for g in meta.decode_groups)
+        self.keys_exist += int(seq_lens[:nd].sum())
+        fresh = [j for j in range(nd, num_rows) if seq_lens[j] == q_lens[j]]
+        cached = [j for j in range(nd, num_rows) if seq_lens[j] != q_lens[j]]
+        windowed = any(w is not None for w in self.model.config.sliding_windows)
+        for j in fresh:
+            g = self._group(j, j + 1, seq_lens, blocks_of, safe_tables, device)
+            g.fresh_causal, g.token_slice = True, slice(query_start[j], query_start[j + 1])
+            if windowed:  # a sliding-window layer cannot take the plain causal path: give it the general form
+                g.q_max, g.query_lens = int(q_lens[j]), torch.tensor([[int(q_lens[j])]], device=device)
+                g.query_index, g.valid = self._query_rows([j], query_start, q_lens, device)
+                g.out_index = g.query_index
+            meta.prefill_groups.append(g)
+        work = [int(q_lens[j] * blocks_of[j]) for j in cached]
+        for a, b in group_by_length(work):
+            rows = cached[a:b]
+            g = self._group(rows[0], rows[0] + 1, seq_lens, blocks_of, safe_tables, device, rows)
+            g.q_max = int(q_lens[rows].max())
+            g.query_lens = torch.from_numpy(q_lens[rows][:, None]).to(device)
+            g.query_index, g.valid = self._query_rows(rows, query_start, q_lens, device, g.q_max)
+            g.out_index = g.query_index[g.valid]
+            meta.prefill_groups.append(g)
+        return StepInputs(torch.tensor(token_ids, device=device), torch.tensor(positions, device=device), meta,
+                          logits_rows, order, sampled, spans)
+
+    def _group(self, start: int, end: int, seq_lens: np.ndarray, blocks_of: np.ndarray, tables: np.ndarray,
+               device: torch.device, rows: list[int] | None = None) -> RowGroup:
+        """A group of sequences `rows` (default: start … end-1) reading the longest one's blocks each.
+        One block or less (always so for a slab) is read only as far as the longest row goes."""
+        rows = list(range(start, end)) if rows is None else rows
+        nb = int(blocks_of[rows].max())
+        key_len = int(seq_lens[rows].max()) if nb == 1 else nb * self.block_size
+        ids = torch.from_numpy(np.ascontiguousarray(tables[rows, :nb]).reshape(-1)).to(device)
+        return RowGroup(first_row=start, num_rows=len(rows), key_len=key_len, block_ids=ids,
+                        seq_lens=torch.from_numpy(seq_lens[rows][:, None]).to(device))
+
+    @staticmethod
+    def _query_rows(rows: list[int], query_start: list[int], q_lens: np.ndarray, device: torch.device,
+                    q_max: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        q_max = q_max or int(q_lens[rows].max())
+        idx = np.zeros((len(rows), q_max), dtype=np.int64)
+        valid = np.zeros((len(rows), q_max), dtype=bool)
+        for k, j in enumerate(rows):
+            n = int(q_lens[j])
+            idx[k, :n] = np.arange(query_start[j], query_start[j] + n)
+            idx[k, n:] = query_start[j]
+            valid[k, :n] = True
+        return torch.from_numpy(idx.reshape(-1)).to(device), torch.from_numpy(valid.reshape(-1)).to(device)
+
+    # ---- one step ------------------------------------------------------------------------------------
+    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; per plan row, the token ids it sampled (and their logprobs)."""
+        self.update_state(plan)
+        if plan.padded is not None:
+            logits = self.compute_padded_logits(plan)
+            sampled = [i for i in range(len(plan.req_ids))]
+        else:
+            logits, inputs = self.compute_logits(plan)
+            sampled = inputs.sampled
+            if plan.spec_token_ids:
+                return self._verify(plan, logits, inputs)
+        batch = self.input_batch
+        req_ids = [plan.req_ids[i] for i in sampled]
+        rows = batch.rows_of(req_ids)
+        states = [batch.requests[rid] for rid in req_ids]
+        tokens = sample(logits, batch, rows, states)
+        out: list[list[int]] = [[] for _ in plan.req_ids]
+        for i, t in zip(sampled, tokens):
+            out[i] = [t]
+        logprobs = None
+        if batch.wants_logprobs[rows].any():
+            logprobs = [None] * len(plan.req_ids)
+            for i, lp in zip(sampled, sampled_logprobs(logits, states, tokens)):
+                logprobs[i] = lp
+        return ModelRunnerOutput(out, logprobs)
+
+    def _verify(self, plan: SchedulerOutput, logits: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
+        """A step with speculative rows: plain rows sample as usual, speculative rows go through the
+        rejection sampler (0 … k guesses accepted, then a correction or the bonus token)."""
+        batch = self.input_batch
+        out: list[list[int]] = [[] for _ in plan.req_ids]
+        states = [batch.requests[plan.req_ids[i]] for i in inputs.sampled]
+        logprobs: list | None = None
+        if any(s.params.logprobs is not None for s in states):
+            logprobs = [None] * len(plan.req_ids)
+        plain = [(j, i) for j, i in enumerate(inputs.sampled) if plan.req_ids[i] not in plan.spec_token_ids]
+        if plain:
+            first = torch.tensor([inputs.spans[j][0] for j, _ in plain], dtype=torch.long, device=logits.device)
+            plain_logits, plain_states = logits.index_select(0, first), [states[j] for j, _ in plain]
+            rows = np.fromiter((s.row for s in plain_states), np.int64, len(plain_states))
+            tokens = sample(plain_logits, batch, rows, plain_states)
+            lps = sampled_logprobs(plain_logits, plain_states, tokens) if logprobs is not None else [None] * len(plain)
+            for (_, i), t, lp in zip(plain, tokens, lps):
+                out[i] = [t]
+                if logprobs is not None:
+                    logprobs[i] = lp
+        for j, i in enumerate(inputs.sampled):
+            state = states[j]
+            guesses = plan.spec_token_ids.get(state.req_id)
+            if guesses:
+                start, width = inputs.spans[j]
+                out[i] = rejection_sample(state, logits[start : start + width], guesses,
+                                          plan.spec_draft_probs.get(state.req_id))
+                if logprobs is not None and state.params.logprobs is not None:
+                    # the target's logprobs at each emitted position (before temperature, as for plain rows)
+                    m = len(out[i])
+                    logprobs[i] = [e[0] for e in sampled_logprobs(logits[start : start + m], [state] * m, out[i])]
+        return ModelRunnerOutput(out, logprobs)
+
+    def compute_padded_logits(self, plan: SchedulerOutput) -> torch.Tensor:
+        """A static/dynamic step: every row of the rectangle is computed, pads and finished rows too.
+        Logits come for the live rows (those with tokens), in row order — the plan's order."""
+        step, device, c = plan.padded, self.model.device, self.cache_spec
+        if step.is_prefill:
+            self.padded_cache = PaddedBatchCache(c.num_layers, len(step.row_req_ids), step.max_len, c.num_kv_heads,
+                                                 c.head_dim, c.dtype, device)
+        cache, width = self.padded_cache, step.width
+        ids = torch.zeros(len(step.row_req_ids), width, dtype=torch.long)
+        is_real = torch.zeros(len(step.row_req_ids), width, dtype=torch.bool)
+        live_rows = []
+        for i, new in enumerate(step.row_token_ids):
+            if not new:
+                continue  # a finished row computes a dummy token that nobody reads
+            ids[i, width - len(new):] = torch.tensor(new)
+            is_real[i, width - len(new):] = True
+            live_rows.append(i)
+        attention = PaddedAttention(cache, width, is_real.to(device), self.model.config.sliding_windows)
+        # Positions count real tokens only, as HF derives them from the attention mask.
+        real_so_far = cache.is_real[:, : cache.length + width].long().cumsum(-1)[:, -width:]
+        positions = (real_so_far - 1).clamp(min=0)
+        last = torch.tensor([i * width + width - 1 for i in live_rows], dtype=torch.long, device=device)
+        start = time.perf_counter()
+        hidden = self.model.forward(ids.to(device).flatten(), positions.flatten(), attention, output_rows=last)
+        attention.finish_step()
+        logits = self.model.compute_logits(hidden)
+        self.model_time_s += time.perf_counter() - start
+        return logits
+
+    def attention_for(self, meta: AttentionMetadata):
+        if self.attention_backend == "numba":
+            from minillm.attention.numba_paged import NumbaPagedAttention
+
+            return NumbaPagedAttention(self.k_pool, self.v_pool, meta, self.model.config.sliding_windows)
+        return FlatPoolAttention(self.k_pool, self.v_pool, meta, self.model.config.sliding_windows)
+
+    def compute_logits(self, plan: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
+        """Run the model on a step whose diffs were applied; logits [N, vocab] of the sampled rows
+        (plan order, 1+k per speculative row) and the step's inputs."""
+        inputs = self.prepare(plan)
+        attention = self.attention_for(inputs.meta)
+        rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=inputs.input_ids.device)
+        start = time.perf_counter()
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, attention, output_rows=rows)
+        logits = self.model.compute_logits(hidden)
+        self.model_time_s += time.perf_counter() - start
+        return logits, inputs
