@@ -242,7 +242,7 @@ def graph_step(hf_model, dtype: str, prompts: list[list[int]]) -> dict:
     if meta.num_decode != batch or input_ids.shape[0] != batch:
         raise RuntimeError(f"expected a decode-only step of {batch} sequences, got {meta.num_decode} decode rows")
     inputs = DecodeInputs(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
-    model, kv = engine.executor.model, engine.kv
+    model, kv = engine.executor.worker.model, engine.executor.worker  # the worker holds the pools
     eager_s = cuda_time_s(lambda: decode_forward(model, kv.k_pool, kv.v_pool, inputs, kv.block_size))
     eager_logits = decode_forward(model, kv.k_pool, kv.v_pool, inputs, kv.block_size)
     bucket = pick_bucket(batch)

@@ -171,7 +171,7 @@ engine = llm.engine
 input_ids, positions, meta, _ = engine.executor.prepare(engine.scheduler.schedule(engine.clock.now()))
 assert meta.num_decode == len(prompts) == input_ids.shape[0], "expected a decode-only step"
 decode = DecodeInputs(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
-model, kv = engine.executor.model, engine.kv
+model, kv = engine.executor.worker.model, engine.executor.worker  # the worker holds the pools
 pools = kv.k_pool.clone(), kv.v_pool.clone()
 want = decode_forward(model, kv.k_pool, kv.v_pool, decode, kv.block_size)
 written = kv.k_pool.clone(), kv.v_pool.clone()

@@ -73,9 +73,13 @@ class InputBatch:
             table.truncate(update.req_id, update.num_kept)
             if update.new_block_ids:
                 table.append(update.req_id, update.new_block_ids)
-        requests = self.requests
+        requests, spec = self.requests, plan.spec_token_ids
         for rid, start, tokens in zip(plan.req_ids, plan.num_computed_tokens, plan.new_token_ids):
-            self._write(requests[rid].row, start, tokens)
+            row = requests[rid].row
+            guesses = spec.get(rid) if spec else None
+            if guesses:  # written where they go if accepted (the next plan's counts say); not yet known tokens
+                self._write(row, start + len(tokens), guesses)
+            self._write(row, start, tokens)
 
     def _write(self, row: int, start: int, tokens: list[int]) -> None:
         end = start + len(tokens)
