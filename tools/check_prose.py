@@ -80,7 +80,28 @@ GLOBAL_PATTERNS: list[tuple[str, re.Pattern[str]]] = [
 
 # Per-chapter allowlist: constants and figures cited from papers or docs, each with its source.
 # Keep it short: a number here is one the notebook cannot print because it is not ours.
-CHAPTER_ALLOW: dict[str, dict[str, str]] = {}
+_VLLM_BATCH_DEFAULTS = "vLLM EngineArgs.get_batch_defaults (vllm/engine/arg_utils.py): per entry point and GPU"
+_SEEDS_PITFALL_1 = "the seeds' example of pitfall 1: a 4,000-token prompt arriving among thirty decodes"
+_VLLM_SPEC_BLOG = ("vLLM blog 2024-10-17, 'How Speculative Decoding Boosts vLLM Performance by up to 2.8x': "
+                   "Llama 3 70B, 4xH100, ShareGPT / CNN-DailyMail, QPS 1 and high QPS")
+CHAPTER_ALLOW: dict[str, dict[str, str]] = {
+    "08": {
+        "4000": _SEEDS_PITFALL_1,
+        "30": _SEEDS_PITFALL_1,
+        "28.3": "Sarathi-Serve (Agrawal et al. 2024, arXiv:2403.02310): TBT up to 28.3x worse",
+        "16384": _VLLM_BATCH_DEFAULTS,
+        "8192": _VLLM_BATCH_DEFAULTS,
+        "70": _VLLM_BATCH_DEFAULTS + " (70 GiB of device memory)",
+    },
+    "09": {
+        "61": "minillm.sim.hardware.A100_80GB_PRACTICAL: mbu=0.61, fitted to published Llama-2-7B latencies",
+        "22": "TinyLlama-1.1B's config.json: num_hidden_layers = 22",
+        "2.8": _VLLM_SPEC_BLOG,
+        "1.5": _VLLM_SPEC_BLOG,
+        "1.4": _VLLM_SPEC_BLOG,
+        "1.8": _VLLM_SPEC_BLOG,
+    },
+}
 
 
 @dataclass
@@ -117,6 +138,7 @@ def numbers_in(text: str) -> list[tuple[str, int]]:
 def _values(text: str) -> set[Decimal]:
     """Every number in a code cell's source or output; not the digits of a name (p99, A100, x_2)."""
     values = set()
+    text = re.sub(r"(?<=\d)_(?=\d)", "", text)  # 20_000 is 20000
     for match in re.finditer(
             r"(?<![A-Za-z0-9_.])(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)", text):
         value = _decimal(match.group(0))
