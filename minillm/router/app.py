@@ -13,10 +13,10 @@ so the router's errors for it are the server's own.
 Health: every `health_check_interval_secs` each worker's /health is asked (SGLang's flag names);
 `health_failure_threshold` failures in a row mark it unhealthy (no traffic; its part of the
 cache-aware tree is forgotten), `health_success_threshold` successes mark it healthy again. A
-refused connection marks a worker unhealthy at once, and the request, which never started
-there, goes to another worker. A worker that dies while answering cannot be retried safely
-(it may have produced part of the answer): a plain request gets 502, a stream gets an error event
-and `data: [DONE]`, so no client hangs.
+refused connection (or one closed before any answer) marks a worker unhealthy at once, and the
+request, of which the client has seen nothing, goes to another worker. A worker that dies while
+answering is not retried (the client may hold part of the answer): a plain request gets 502, a
+stream gets an error event and `data: [DONE]`, so no client hangs.
 """
 
 from __future__ import annotations
@@ -179,17 +179,19 @@ class Router:
             worker.in_flight += 1
             try:
                 response = await self.client.send(upstream, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout):
-                # Nothing reached the worker: mark it down and give the request to another one.
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
+                    httpx.WriteError):
+                # Refused, or closed without a byte of answer (a worker dying while accepting): the
+                # client has seen nothing and generation changes no state, so another worker takes it.
                 worker.in_flight -= 1
                 self.metrics.errors.labels(worker.url).inc()
                 self.mark_unhealthy(worker)
                 continue
-            except httpx.HTTPError as err:
+            except httpx.HTTPError as err:  # a timeout: the worker may still be working on it
                 worker.in_flight -= 1
                 self.metrics.errors.labels(worker.url).inc()
-                return error_response(502, f"worker {worker.url} failed before answering: "
-                                           f"{type(err).__name__}: {err}")
+                return error_response(504 if isinstance(err, httpx.TimeoutException) else 502,
+                                      f"worker {worker.url} failed before answering: {type(err).__name__}: {err}")
             self.metrics.routed.labels(worker.url).inc()
             return await self._relay(worker, response)
 
