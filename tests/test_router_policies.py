@@ -150,3 +150,20 @@ def test_bad_policy_and_thresholds_name_the_flag():
         CacheAware(CacheAwareConfig(cache_threshold=1.5))
     with pytest.raises(ValueError, match="--balance-rel-threshold must be >= 1.0"):
         CacheAware(CacheAwareConfig(balance_rel_threshold=0.5))
+
+
+def test_tenant_trace_shares_exactly_the_system_prompt_and_skews_popularity(tmp_path):
+    from minillm.tenant_trace import make_tenant_trace, tenant_weights
+    from minillm.workload import Trace
+
+    trace = make_tenant_trace(400, num_tenants=4, system_prompt_len=10, question_len=3, zipf_s=1.0, seed=3)
+    assert tenant_weights(4, 1.0).tolist() == pytest.approx([12 / 25, 6 / 25, 4 / 25, 3 / 25])
+    counts = [sum(r.prefix_id == k for r in trace) for k in range(4)]
+    assert counts == sorted(counts, reverse=True) and counts[0] > 2 * counts[3]
+    a, b = [r for r in trace if r.prefix_id == 0][:2]
+    c = next(r for r in trace if r.prefix_id == 1)
+    assert a.prompt_token_ids[:10] == b.prompt_token_ids[:10] and a.prompt_token_ids[10] != b.prompt_token_ids[10]
+    assert a.prompt_token_ids[0] != c.prompt_token_ids[0] and a.prompt_len == 13 and a.max_tokens == 16
+    trace.save_jsonl(tmp_path / "t.jsonl")
+    assert Trace.load_jsonl(tmp_path / "t.jsonl").requests == trace.requests
+    assert make_tenant_trace(400, num_tenants=4, system_prompt_len=10, question_len=3, seed=3).requests == trace.requests
