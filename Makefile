@@ -4,6 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 EX     ?=
+DIR    ?=
 export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TOKENIZERS_PARALLELISM := false
@@ -11,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 # threads slow torch down several times over (measured while training the bundled models).
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: help install test test-fast test-browser lab generate serve grade exercises check-exercises bench lint clean
+.PHONY: help install test test-fast test-browser lab generate serve grade exercises check-exercises student-release bench lint clean
 
 help:
 	@echo "make lab        JupyterLab on the course (opens chapters/; as root and headless too): the main job"
@@ -20,8 +21,9 @@ help:
 	@echo "make test-browser  JupyterLab + Debian chromium: a chapter runs, its playground redraws, its exercise link opens"
 	@echo "make generate   one greedy generation from the bundled model on the command line"
 	@echo "make serve      the OpenAI-compatible server on the bundled model, http://127.0.0.1:8000/v1 (ARGS=...)"
-	@echo "make grade      grade the exercises against solutions/ and minillm/grading (EX=05 for one)"
-	@echo "make exercises  regenerate exercises/ from solutions/"
+	@echo "make grade      grade the exercises with minillm/grading (EX=05 for one); needs no solutions/"
+	@echo "make exercises  regenerate exercises/ and their grading manifests from solutions/"
+	@echo "make student-release DIR=../class  a copy of the course for a class: no solutions/, make grade still grades"
 	@echo "make bench      run the benchmarks in bench/"
 	@echo "make lint       ruff"
 
@@ -61,6 +63,10 @@ check-exercises: install
 
 grade: install
 	$(PY) tools/grade.py $(if $(EX),--only $(EX),)
+
+student-release: install
+	@test -n "$(DIR)" || { echo "make student-release needs DIR=path: a new or empty folder outside this repository" >&2; exit 2; }
+	$(PY) tools/student_release.py "$(DIR)"
 
 bench: install
 	$(PY) bench/forward.py

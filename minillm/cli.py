@@ -3,6 +3,8 @@
     minillm generate "Once upon a time" --max-tokens 32
     minillm generate "What is a KV cache?" --chat --temperature 0.8 --seed 1
     minillm serve --port 8000 --max-num-seqs 16          # also: python -m minillm serve
+    minillm serve --data-parallel-size 2 --port 8000     # 2 engine processes behind a router
+    minillm router --worker http://127.0.0.1:8001 --worker http://127.0.0.1:8002 --policy cache_aware
     minillm simulate --hardware A100-80GB --model llama-7b --batching continuous --num-requests 200
 """
 
@@ -50,9 +52,33 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.data_parallel_size != 1:
+        from minillm.router.launch import run_data_parallel
+
+        return run_data_parallel(args, replica_argv(args.argv))
     from minillm.server.serve import run
 
     return run(args)
+
+
+def replica_argv(argv: list[str]) -> list[str]:
+    """The `serve` flags one replica gets: the command line after `serve`, less the router's and
+    data-parallel flags and --host/--port (each replica gets its own loopback port)."""
+    from minillm.router.launch import add_policy_arguments
+
+    tokens = argv[argv.index("serve") + 1:]
+    strip = argparse.ArgumentParser(add_help=False)
+    strip.add_argument("--data-parallel-size", type=int)
+    strip.add_argument("--host")
+    strip.add_argument("--port")
+    add_policy_arguments(strip)
+    return strip.parse_known_args(tokens)[1]
+
+
+def _router(args: argparse.Namespace) -> int:
+    from minillm.router.launch import run_router
+
+    return run_router(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,7 +109,18 @@ def build_parser() -> argparse.ArgumentParser:
                            description=serve_doc,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_arguments(serve)
+    serve.add_argument("--data-parallel-size", type=int, default=1,
+                       help="engine replicas, each its own process, behind a router on --port (the flags below)")
+    from minillm.router.launch import __doc__ as router_doc
+    from minillm.router.launch import add_policy_arguments, add_router_arguments
+
+    add_policy_arguments(serve.add_argument_group("router (with --data-parallel-size > 1)"))
     serve.set_defaults(func=_serve)
+
+    router = sub.add_parser("router", help="an OpenAI-compatible router in front of running servers",
+                            description=router_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_router_arguments(router)
+    router.set_defaults(func=_router)
 
     sim = sub.add_parser("simulate", help="run a seeded trace through the scheduler on a simulated GPU")
     sim.add_argument("--hardware", default="A100-80GB")
@@ -108,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as err:

@@ -8,6 +8,8 @@ Arrivals follow `vllm bench serve`: gaps are gamma-distributed with shape = burs
 mean 1/rate, so burstiness 1 is a Poisson process, < 1 is burstier, > 1 is more regular
 (CV² of the gaps = 1/burstiness). Lengths are uniform, log-normal, Pareto or "ShareGPT-like";
 uniform lengths hide head-of-line blocking (pitfall 5), heavy tails expose it.
+Real lengths and arrivals: `azure_trace("conv" | "code", ...)`, Azure's 2023 production traces
+(minillm.azure_traces), as they are or scaled down for the bundled model on a CPU.
 """
 
 from __future__ import annotations
@@ -382,3 +384,17 @@ def make_chat_trace(
                 user_len=asdict(user_dist), reply_len=asdict(reply_dist), think_time_s=think_time_s,
                 rate_per_s=rate_per_s, token_id_range=[lo, hi])
     return Trace(requests, meta)
+
+
+# --------------------------------------------------------------------------- real traces
+
+_AZURE_NAMES = ("azure_trace", "azure_rows", "AzureRows", "AZURE_TRACES", "AZURE_CITATION")
+
+
+def __getattr__(name: str):
+    """`from minillm.workload import azure_trace`: the real Azure traces live in minillm.azure_traces
+    (which imports this module, hence the lazy lookup)."""
+    if name in _AZURE_NAMES:
+        from minillm import azure_traces
+        return getattr(azure_traces, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,7 +7,8 @@ edit here):
 - the exercise generated from it, left untouched, fails every task, and says why (a stub's
   `NotImplementedError`);
 - cheat (a), every graded cell of the untouched exercise replaced by a `print` of its stored PASS
-  text, fails: graded cells come from solutions/, and the verdict is the check's return value;
+  text, fails: graded cells come from the exercise's manifest (minillm/grading/cells; nothing is
+  read from solutions/), and the verdict is the check's return value;
 - cheat (b), an added cell that redefines the checks (`grader.check_task_N = lambda ...: PASS`,
   patched into the grading module too), fails: added cells are not run, and the runner captured
   the checks before any learner code ran;
@@ -80,7 +81,7 @@ def test_there_are_exercises() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=_ids(SOLUTIONS))
 def test_solution_passes(solution: Path) -> None:
-    report = grade(solution, solution, timeout_s=GRADE_TIMEOUT_S)
+    report = grade(solution, timeout_s=GRADE_TIMEOUT_S)
     assert report.passed, f"{solution.name} does not pass:\n{report.text()}\n{report.output[-4000:]}"
 
 
@@ -90,7 +91,7 @@ def test_solution_passes(solution: Path) -> None:
 def test_untouched_exercise_and_both_cheats_fail(solution: Path, tmp_path: Path) -> None:
     exercise = REPO_ROOT / "exercises" / solution.name
     assert exercise.exists(), f"{exercise.name} is missing: run `python tools/build_exercises.py`"
-    untouched = grade(exercise, solution, timeout_s=GRADE_TIMEOUT_S)
+    untouched = grade(exercise, timeout_s=GRADE_TIMEOUT_S)
     assert untouched.results and not any(r["passed"] for r in untouched.results), untouched.text()
     assert all("NotImplementedError" in " ".join(r["lines"]) for r in untouched.results), untouched.text()
 
@@ -100,7 +101,7 @@ def test_untouched_exercise_and_both_cheats_fail(solution: Path, tmp_path: Path)
     assert graded and all("PASS" in _stored_text(cell) for cell in graded)
     for cell in graded:
         cell["source"] = f"print({_stored_text(cell)!r})"
-    cheat_a = grade(_write(notebook, tmp_path / solution.name), solution, timeout_s=GRADE_TIMEOUT_S)
+    cheat_a = grade(_write(notebook, tmp_path / solution.name), timeout_s=GRADE_TIMEOUT_S)
     assert not cheat_a.passed and not any(r["passed"] for r in cheat_a.results), cheat_a.text()
     assert any("graded) differs" in note for note in cheat_a.notes), cheat_a.notes
 
@@ -110,7 +111,7 @@ def test_untouched_exercise_and_both_cheats_fail(solution: Path, tmp_path: Path)
     notebook["cells"].insert(first_code + 1, {"cell_type": "code", "execution_count": None, "id": "cheat-b",
                                               "metadata": {}, "outputs": [],
                                               "source": CHEAT_B.format(nn=solution.name[2:4])})
-    cheat_b = grade(_write(notebook, tmp_path / solution.name), solution, timeout_s=GRADE_TIMEOUT_S)
+    cheat_b = grade(_write(notebook, tmp_path / solution.name), timeout_s=GRADE_TIMEOUT_S)
     assert not cheat_b.passed and not any(r["passed"] for r in cheat_b.results), cheat_b.text()
     assert any("you added were not run" in note for note in cheat_b.notes), cheat_b.notes
 
@@ -124,7 +125,7 @@ def test_patching_the_grader_from_a_learner_cell_fails(solution: Path, tmp_path:
     mine = next(c for c in notebook["cells"]
                 if c["cell_type"] == "code" and "# BEGIN SOLUTION" in "".join(c["source"]))
     mine["source"] = "".join(mine["source"]) + "\n" + CHEAT_B.format(nn=solution.name[2:4])
-    report = grade(_write(notebook, tmp_path / solution.name), solution, timeout_s=GRADE_TIMEOUT_S)
+    report = grade(_write(notebook, tmp_path / solution.name), timeout_s=GRADE_TIMEOUT_S)
     assert report.results and not any(r["passed"] for r in report.results), report.text()
     assert all("your code changed the grader" in " ".join(r["lines"]) for r in report.results), report.text()
 

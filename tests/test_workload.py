@@ -206,3 +206,124 @@ def test_chat_trace_resends_the_conversation():
     assert [r.arrival_time_s for r in t] == sorted(r.arrival_time_s for r in t)
     with pytest.raises(ValueError, match="turns"):
         make_chat_trace(2, seed=0, vocab_size=100, turns=0)
+
+
+# --------------------------------------------------------------------------- the Azure traces (real)
+
+def _raw_azure(kind: str) -> list[tuple[str, int, int]]:
+    """The bundled file read without minillm: (timestamp text, ContextTokens, GeneratedTokens)."""
+    import csv
+    import gzip
+
+    from minillm.azure_traces import AZURE_TRACES, TRACES_DIR
+
+    with gzip.open(TRACES_DIR / AZURE_TRACES[kind], "rt") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
+    return [(t, int(c), int(g)) for t, c, g in rows[1:]]
+
+
+@pytest.mark.parametrize("kind, n, span_min, rate, prompt_stats, output_stats", [
+    ("code", 8819, 57.3, 2.57, (1469, 7436, 7437), (13, 249, 1899)),
+    ("conv", 19366, 58.4, 5.53, (1020, 4142, 14050), (129, 601, 1000)),
+])
+def test_azure_traces_load_as_published(kind, n, span_min, rate, prompt_stats, output_stats):
+    """The numbers data/traces/README.md states, and every row's lengths equal the file's."""
+    from minillm.workload import azure_rows, azure_trace
+
+    rows, raw = azure_rows(kind), _raw_azure(kind)
+    assert len(rows) == len(raw) == n
+    assert rows.arrival_s[0] == 0.0 and np.all(np.diff(rows.arrival_s) >= 0)
+    assert rows.span_s / 60 == pytest.approx(span_min, abs=0.05)
+    assert rows.prompt_lens.tolist() == [c for _, c, _ in raw]
+    assert rows.output_lens.tolist() == [g for _, _, g in raw]
+    assert len(rows) / rows.span_s == pytest.approx(rate, abs=0.005)
+    for lens, (median, p99, top) in ((rows.prompt_lens, prompt_stats), (rows.output_lens, output_stats)):
+        assert (np.median(lens), np.percentile(lens, 99, method="lower"), lens.max()) == (median, p99, top)
+    trace = azure_trace(kind, start_s=1800, max_requests=500)  # as it is: real lengths, real gaps
+    first = int(np.searchsorted(rows.arrival_s, 1800))
+    assert len(trace) == 500 and trace.meta["clipped_prompts"] == trace.meta["clipped_outputs"] == 0
+    assert [r.prompt_len for r in trace] == rows.prompt_lens[first:first + 500].tolist()
+    assert [r.max_tokens for r in trace] == rows.output_lens[first:first + 500].tolist()
+    assert [r.arrival_time_s for r in trace] == pytest.approx(rows.arrival_s[first:first + 500] - rows.arrival_s[first])
+
+
+def test_azure_window_and_speedup():
+    from minillm.workload import azure_rows, azure_trace
+
+    rows = azure_rows("conv")
+    inside = np.flatnonzero((rows.arrival_s >= 600) & (rows.arrival_s < 660))
+    window = azure_trace("conv", start_s=600, duration_s=60)
+    assert len(window) == len(inside) > 100
+    assert [r.request_id for r in window] == [f"conv-{i}" for i in inside]
+    assert window[0].arrival_time_s == 0.0
+    gaps = np.diff([r.arrival_time_s for r in window])
+    assert gaps == pytest.approx(np.diff(rows.arrival_s[inside]))
+    fast = azure_trace("conv", start_s=600, duration_s=60, speedup=4)
+    assert [r.arrival_time_s for r in fast] == pytest.approx([r.arrival_time_s / 4 for r in window])
+    assert [r.prompt_token_ids for r in fast] == [r.prompt_token_ids for r in window]
+    assert [r.max_tokens for r in fast] == [r.max_tokens for r in window]
+    assert len(azure_trace("conv", start_s=600, duration_s=60, max_requests=7)) == 7
+    # The five minutes the simulator runs in chapter 04 (issue 20: 1,445 requests).
+    assert len(azure_trace("conv", duration_s=300)) == 1445
+
+
+def test_azure_length_scaling_and_clipping():
+    from minillm.workload import azure_rows, azure_trace
+
+    rows = azure_rows("code")
+    raw_p, raw_o = rows.prompt_lens[:300], rows.output_lens[:300]
+    scaled = azure_trace("code", max_requests=300, length_scale=(1 / 16, 1 / 4), vocab_size=4096,
+                         token_id_range=(6, 4096))
+    assert [r.prompt_len for r in scaled] == np.maximum(np.rint(raw_p / 16), 1).astype(int).tolist()
+    assert [r.max_tokens for r in scaled] == np.maximum(np.rint(raw_o / 4), 1).astype(int).tolist()
+    both = azure_trace("code", max_requests=300, length_scale=0.5)
+    assert [r.prompt_len for r in both] == np.maximum(np.rint(raw_p * 0.5), 1).astype(int).tolist()
+    # Clipped to what the bundled model holds: prompt + output <= max_model_len, caps respected, counted.
+    fit = azure_trace("code", max_requests=300, length_scale=(1 / 8, 1), max_output_len=200, max_model_len=512)
+    assert all(r.max_tokens <= 200 and r.prompt_len + r.max_tokens <= 512 and r.prompt_len >= 1 for r in fit)
+    assert fit.meta["clipped_outputs"] == int(np.sum(raw_o > 200)) > 0
+    assert fit.meta["clipped_prompts"] == sum(
+        int(np.rint(p / 8)) > r.prompt_len for p, r in zip(raw_p, fit)) > 0
+    unclipped = [i for i, r in enumerate(fit) if int(np.rint(raw_p[i] / 8)) + min(raw_o[i], 200) <= 512]
+    assert all(fit[i].prompt_len == max(1, int(np.rint(raw_p[i] / 8))) for i in unclipped)
+
+
+def test_azure_token_ids_seeded_in_range_and_unshared():
+    from minillm.workload import azure_trace
+
+    a = azure_trace("conv", max_requests=50, length_scale=0.1, vocab_size=4096, token_id_range=(6, 4096), seed=1)
+    b = azure_trace("conv", max_requests=50, length_scale=0.1, vocab_size=4096, token_id_range=(6, 4096), seed=1)
+    c = azure_trace("conv", max_requests=50, length_scale=0.1, vocab_size=4096, token_id_range=(6, 4096), seed=2)
+    assert a == b and _prompts(a) != _prompts(c)
+    assert all(6 <= t < 4096 for p in _prompts(a) for t in p)
+    assert len({p[0] for p in _prompts(a)}) == 50  # no two prompts share even their first token
+    assert a.meta["source"] == "azure-llm-inference-2023" and "Splitwise" in a.meta["citation"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kind="chat"), "unknown Azure trace 'chat'"),
+    (dict(kind="conv", start_s=10_000), "no request of the 'conv' trace arrives"),
+    (dict(kind="conv", speedup=0), "speedup must be a positive number"),
+    (dict(kind="conv", length_scale=(1, -1)), "length_scale must be positive"),
+    (dict(kind="conv", max_model_len=1), "leaves no room"),
+    (dict(kind="conv", token_id_range=(0, 99_999)), "token_id_range"),
+])
+def test_azure_bad_arguments_say_what_is_wrong(kwargs, message):
+    from minillm.workload import azure_trace
+
+    with pytest.raises(ValueError, match=message):
+        azure_trace(**kwargs)
+
+
+def test_azure_trace_runs_on_the_simulator_as_it_is():
+    """30 s of the conversation trace through continuous batching, 7B on the A100: all served."""
+    from minillm.sim import simulate
+    from minillm.workload import azure_trace
+
+    trace = azure_trace("conv", duration_s=30, max_model_len=4096)
+    assert trace.meta["clipped_prompts"] > 0  # a few conversations outgrow Llama-2's 4,096 tokens
+    res = simulate(trace, hardware="A100-80GB", model="llama-7b", engine_config={"batching": "continuous"})
+    assert res.summary.completed == len(trace) > 50
+    assert res.summary.total_output_tokens == trace.total_output_tokens
+    assert res.summary.total_input_tokens == trace.total_prompt_tokens

@@ -3,14 +3,16 @@
 Usage:
     python tools/grade.py                      # every exercises/exNN_*.ipynb
     python tools/grade.py --only 05            # exercises/ex05_*.ipynb
-    python tools/grade.py path/to/ex05_x.ipynb # any copy of an exercise (graded against solutions/)
+    python tools/grade.py path/to/ex05_x.ipynb # any copy of an exercise, named as the course names it
     python tools/grade.py -v ...               # also show what the notebook printed
 
 Each notebook is graded by `minillm.grading.runner`: only the learner's cells (those that hold a
-stub in the exercise) are taken from the notebook, every other cell comes from solutions/, and the
-checks come from `minillm/grading/exNN.py`, imported before any learner code runs (see the
-docstring of minillm/grading/__init__.py). Exit status: 0 every task of every notebook passes,
-1 some task fails, 2 a notebook could not be graded.
+stub in the exercise) are taken from the notebook, every other cell comes from the exercise's
+manifest `minillm/grading/cells/exNN_topic.json` (written by `make exercises`; nothing is read from
+solutions/, so a student release grades too), and the checks come from `minillm/grading/exNN.py`,
+imported before any learner code runs (see the docstring of minillm/grading/__init__.py).
+Exit status: 0 every task of every notebook passes, 1 some task fails, 2 a notebook could not be
+graded.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="*", type=Path, help="default: exercises/exNN_*.ipynb")
     parser.add_argument("--only", metavar="NN", help="only exercise NN (e.g. 05)")
-    parser.add_argument("--solutions", type=Path, default=REPO_ROOT / "solutions", help="default: solutions/")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per notebook (default 900)")
     parser.add_argument("-v", "--verbose", action="store_true", help="show the notebook's own output")
     args = parser.parse_args(argv)
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     for notebook in notebooks:
         try:
-            report = grade(notebook, args.solutions / Path(notebook).name, timeout_s=args.timeout)
+            report = grade(notebook, timeout_s=args.timeout)
         except GradingSetupError as error:
             print(f"error: {error}", file=sys.stderr)
             status = 2

@@ -5,6 +5,9 @@ The course runs offline, so it cannot download a model; it ships two it trained 
     models/minillm-target/   ~5 M parameters: the model every chapter serves
     models/minillm-draft/    ~0.4 M parameters, same tokenizer: the proposer for speculative decoding
 
+(The third, models/minillm-moe/, a tiny Mixtral for expert parallelism, is built by
+tools/train_bundled_moe.py from this script's helpers.)
+
 This script does the whole job end to end, seeded, on a laptop-class CPU in about half an hour:
 fetch the public-domain corpus (tools/corpus.py), train a byte-level BPE tokenizer, train each model
 with plain torch (AdamW, warmup + cosine LR), save them with `save_pretrained` (safetensors, float32)
@@ -45,6 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corpus  # noqa: E402  (a sibling script, not an installed package)
 
 SAMPLE_PROMPTS = ["The", "And the king said unto", "In the beginning"]
+# models/README.md ends with a section that tools/train_bundled_moe.py writes; rewriting the README
+# here keeps it (from this marker on).
+MOE_SECTION_MARKER = "<!-- section written by tools/train_bundled_moe.py -->"
 
 
 @dataclass
@@ -351,7 +357,10 @@ def write_readme(out: Path, specs: list[ModelSpec], results: list[TrainResult], 
         f"- Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}.",
         "",
     ]
-    (out / "README.md").write_text("\n".join(lines))
+    readme = out / "README.md"
+    old = readme.read_text() if readme.exists() else ""
+    moe_section = MOE_SECTION_MARKER + old.split(MOE_SECTION_MARKER, 1)[1] if MOE_SECTION_MARKER in old else ""
+    readme.write_text("\n".join(lines) + ("\n" + moe_section if moe_section else ""))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,7 +2,9 @@
 
 The request goes out over `httpx` and the server-sent events are read line by line: the client's
 clock starts just before the POST and stamps every `data:` line that carries a choice, which is
-exactly what a user watching the stream would see. `stream_options.include_usage` asks the server
+exactly what a user watching the stream would see. TTFT ends at the first chunk with content
+(as `vllm bench serve`): a chat stream's `{"role": "assistant", "content": ""}` chunk carries no
+token, and a server that sends it before prefill would otherwise move the prefill into ITL. `stream_options.include_usage` asks the server
 for a last chunk with the token counts; servers that send none get their text re-tokenized.
 A status other than 200, a broken stream or a timeout is a failed request, with the reason kept.
 """
@@ -84,13 +86,17 @@ async def send_request(client: httpx.AsyncClient, url: str, req: BenchRequest, s
                     outcome.error = f"error in stream: {chunk['error']}"
                     return outcome
                 if chunk.get("choices"):
+                    choice = chunk["choices"][0]
+                    text = _chunk_text(choice, settings.backend)
                     if not first_seen:
+                        if not text and choice.get("finish_reason") is None:
+                            continue  # a chat role chunk carries no token yet
                         outcome.ttft_s = now - start
                         first_seen = True
                     else:
                         outcome.itl_s.append(now - last)
                     last = now
-                    text_parts.append(_chunk_text(chunk["choices"][0], settings.backend))
+                    text_parts.append(text)
                 usage = chunk.get("usage")
                 if usage:
                     usage_tokens = usage.get("completion_tokens", usage_tokens)
@@ -99,7 +105,7 @@ async def send_request(client: httpx.AsyncClient, url: str, req: BenchRequest, s
         outcome.error = f"{type(err).__name__}: {err}"
         return outcome
     if not first_seen:
-        outcome.error = "the stream ended without a single chunk carrying a choice"
+        outcome.error = "the stream ended without a single chunk carrying content or a finish reason"
         return outcome
     outcome.generated_text = "".join(text_parts)
     outcome.latency_s = last - start

@@ -1,11 +1,18 @@
-"""Grade one learner notebook against its solution: what `make grade` runs (see minillm.grading).
+"""Grade one learner notebook: what `make grade` runs (see minillm.grading).
 
-`compose()` rebuilds the notebook to run: the learner's cells (those holding a `# BEGIN SOLUTION`
-region in the solution, matched by cell id) from the learner's notebook, every other cell from the
-solution. `grade()` runs that plan in a fresh Python process (`python -m minillm.grading.runner`),
-which imports the exercise's grading module before any learner code runs, executes the cells with
-plain `exec`, and at each graded cell calls the check it captured, on the objects the graded
-cell's call names. The verdicts come back as JSON, never as printed text.
+`course_cells()` turns a solved notebook into the exercise's *manifest*: every code cell in order,
+marked `learner` (it holds a `# BEGIN SOLUTION` region: the learner writes it), `graded` (a
+`# NBVAL_CHECK_OUTPUT` call, kept as task number and argument names), `setup` (given code, with its
+source) or `skip` (a `grading-skip` demo). `tools/build_exercises.py` writes it beside the graders,
+`minillm/grading/cells/exNN_topic.json`, when it builds `exercises/`; it holds no learner cell's
+source, so it ships in a student release (`make student-release`), which has no `solutions/`.
+
+`compose()` rebuilds the notebook to run: the learner's cells (matched by cell id) from the
+learner's notebook, every other cell from the manifest. `grade()` runs that plan in a fresh Python
+process (`python -m minillm.grading.runner`), which imports the exercise's grading module before
+any learner code runs, executes the cells with plain `exec`, and at each graded cell calls the
+check it captured, on the objects the graded cell's call names. The verdicts come back as JSON,
+never as printed text.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ _NUMBER = re.compile(r"^ex(\d\d)_")
 CELL_TIME_LIMIT_S = 300
 SKIP_TAG = "grading-skip"  # on a solution's demo cell that no check needs
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+CELLS_DIR = Path(__file__).resolve().parent / "cells"  # the manifests, written by tools/build_exercises.py
 
 
 class GradingSetupError(ValueError):
@@ -80,47 +88,80 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
 
-def compose(solution_path: Path, learner_path: Path) -> Plan:
-    """The cells to run: the learner's own cells, everything else from the solution."""
-    solution, learner = _read(solution_path), _read(learner_path)
-    learner_cells = {cell.get("id"): cell for cell in learner.get("cells", []) if cell.get("cell_type") == "code"}
-    cells, notes, used = [], [], set()
+def course_cells(solution: dict, name: str) -> dict[str, Any]:
+    """The manifest of a solved notebook (parsed JSON) named `name`: what grading runs besides the
+    learner's cells. Holds the source of setup and graded cells only, never a solution region."""
+    cells = []
     for index, cell in enumerate(solution.get("cells", [])):
         if cell.get("cell_type") != "code":
             continue
-        if SKIP_TAG in cell.get("metadata", {}).get("tags", []) and not _BEGIN.search(_source(cell)):
-            used.add(cell.get("id"))  # a demo the checks do not need: not run when grading
-            continue
-        source, where = _source(cell), f"cell {index}"
-        if _GRADED.search(source):
-            number, args = parse_graded_call("\n".join(
-                line for line in source.splitlines() if not _GRADED.match(line)), f"{solution_path}: {where}")
-            cells.append({"kind": "graded", "task": number, "args": args, "where": where})
-            mine = learner_cells.get(cell.get("id"))
-            used.add(cell.get("id"))
-            if mine is not None and _source(mine) != source:
-                notes.append(f"{where} (graded) differs from the course's; the course's check was run")
+        source, entry = _source(cell), {"index": index, "id": cell.get("id")}
+        if SKIP_TAG in cell.get("metadata", {}).get("tags", []) and not _BEGIN.search(source):
+            entry["kind"] = "skip"  # a demo the checks do not need: not run when grading
+        elif _GRADED.search(source):
+            entry.update(kind="graded", source=source)
         elif _BEGIN.search(source):
-            mine = learner_cells.get(cell.get("id"))
-            used.add(cell.get("id"))
+            entry["kind"] = "learner"
+        else:
+            entry.update(kind="setup", source=source)
+        cells.append(entry)
+    return {"exercise": Path(name).name, "cells": cells}
+
+
+def manifest_for(learner_path: Path, cells_dir: Path | None = None) -> Path:
+    """The manifest that grades a notebook named like `learner_path` (exNN_topic.ipynb)."""
+    grader_module_for(learner_path)  # the name must be an exercise's
+    manifest = Path(cells_dir or CELLS_DIR) / f"{Path(learner_path).stem}.json"
+    if not manifest.exists():
+        known = sorted(p.stem for p in Path(cells_dir or CELLS_DIR).glob("ex[0-9][0-9]_*.json"))
+        raise GradingSetupError(f"{learner_path}: no exercise named {Path(learner_path).stem} in this course "
+                                f"({manifest} is missing); the exercises are: {', '.join(known) or 'none'}")
+    return manifest
+
+
+def load_course(course: Path | dict) -> dict[str, Any]:
+    """A manifest: given as one (dict or .json path), or made from a solved notebook (.ipynb path)."""
+    if isinstance(course, dict):
+        return course
+    course = Path(course)
+    if course.suffix == ".ipynb":
+        return course_cells(_read(course), str(course))
+    return _read(course)
+
+
+def compose(course: Path | dict, learner_path: Path) -> Plan:
+    """The cells to run: the learner's own cells, everything else from the course's manifest."""
+    course, learner = load_course(course), _read(learner_path)
+    learner_cells = {cell.get("id"): cell for cell in learner.get("cells", []) if cell.get("cell_type") == "code"}
+    cells, notes, used = [], [], set()
+    for entry in course["cells"]:
+        kind, where, mine = entry["kind"], f"cell {entry['index']}", learner_cells.get(entry["id"])
+        used.add(entry["id"])
+        if kind == "skip":
+            continue
+        if kind == "graded":
+            number, args = parse_graded_call("\n".join(line for line in entry["source"].splitlines()
+                                                       if not _GRADED.match(line)), f"{course['exercise']}: {where}")
+            cells.append({"kind": "graded", "task": number, "args": args, "where": where})
+            if mine is not None and _source(mine) != entry["source"]:
+                notes.append(f"{where} (graded) differs from the course's; the course's check was run")
+        elif kind == "learner":
             if mine is None:
-                notes.append(f"{where} (your code) is missing from your notebook (cell id {cell.get('id')})")
+                notes.append(f"{where} (your code) is missing from your notebook (cell id {entry['id']})")
                 cells.append({"kind": "learner", "source": "raise NotImplementedError('this cell is missing')",
                               "where": where})
             else:
                 cells.append({"kind": "learner", "source": _source(mine), "where": where})
         else:
-            mine = learner_cells.get(cell.get("id"))
-            used.add(cell.get("id"))
-            if mine is not None and _source(mine) != source:
+            if mine is not None and _source(mine) != entry["source"]:
                 notes.append(f"{where} (given code) differs from the course's; the course's was run")
-            cells.append({"kind": "setup", "source": source, "where": where})
+            cells.append({"kind": "setup", "source": entry["source"], "where": where})
     extra = [cid for cid in learner_cells if cid not in used]
     if extra:
         notes.append(f"{len(extra)} code cell(s) you added were not run: only the cells that held a stub are yours")
     if not any(cell["kind"] == "graded" for cell in cells):
-        raise GradingSetupError(f"{solution_path}: no graded cell")
-    return Plan(grader_module_for(solution_path), cells, notes)
+        raise GradingSetupError(f"{course['exercise']}: no graded cell")
+    return Plan(grader_module_for(course["exercise"]), cells, notes)
 
 
 # --- the child process ---------------------------------------------------------------------------
@@ -224,23 +265,19 @@ class GradeReport:
         return "\n".join(lines)
 
 
-def solution_for(learner_path: Path, solutions_dir: Path | None = None) -> Path:
-    solutions_dir = Path(solutions_dir or REPO_ROOT / "solutions")
-    solution = solutions_dir / Path(learner_path).name
-    if not solution.exists():
-        raise GradingSetupError(f"{learner_path}: no solution {solution} to grade it against")
-    return solution
+def grade(learner_path: Path, course: Path | dict | None = None, timeout_s: int = 900) -> GradeReport:
+    """Grade one notebook in a fresh process; the report lists every task's verdict.
 
-
-def grade(learner_path: Path, solution_path: Path | None = None, timeout_s: int = 900) -> GradeReport:
-    """Grade one notebook in a fresh process; the report lists every task's verdict."""
+    `course` defaults to the manifest in minillm/grading/cells/ named like the notebook; a solved
+    notebook (.ipynb) or another manifest may be given instead (the tests of the tools do).
+    """
     learner_path = Path(learner_path).resolve()
-    solution_path = Path(solution_path or solution_for(learner_path)).resolve()
-    plan = compose(solution_path, learner_path)
+    course = load_course(course if course is not None else manifest_for(learner_path))
+    plan = compose(course, learner_path)
     with tempfile.TemporaryDirectory(prefix="minillm-grade-") as tmp:
         plan_path, result_path = Path(tmp) / "plan.json", Path(tmp) / "result.json"
         plan_path.write_text(json.dumps({"grader": plan.grader, "cells": plan.cells,
-                                         "cwd": str(solution_path.parent)}), encoding="utf-8")
+                                         "cwd": str(learner_path.parent)}), encoding="utf-8")
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         env.setdefault("MPLBACKEND", "Agg")

@@ -8,7 +8,8 @@
 
 Streaming is server-sent events: one `data: {json}` chunk per engine step that produced text for
 a choice, the finish reason in that choice's last chunk, with `stream_options.include_usage` one
-more chunk with `choices: []` and the usage, then `data: [DONE]`. Non-streamed answers are the
+more chunk with `choices: []` and the usage, then `data: [DONE]`. A chat choice's
+`{"role": "assistant", "content": ""}` chunk goes out with its first engine output. Non-streamed answers are the
 same deltas gathered (the engine sends them FINAL_ONLY), so for greedy requests the streamed text
 equals the non-streamed text.
 
@@ -313,16 +314,20 @@ class _Server:
         async def events():
             generated = [0] * num_choices
             offsets = [0] * num_choices
+            role_sent = [not chat_roles] * num_choices
             try:
-                if chat_roles:  # OpenAI's first chunk of each choice carries the role
-                    for i in range(num_choices):
-                        first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}
-                        yield frame({**base, "choices": [first], **({"usage": None} if include_usage else {})})
                 async for index, out in stream:
                     if out.error is not None:
                         yield frame(error_body(_error_status(out.error), out.error))
                         break
+                    if not role_sent[index]:
+                        # OpenAI's first chunk of each choice carries the role. It goes out with the
+                        # choice's first engine output (after prefill), as vLLM's server sends it: sent
+                        # on arrival it would let a client clock TTFT before the prompt was even read.
+                        role_sent[index] = True
+                        first = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}
+                        yield frame({**base, "choices": [first], **({"usage": None} if include_usage else {})})
                     c = out.outputs[0]
                     generated[index] += len(c.token_ids)
                     if not c.text and c.finish_reason is None and not (body_logprobs and c.token_ids):

@@ -1,0 +1,186 @@
+"""The sparse mixture-of-experts MLP (Mixtral style), taught in chapter 12 (expert parallelism).
+
+In an MoE layer the MLP is replaced by `num_experts` MLPs ("experts") and a router. For each token
+of the flattened batch `[T, hidden]`:
+
+    router logits  = x · W_router^T                    [T, E]
+    probabilities  = softmax(logits)                   (in float32, as transformers does)
+    top-k experts  = the k most probable; their probabilities renormalised to sum to 1 (Mixtral)
+    output         = Σ_k  weight_k · expert_k(x)       expert(x) = down(silu(gate(x)) · up(x))
+
+A token only runs k of the E experts, so the layer holds E MLPs' weights but spends k MLPs' FLOPs.
+The work is done expert by expert: the (token, slot) pairs are sorted by expert so that each
+expert's tokens form one contiguous block (`Dispatch`). That block layout is exactly what expert
+parallelism sends with one all-to-all: rank r owns a contiguous range of experts, so the rows for
+its experts are one slice of the sorted buffer. `tokens_per_expert` — the router's load histogram —
+is returned for the step records: an expert that gets most tokens makes its rank the straggler.
+
+Not yet wired into `minillm.model.llama` (see the chapter 12 issue); the weights of an HF Mixtral
+checkpoint, on disk or in memory, are read by `moe_weights_from_state`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class MoEWeights:
+    """One layer's router and experts. Each expert's gate and up projections are fused, as in
+    `LayerWeights.gate_up` (gate rows first), so one matmul computes both."""
+
+    router: torch.Tensor  # [E, hidden]
+    gate_up: torch.Tensor  # [E, 2·intermediate, hidden]
+    down: torch.Tensor  # [E, hidden, intermediate]
+    top_k: int
+    renormalize: bool = True  # Mixtral renormalises the top-k probabilities; Qwen2-MoE: norm_topk_prob
+
+    def __post_init__(self) -> None:
+        num_experts, hidden = self.router.shape
+        if not 1 <= self.top_k <= num_experts:
+            raise ValueError(f"top_k={self.top_k} must be between 1 and the number of experts ({num_experts})")
+        if self.gate_up.shape[0] != num_experts or self.down.shape[0] != num_experts:
+            raise ValueError(
+                f"router has {num_experts} experts but gate_up has {self.gate_up.shape[0]} and down "
+                f"{self.down.shape[0]}"
+            )
+        if self.gate_up.shape[2] != hidden or self.down.shape[1] != hidden or self.gate_up.shape[1] != 2 * self.down.shape[2]:
+            raise ValueError(
+                f"expert shapes gate_up {tuple(self.gate_up.shape)}, down {tuple(self.down.shape)} do not fit "
+                f"hidden {hidden} (expected [E, 2·I, {hidden}] and [E, {hidden}, I])"
+            )
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.shape[0]
+
+
+@dataclass
+class Routing:
+    """The router's decision for each token: which k experts, with which weights."""
+
+    logits: torch.Tensor  # [T, E] in the model's dtype
+    expert_ids: torch.Tensor  # [T, k] int64
+    weights: torch.Tensor  # [T, k] float32 (softmax probabilities of the chosen experts)
+
+
+@dataclass
+class Dispatch:
+    """The (token, slot) pairs sorted by expert: expert e's rows are [offsets[e], offsets[e+1])."""
+
+    token_index: torch.Tensor  # [T·k] which token each sorted row comes from
+    weights: torch.Tensor  # [T·k] its routing weight
+    tokens_per_expert: torch.Tensor  # [E] int64: the load histogram
+    offsets: torch.Tensor  # [E + 1] int64: exclusive prefix sum of tokens_per_expert
+
+
+@dataclass
+class MoEOutput:
+    hidden: torch.Tensor  # [T, hidden]
+    tokens_per_expert: torch.Tensor  # [E] int64, for the step records
+
+
+def route(hidden: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool = True) -> Routing:
+    """Router logits → softmax → top-k (→ renormalised). The softmax runs in float32 as transformers'
+    Mixtral does (for float64 models too), so routing decisions match it exactly."""
+    logits = F.linear(hidden, router)
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(logits=logits, expert_ids=expert_ids, weights=weights)
+
+
+def dispatch(routing: Routing, num_experts: int) -> Dispatch:
+    """Group the T·k (token, slot) pairs by expert; a stable sort keeps token order within an expert."""
+    flat_experts = routing.expert_ids.flatten()
+    order = torch.argsort(flat_experts, stable=True)
+    top_k = routing.expert_ids.shape[1]
+    tokens_per_expert = torch.bincount(flat_experts, minlength=num_experts)
+    offsets = torch.zeros(num_experts + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(tokens_per_expert, dim=0)
+    return Dispatch(
+        token_index=order // top_k,
+        weights=routing.weights.flatten()[order],
+        tokens_per_expert=tokens_per_expert,
+        offsets=offsets,
+    )
+
+
+def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """One expert: the Llama SwiGLU MLP, down(silu(gate(x)) · up(x))."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
+
+
+def sparse_moe(hidden: torch.Tensor, w: MoEWeights, experts: range | None = None) -> MoEOutput:
+    """The MoE MLP on a flattened batch [T, hidden].
+
+    `experts` restricts the work to a contiguous range of experts (an expert-parallel rank's own):
+    the result is then that range's share of the sum, and the shares of all ranks add up to the
+    full output. `tokens_per_expert` always counts every expert (the router runs on every rank).
+    """
+    experts = range(w.num_experts) if experts is None else experts
+    if experts.step != 1 or not (0 <= experts.start <= experts.stop <= w.num_experts):
+        raise ValueError(f"experts={experts} must be a contiguous range within range({w.num_experts})")
+    routing = route(hidden, w.router, w.top_k, w.renormalize)
+    d = dispatch(routing, w.num_experts)
+    out = torch.zeros_like(hidden)
+    offsets = d.offsets.tolist()
+    for e in experts:
+        start, end = offsets[e], offsets[e + 1]
+        if start == end:
+            continue  # no token chose this expert in this step
+        rows = d.token_index[start:end]
+        y = expert_mlp(hidden.index_select(0, rows), w.gate_up[e], w.down[e])
+        out.index_add_(0, rows, y * d.weights[start:end, None].to(y.dtype))
+    return MoEOutput(hidden=out, tokens_per_expert=d.tokens_per_expert)
+
+
+def expert_ranges(num_experts: int, ep_size: int) -> list[range]:
+    """Experts per expert-parallel rank, contiguous (vLLM's default placement): rank r owns range r."""
+    if ep_size < 1 or num_experts % ep_size:
+        raise ValueError(
+            f"{num_experts} experts cannot be split evenly over {ep_size} expert-parallel ranks; "
+            f"use a size that divides {num_experts}"
+        )
+    per_rank = num_experts // ep_size
+    return [range(r * per_rank, (r + 1) * per_rank) for r in range(ep_size)]
+
+
+def moe_weights_from_state(state: Mapping[str, torch.Tensor], layer: int, num_experts: int, top_k: int,
+                           dtype: torch.dtype | None = None, renormalize: bool = True) -> MoEWeights:
+    """Layer `layer`'s MoE weights from a Mixtral state dict, in either spelling:
+
+    - on disk (safetensors, the original Mixtral names): `model.layers.{i}.block_sparse_moe.gate.weight`
+      and `...block_sparse_moe.experts.{e}.w1|w2|w3.weight` (w1 = gate, w3 = up, w2 = down);
+    - in memory (transformers 5 fuses experts): `model.layers.{i}.mlp.gate.weight`,
+      `...mlp.experts.gate_up_proj` [E, 2·I, H] (gate rows first) and `...mlp.experts.down_proj` [E, H, I].
+    """
+    disk, memory = f"model.layers.{layer}.block_sparse_moe.", f"model.layers.{layer}.mlp."
+    if disk + "gate.weight" in state:
+        router = state[disk + "gate.weight"]
+        missing = [f"{disk}experts.{e}.{n}.weight" for e in range(num_experts) for n in ("w1", "w2", "w3")
+                   if f"{disk}experts.{e}.{n}.weight" not in state]
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} expert tensors, e.g. {missing[0]!r}")
+        expert = [{n: state[f"{disk}experts.{e}.{n}.weight"] for n in ("w1", "w2", "w3")} for e in range(num_experts)]
+        gate_up = torch.stack([torch.cat([x["w1"], x["w3"]], dim=0) for x in expert])
+        down = torch.stack([x["w2"] for x in expert])
+    elif memory + "gate.weight" in state and memory + "experts.gate_up_proj" in state:
+        router = state[memory + "gate.weight"]
+        gate_up, down = state[memory + "experts.gate_up_proj"], state[memory + "experts.down_proj"]
+    else:
+        raise KeyError(
+            f"no MoE weights for layer {layer}: expected {disk}gate.weight (safetensors) or "
+            f"{memory}gate.weight + {memory}experts.gate_up_proj (transformers in memory)"
+        )
+    if router.shape[0] != num_experts:
+        raise ValueError(f"layer {layer}: router has {router.shape[0]} experts, the config says {num_experts}")
+    dtype = dtype or router.dtype
+    return MoEWeights(router=router.to(dtype), gate_up=gate_up.to(dtype).contiguous(),
+                      down=down.to(dtype).contiguous(), top_k=top_k, renormalize=renormalize)

@@ -1,0 +1,144 @@
+"""`make student-release` (tools/student_release.py): a copy of the course without the answers that still grades.
+
+One release is built per module, into a tmp dir, by the Makefile target. In it: no solutions/, no
+solution-region marker anywhere (grep), `make grade EX=03` fails the untouched exercise and passes
+the same exercise with its learner cells filled from the solution (read here, from this repository),
+importing the release's own minillm (the learner cell writes down where minillm came from). Both
+grades use this test's venv (`make -o install ... VENV=`): nothing is installed. One small exercise
+is graded, not all: test_exercises.py grades every exercise through the same manifests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+
+import student_release  # noqa: E402
+
+EXERCISE = "ex03_dynamic_batcher.ipynb"  # four tasks, the quickest solution to grade (~20 s)
+# The solution-region marker on a line of its own, raw or inside a JSON string: grep's own reading,
+# independent of the tool's regex.
+GREP_MARKER = r'(^|"|\\n)[[:space:]]*#[[:space:]]*(BEGIN|END) SOLUTION[[:space:]]*(\\n|"|$)'
+pytestmark = pytest.mark.xdist_group("student_release")  # one worker builds the one release
+
+
+def _make(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    # -o install: use this venv as it is (sys.prefix), never pip-install the copy into it.
+    command = ["make", "--no-print-directory", "-o", "install", f"VENV={sys.prefix}", *args]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    target = tmp_path_factory.mktemp("class") / "minillm-class"
+    made = _make("student-release", f"DIR={target}", cwd=REPO_ROOT, timeout=300)
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert "no solutions/" in made.stdout
+    return target
+
+
+@pytest.mark.slow
+def test_release_has_no_answers(release: Path) -> None:
+    assert not (release / "solutions").exists()
+    assert not (release / "tests" / "known_wrong").exists()
+    assert not list(release.rglob("*solutions*"))
+    grep = subprocess.run(["grep", "-rlE", GREP_MARKER, "."], cwd=release, capture_output=True, text=True,
+                          timeout=120)
+    assert grep.returncode == 1 and grep.stdout == "", f"marker lines in the release:\n{grep.stdout}{grep.stderr}"
+    # The grep finds what it looks for: the same search over the source repository's solutions/.
+    here = subprocess.run(["grep", "-rlE", GREP_MARKER, "solutions"], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert f"solutions/{EXERCISE}" in here.stdout.split()
+    # What a class needs is there.
+    for path in ("Makefile", "README.md", "pyproject.toml", "requirements.lock", "tools/grade.py", "tools/lab.py",
+                 f"exercises/{EXERCISE}", f"minillm/grading/cells/{Path(EXERCISE).stem}.json", "models"):
+        assert (release / path).exists(), path
+    chapters = sorted(p.name for p in (REPO_ROOT / "chapters").glob("*.ipynb"))
+    assert chapters and sorted(p.name for p in (release / "chapters").glob("*.ipynb")) == chapters
+
+
+def _filled(exercise: dict, solution: dict) -> dict:
+    """The exercise with every learner cell holding the solution's code (markers and hints dropped),
+    the first one also writing down where minillm and the grader were imported from."""
+    solved = {c["id"]: "".join(c["source"]) for c in solution["cells"]
+              if c["cell_type"] == "code" and "# BEGIN SOLUTION" in "".join(c["source"])}
+    assert solved
+    drop = re.compile(r"^\s*#\s*(BEGIN SOLUTION|END SOLUTION|HINT:.*)$")
+    origin = ("\nimport pathlib as _pathlib\nimport minillm as _minillm\nimport minillm.grading.ex03 as _grader\n"
+              "_pathlib.Path('imported_from.txt').write_text(_minillm.__file__ + '\\n' + _grader.__file__)\n")
+    first = True
+    for cell in exercise["cells"]:
+        if cell.get("id") in solved:
+            code = "\n".join(line for line in solved[cell["id"]].splitlines() if not drop.match(line))
+            cell["source"] = code + (origin if first else "")
+            first = False
+    return exercise
+
+
+@pytest.mark.slow
+@pytest.mark.notebook
+def test_make_grade_in_the_release_fails_untouched_and_passes_a_correct_answer(release: Path) -> None:
+    untouched = _make("grade", "EX=03", cwd=release)
+    assert untouched.returncode != 0, untouched.stdout + untouched.stderr  # make: 2 (tools/grade.py: 1)
+    assert "0/4 task(s) pass" in untouched.stdout and "NotImplementedError" in untouched.stdout, untouched.stdout
+
+    notebook = release / "exercises" / EXERCISE
+    solution = json.loads((REPO_ROOT / "solutions" / EXERCISE).read_text(encoding="utf-8"))
+    exercise = json.loads(notebook.read_text(encoding="utf-8"))
+    notebook.write_text(json.dumps(_filled(exercise, solution), indent=1), encoding="utf-8")
+    correct = _make("grade", "EX=03", cwd=release)
+    assert correct.returncode == 0, correct.stdout + correct.stderr
+    assert "4/4 task(s) pass" in correct.stdout, correct.stdout
+    imported = (release / "exercises" / "imported_from.txt").read_text(encoding="utf-8").split("\n")
+    assert [Path(p).resolve() for p in imported] == [release.resolve() / "minillm" / "__init__.py",
+                                                     release.resolve() / "minillm" / "grading" / "ex03.py"]
+
+
+def test_release_refuses_a_dir_inside_the_repo_or_not_empty(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert student_release.main([str(REPO_ROOT / "exercises" / "class")]) == 2
+    assert "is inside the repository" in capsys.readouterr().err
+    (tmp_path / "old.txt").write_text("a teacher's file", encoding="utf-8")
+    assert student_release.main([str(tmp_path)]) == 2
+    assert "exists and is not an empty folder" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["old.txt"]  # nothing written, nothing removed
+    assert not (REPO_ROOT / "exercises" / "class").exists()
+
+
+def test_release_refuses_a_stale_manifest_and_finds_leaks(tmp_path: Path) -> None:
+    # A course of one exercise, in step; then its manifest edited by hand.
+    course = tmp_path / "course"
+    stem = Path(EXERCISE).stem
+    for folder, name in (("solutions", EXERCISE), ("exercises", EXERCISE),
+                         ("minillm/grading/cells", f"{stem}.json")):
+        (course / folder).mkdir(parents=True)
+        shutil.copy2(REPO_ROOT / folder / name, course / folder / name)
+    student_release.check_exercises_in_step(course)
+    manifest = course / "minillm" / "grading" / "cells" / f"{stem}.json"
+    manifest.write_text(manifest.read_text(encoding="utf-8").replace("check_task_1", "check_task_2"),
+                        encoding="utf-8")
+    with pytest.raises(student_release.ReleaseError, match=f"out of sync: minillm/grading/cells/{stem}.json"):
+        student_release.check_exercises_in_step(course)
+    shutil.rmtree(course / "solutions")
+    with pytest.raises(student_release.ReleaseError, match="already a student release"):
+        student_release.check_exercises_in_step(course)
+
+    # The tool's own scan: a marker line in a notebook's JSON, a manifest string, a .py file; prose passes.
+    (tmp_path / "leaky").mkdir()
+    (tmp_path / "leaky" / "a.ipynb").write_text('{"source": ["x = 1\\n", "    # BEGIN SOLUTION\\n"]}')
+    (tmp_path / "leaky" / "b.json").write_text('{"source": "def f():\\n    # END SOLUTION\\n"}')
+    (tmp_path / "leaky" / "c.py").write_text("def f():\n    # BEGIN SOLUTION\n    return 1\n")
+    (tmp_path / "leaky" / "d.md").write_text("Learner code goes between `# BEGIN SOLUTION` and `# END SOLUTION`.\n")
+    found = student_release.leaks(tmp_path / "leaky")
+    assert [line.split(":")[0] for line in found] == ["a.ipynb", "b.json", "c.py"], found
