@@ -13,7 +13,7 @@ import torch
 
 from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch
 from minillm.scheduler.output import SchedulerOutput, SchedulerOutputBuilder
-from minillm.worker.model_runner import ModelRunner
+from minillm.worker.model_runner import ModelRunner, StepInputs
 
 
 class UniProcExecutor:
@@ -37,14 +37,21 @@ class UniProcExecutor:
         """Real time passes by itself: nothing to charge a clock."""
         return 0.0
 
+    @property
+    def model(self):
+        """The worker's model (in this process, one can look at it)."""
+        return self.worker.model
+
     # ---- looking inside one step (chapter 04 prints these) -----------------------------------------
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, object, list[int]]:
-        """(input_ids [T], positions [T], attention metadata, flattened rows whose logits are computed)
-        of `batch`, without running the model."""
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """The model inputs of `batch` without running the model: unpacks as (input_ids [T],
+        positions [T], attention metadata, flattened rows whose logits are computed); `.order`
+        gives the plan row of each flattened sequence."""
         plan = self.plans.build(batch)
         self.worker.update_state(plan)
         inputs = self.worker.prepare(plan)
-        return inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows
+        self.last_order = inputs.order  # chapter 04's picture reads it (use prepare(batch).order)
+        return inputs
 
     def compute_logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[str]]:
         """Run the model on `batch` without sampling: logits of the rows that sample, and their request ids."""

@@ -65,6 +65,10 @@ class StepInputs:
     sampled: list[int] = field(default_factory=list)  # plan rows that sample, in plan order
     spans: list[tuple[int, int]] = field(default_factory=list)  # per sampled row: (first logits row, width)
 
+    def __iter__(self):
+        """Unpacks as (input_ids, positions, meta, logits_rows), as chapter 04 prints them."""
+        return iter((self.input_ids, self.positions, self.meta, self.logits_rows))
+
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, cache_spec: KVCacheSpec, attention_backend: str = "auto") -> None:
