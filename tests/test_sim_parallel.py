@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from minillm.sim import A100_80GB, H100_SXM, H200, LLAMA_7B, LLAMA_70B, decode_step_time
+from minillm.sim import A100_80GB, H100_SXM, H200, LLAMA_7B, LLAMA_70B, decode_step_time, prefill_time
 from minillm.sim.cost_model import weight_bytes_read_per_step
 from minillm.sim.network import (
     INFINIBAND_HDR,
@@ -32,6 +32,7 @@ from minillm.sim.parallel import (
     ep_expert_bytes_per_device,
     kv_heads_per_device,
     layer_params_per_device,
+    layout_summary,
     load_imbalance,
     memory_per_device,
     min_tp_to_fit,
@@ -253,3 +254,36 @@ def test_rank_loads_and_imbalance():
     assert load_imbalance([5, 5, 5, 5], 4) == 1.0
     with pytest.raises(ValueError, match="4 experts cannot be split evenly over expert parallel size 3"):
         rank_loads([1, 2, 3, 4], 3)
+
+
+# --- a whole layout (the playground's numbers) ------------------------------------------------------
+
+
+def test_layout_summary_ttft_and_tpot_per_kind_of_parallelism():
+    def summary(tp, pp, **kw):
+        return layout_summary(H100_SXM, LLAMA_70B, tp=tp, pp=pp, tp_link=NVLINK4_H100, batch=64, **kw)
+
+    single = summary(1, 1)
+    assert single.ttft_s == pytest.approx(prefill_time(H100_SXM, LLAMA_70B, 512).time_s)
+    assert single.tpot_s == pytest.approx(decode_step_time(H100_SXM, LLAMA_70B, 64, 1024).time_s)
+    assert not single.fits  # 138 GB of weights on an 80 GB H100
+    tp8, pp8, tp4pp2 = summary(8, 1), summary(1, 8), summary(4, 2)
+    assert tp8.num_devices == pp8.num_devices == tp4pp2.num_devices == 8
+    assert tp8.fits and pp8.fits and tp4pp2.fits
+    # TP shortens both latencies (4.3x TTFT, 5.4x TPOT on 8 GPUs); PP shortens neither much: each
+    # token still crosses all 80 layers, and each stage re-reads its weights per micro-batch.
+    assert single.ttft_s / tp8.ttft_s == pytest.approx(4.34, abs=0.05)
+    assert single.tpot_s / tp8.tpot_s == pytest.approx(5.35, abs=0.05)
+    assert pp8.ttft_s >= single.ttft_s
+    assert pp8.tpot_s > 0.85 * single.tpot_s
+    assert tp8.tpot_s < tp4pp2.tpot_s < pp8.tpot_s
+    # Decode is weight-bound, so cutting one batch of 64 into 8 micro-batches gains little (+13 %):
+    # every micro-batch re-reads the stage's weights. PP's throughput comes from keeping 8 full
+    # batches in flight (vLLM's virtual engines; the KV room PP frees pays for them): 8x the tokens/s
+    # at the same TPOT.
+    one = pp_decode(H100_SXM, LLAMA_70B, 8, NVLINK4_H100, batch=64, context_len=1024, num_microbatches=1)
+    assert pp8.throughput_tokens_per_s / one.throughput_tokens_per_s == pytest.approx(1.13, abs=0.01)
+    eight = pp_decode(H100_SXM, LLAMA_70B, 8, NVLINK4_H100, batch=8 * 64, context_len=1024, num_microbatches=8)
+    assert eight.inter_token_s == pytest.approx(one.inter_token_s)
+    assert eight.throughput_tokens_per_s == pytest.approx(8 * one.throughput_tokens_per_s)
+    assert memory_per_device(H100_SXM, LLAMA_70B, pp=8).kv_tokens > 8 * 64 * 1024  # and their KV fits

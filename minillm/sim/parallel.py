@@ -355,3 +355,55 @@ def load_imbalance(tokens_per_expert: Sequence[int], ep: int) -> float:
     loads = rank_loads(tokens_per_expert, ep)
     mean = sum(loads) / len(loads)
     return max(loads) / mean if mean else 1.0
+
+
+# --- one layout, every number a playground shows -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayoutSummary:
+    """What a TP x PP layout gives one model on one kind of device (chapter 12's playground)."""
+
+    tp: int
+    pp: int
+    num_devices: int
+    ttft_s: float  # one prompt's prefill on an idle engine (crosses every stage once)
+    tpot_s: float  # time between two tokens of one sequence at this batch
+    throughput_tokens_per_s: float  # decode tokens per second, all sequences together
+    weight_bytes_per_device: float
+    kv_tokens_per_device: int
+    fits: bool
+
+
+def layout_summary(
+    hw: Hardware, shape: ModelShape, *, tp: int = 1, pp: int = 1, tp_link: Link, pp_link: Link | None = None,
+    prompt_len: int = 512, batch: int = 1, context_len: int = 1024, num_microbatches: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+) -> LayoutSummary:
+    """TTFT, TPOT, decode throughput and memory per device of `tp` x `pp` devices.
+
+    Tensor parallelism shortens both TTFT and TPOT (each step is split); pipeline parallelism
+    shortens neither (a token still crosses every layer, plus the hops). `batch` sequences are cut
+    into `num_microbatches` (default: one per stage when the batch allows) that keep every stage
+    busy; in weight-bound decode that gains little, as each micro-batch re-reads the stage's
+    weights: PP's throughput comes from the larger batches its freed KV room holds, and it lets
+    a model too big for one device fit. `pp_link` joins the stages (often InfiniBand between nodes).
+    """
+    pp_link = pp_link or tp_link
+    if num_microbatches is None:
+        num_microbatches = pp if batch % pp == 0 else 1
+    stage_shape = dataclasses.replace(shape, num_layers=max(stage_layers(shape.num_layers, pp)))
+    prefill = tp_step_time(hw, stage_shape, tp, tp_link, prefill_tokens=[prompt_len])
+    hop_s = send_recv_time_s(prompt_len * shape.hidden_size * hw.dtype_bytes, pp_link)
+    decode = pp_decode(hw, shape, pp, pp_link, batch=batch, context_len=context_len,
+                       num_microbatches=num_microbatches, tp=tp, tp_link=tp_link)
+    memory = memory_per_device(hw, shape, tp=tp, pp=pp, gpu_memory_utilization=gpu_memory_utilization)
+    return LayoutSummary(
+        tp=tp, pp=pp, num_devices=tp * pp,
+        ttft_s=pp * prefill.time_s + (pp - 1) * hop_s,
+        tpot_s=decode.inter_token_s,
+        throughput_tokens_per_s=decode.throughput_tokens_per_s,
+        weight_bytes_per_device=memory.weight_bytes,
+        kv_tokens_per_device=memory.kv_tokens,
+        fits=memory.fits,
+    )
