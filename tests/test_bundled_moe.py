@@ -180,3 +180,39 @@ def test_bad_configurations_are_refused(hf_moe64) -> None:
         sparse_moe(torch.zeros(2, 64, dtype=torch.float64), w, experts=range(0, 4, 2))
     with pytest.raises(KeyError, match="no MoE weights for layer 5"):
         moe_weights_from_state(read_safetensors(MOE_DIR), 5, 4, 2)
+
+
+class _MiniMoE(torch.nn.Module):
+    """minillm's sparse_moe in place of transformers' block, keeping each call's load histogram."""
+
+    def __init__(self, weights: MoEWeights) -> None:
+        super().__init__()
+        self.weights = weights
+        self.histograms: list[list[int]] = []
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = sparse_moe(hidden.reshape(-1, hidden.shape[-1]), self.weights)
+        self.histograms.append(out.tokens_per_expert.tolist())
+        return out.hidden.view(hidden.shape)
+
+
+def test_greedy_tokens_equal_hf_with_minillm_moe_blocks_float64(hf_moe, hf_moe64) -> None:
+    """The whole model, HF attention + minillm's MoE blocks, generates HF's tokens in float64."""
+    tokenizer = hf_moe[1]
+    patched = AutoModelForCausalLM.from_pretrained(
+        MOE_DIR, local_files_only=True, dtype=torch.float64, experts_implementation="eager"
+    ).eval()
+    state = read_safetensors(MOE_DIR)
+    blocks = []
+    for i, layer in enumerate(patched.model.layers):
+        layer.mlp = _MiniMoE(moe_weights_from_state(state, i, 4, 2, dtype=torch.float64))
+        blocks.append(layer.mlp)
+    for prompt in PROMPTS[1:3]:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            expected = hf_moe64.generate(ids, max_new_tokens=16, do_sample=False)
+            ours = patched.generate(ids, max_new_tokens=16, do_sample=False)
+        assert ours.tolist() == expected.tolist(), prompt
+    # One histogram per forward (prefill, then one per decode step): 2 slots per token.
+    first = blocks[0].histograms
+    assert len(first) == 2 * 16 and sum(first[1]) == 2  # a decode step routes its 1 token to 2 experts

@@ -88,7 +88,9 @@ def check_exercises_in_step(root: Path = REPO_ROOT) -> None:
     if not (root / "solutions").is_dir():
         raise ReleaseError(f"no {root / 'solutions'}: this is already a student release (releases are made "
                            "from the teacher's copy of the course)")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    tools = str(Path(__file__).resolve().parent)
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
     import build_exercises  # noqa: PLC0415  (tools/ is not a package)
 
     try:

@@ -1,0 +1,409 @@
+"""Tensor, pipeline and expert parallelism in the simulator: time, memory and traffic (chapter 12).
+
+Three ways to put one model on several devices, and what each costs (`minillm.sim.network` prices
+the messages):
+
+* **Tensor parallel (TP, Megatron-LM):** every layer's matrices are split across `tp` devices —
+  q/k/v and gate/up by columns (each device owns some heads and some of the MLP), o and down by
+  rows — so each device reads 1/tp of the weights and does 1/tp of the FLOPs, then the partial
+  outputs are summed by an all-reduce after o_proj and after down_proj: 2 per layer, of
+  `tokens x hidden` activations, plus one for the vocab-parallel embedding and a gather of the
+  logits. Decode is memory-bound, so TP cuts per-token latency — until the all-reduces, whose
+  latency does not shrink with tp, cost more than the matmuls they separate.
+* **Pipeline parallel (PP):** layers split into `pp` stages (3 layers on 2 stages: 2 + 1);
+  a micro-batch's hidden states go from stage to stage with send/recv. One request's latency does
+  not improve (it still crosses every layer, plus the hops); with `m` micro-batches in flight the
+  share of time a stage sits idle in a fill-and-drain pipeline (GPipe) is (p-1)/(m+p-1).
+* **Expert parallel (EP):** an MoE layer's experts are placed on different devices; every token
+  goes to its top-k experts and comes back: two all-to-alls per MoE layer (dispatch, combine).
+
+Memory per device: weights (split by TP and PP) plus the KV cache of the device's layers and KV
+heads (KV heads are replicated when tp exceeds them). `memory_per_device` says which model fits
+where. What is left out: compute/communication overlap, algorithm switching in NCCL, activation
+memory, and the engine overheads of more processes; the presets' roofs are ideal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from minillm.sim.cost_model import step_time
+from minillm.sim.hardware import Hardware
+from minillm.sim.model_shapes import ModelShape
+from minillm.sim.network import (
+    Link,
+    all_gather_time_s,
+    all_reduce_time_s,
+    all_to_all_time_s,
+    send_recv_time_s,
+)
+
+# --- how a model splits ---------------------------------------------------------------------------
+
+
+def kv_heads_per_device(shape: ModelShape, tp: int) -> int:
+    """KV heads each TP rank holds: kv/tp, or 1 (replicated) when there are fewer KV heads than ranks."""
+    check_tp(shape, tp)
+    return max(1, shape.num_kv_heads // tp)
+
+
+def check_tp(shape: ModelShape, tp: int) -> None:
+    """The splits vLLM accepts: query heads divisible by tp; KV heads divisible by tp or dividing it."""
+    if tp < 1:
+        raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
+    if shape.num_heads % tp:
+        raise ValueError(f"{shape.name}: {shape.num_heads} query heads cannot be split over tensor parallel size {tp}")
+    kv = shape.num_kv_heads
+    if kv % tp and tp % kv:
+        raise ValueError(f"{shape.name}: {kv} KV heads cannot be split or replicated over tensor parallel size {tp}")
+
+
+def stage_layers(num_layers: int, pp: int) -> list[int]:
+    """Layers per pipeline stage, as even as possible, the first stages taking the remainder (3 on 2: [2, 1])."""
+    if not 1 <= pp <= num_layers:
+        raise ValueError(f"pipeline parallel size {pp} must be between 1 and the number of layers ({num_layers})")
+    base, extra = divmod(num_layers, pp)
+    return [base + (1 if s < extra else 0) for s in range(pp)]
+
+
+def layer_params_per_device(shape: ModelShape, tp: int) -> int:
+    """One decoder layer's parameters on one TP rank (norms are replicated, KV heads perhaps too)."""
+    kv_out = kv_heads_per_device(shape, tp) * shape.head_dim
+    q_out = shape.num_heads * shape.head_dim // tp
+    attention = shape.hidden_size * (q_out + 2 * kv_out) + q_out * shape.hidden_size
+    if shape.qkv_bias:
+        attention += q_out + 2 * kv_out
+    mlp = 3 * shape.hidden_size * math.ceil(shape.intermediate_size / tp)
+    return attention + mlp + 2 * shape.hidden_size
+
+
+# --- tensor parallel: one step ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParallelStepCost:
+    """One engine step on one of `tp` devices (they all take the same time)."""
+
+    tp: int
+    compute_s: float  # this device's FLOPs at its roof
+    memory_s: float  # this device's bytes at its roof
+    comm_s: float  # all-reduces + the logits gather; not overlapped with compute
+    overhead_s: float
+    num_all_reduces: int
+    all_reduce_bytes: float  # size of each all-reduce (tokens x hidden x dtype)
+    weight_bytes_per_device: float
+
+    @property
+    def roofline_s(self) -> float:
+        return max(self.compute_s, self.memory_s)
+
+    @property
+    def time_s(self) -> float:
+        return self.roofline_s + self.comm_s + self.overhead_s
+
+    @property
+    def comm_bound(self) -> bool:
+        """True when the device spends longer communicating than computing."""
+        return self.comm_s > self.roofline_s
+
+
+def tp_step_time(
+    hw: Hardware,
+    shape: ModelShape,
+    tp: int,
+    link: Link,
+    *,
+    prefill_tokens: Sequence[int] = (),
+    prefill_context: Sequence[int] | None = None,
+    decode_context_lens: Sequence[int] = (),
+) -> ParallelStepCost:
+    """One step (the same arguments as `cost_model.step_time`) with the model split over `tp` devices."""
+    check_tp(shape, tp)
+    whole = step_time(hw, shape, prefill_tokens=prefill_tokens, prefill_context=prefill_context,
+                      decode_context_lens=decode_context_lens)
+    b = hw.dtype_bytes
+    # every FLOP is split: heads (attention), columns/rows (linears), vocabulary (lm_head)
+    compute_s = whole.compute_time_s / tp
+    weights = (shape.num_layers * layer_params_per_device(shape, tp) + shape.hidden_size
+               + math.ceil(shape.vocab_size / tp) * shape.hidden_size) * b
+    kv_share = kv_heads_per_device(shape, tp) / shape.num_kv_heads
+    kv_bytes = (whole.kv_read_bytes + whole.kv_write_bytes) * kv_share
+    memory_s = (weights + kv_bytes) / (hw.mem_bandwidth_bytes_per_s * hw.mbu)
+    rows_with_logits = len(prefill_tokens) + len(decode_context_lens)
+    activation_bytes = whole.num_tokens * shape.hidden_size * b
+    num_all_reduces = 2 * shape.num_layers + 1 if tp > 1 else 0  # o_proj and down_proj per layer; embedding
+    comm_s = num_all_reduces * all_reduce_time_s(activation_bytes, tp, link)
+    comm_s += all_gather_time_s(rows_with_logits * shape.vocab_size * b, tp, link)
+    return ParallelStepCost(tp=tp, compute_s=compute_s, memory_s=memory_s, comm_s=comm_s,
+                            overhead_s=whole.overhead_s, num_all_reduces=num_all_reduces,
+                            all_reduce_bytes=activation_bytes if tp > 1 else 0.0,
+                            weight_bytes_per_device=weights)
+
+
+def tp_decode_scaling(
+    hw: Hardware, shape: ModelShape, link: Link, *, batch: int = 1, context_len: int = 1024,
+    tp_degrees: Sequence[int] = (1, 2, 4, 8),
+) -> list[ParallelStepCost]:
+    """A decode step of `batch` sequences at each TP degree: per-token latency is each row's time_s."""
+    return [tp_step_time(hw, shape, tp, link, decode_context_lens=[context_len] * batch) for tp in tp_degrees]
+
+
+def scaling_stops_at(rows: Sequence[ParallelStepCost]) -> int:
+    """The TP degree with the shortest step: beyond it, more devices make the step slower."""
+    return min(rows, key=lambda r: r.time_s).tp
+
+
+# --- pipeline parallel --------------------------------------------------------------------------
+
+
+def pipeline_bubble_fraction(num_stages: int, num_microbatches: int) -> float:
+    """Share of a fill-and-drain pipeline's time each stage sits idle: (p - 1) / (m + p - 1)."""
+    if num_stages < 1 or num_microbatches < 1:
+        raise ValueError(f"num_stages and num_microbatches must be >= 1, got {num_stages} and {num_microbatches}")
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+@dataclass(frozen=True)
+class PipelineCost:
+    """A decode step of `batch` sequences cut into `num_microbatches` micro-batches over `pp` stages."""
+
+    pp: int
+    num_microbatches: int
+    stage_s: float  # the slowest stage's time for one micro-batch (most layers, plus the lm_head)
+    send_s: float  # hidden states of one micro-batch to the next stage
+    batch: int
+
+    @property
+    def beat_s(self) -> float:
+        """The pipeline's clock: a stage's work on one micro-batch plus handing it on."""
+        return self.stage_s + (self.send_s if self.pp > 1 else 0.0)
+
+    @property
+    def total_s(self) -> float:
+        """Fill and drain (GPipe): the last micro-batch leaves stage p after m + p - 1 beats."""
+        return (self.num_microbatches + self.pp - 1) * self.beat_s
+
+    @property
+    def bubble_fraction(self) -> float:
+        return pipeline_bubble_fraction(self.pp, self.num_microbatches)
+
+    @property
+    def inter_token_s(self) -> float:
+        """Steady decoding (vLLM's virtual engines keep m micro-batches circulating): a sequence's
+        next token comes once its micro-batch is back at stage 1, after max(m, p) beats."""
+        return max(self.num_microbatches, self.pp) * self.beat_s
+
+    @property
+    def throughput_tokens_per_s(self) -> float:
+        return self.batch / self.inter_token_s
+
+
+def pp_decode(
+    hw: Hardware, shape: ModelShape, pp: int, link: Link, *, batch: int, context_len: int,
+    num_microbatches: int = 1, tp: int = 1, tp_link: Link | None = None,
+) -> PipelineCost:
+    """Decode with `pp` stages (each optionally `tp`-way tensor parallel over `tp_link`).
+
+    Each micro-batch re-reads its stage's weights, so cutting a memory-bound decode batch into
+    micro-batches costs weight traffic: a stage is idle less, but each beat is not m times shorter.
+    """
+    if num_microbatches < 1 or batch % num_microbatches:
+        raise ValueError(f"batch {batch} must split evenly into num_microbatches={num_microbatches} micro-batches")
+    micro = batch // num_microbatches
+    stage_shape = dataclasses.replace(shape, num_layers=max(stage_layers(shape.num_layers, pp)))
+    stage = tp_step_time(hw, stage_shape, tp, tp_link or link, decode_context_lens=[context_len] * micro)
+    send_s = send_recv_time_s(micro * shape.hidden_size * hw.dtype_bytes, link)
+    return PipelineCost(pp=pp, num_microbatches=num_microbatches, stage_s=stage.time_s, send_s=send_s, batch=batch)
+
+
+# --- memory per device ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """The fullest device of a TP x PP layout: its weights, and how much KV cache is left for it."""
+
+    weight_bytes: float
+    kv_bytes_per_token: float  # this device's layers and KV heads
+    budget_bytes: float  # capacity x gpu_memory_utilization
+
+    @property
+    def kv_budget_bytes(self) -> float:
+        return self.budget_bytes - self.weight_bytes
+
+    @property
+    def fits(self) -> bool:
+        """The weights fit with room to spare for at least some KV cache."""
+        return self.kv_budget_bytes > 0
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens of KV cache (over all sequences) the device has room for."""
+        return max(0, int(self.kv_budget_bytes // self.kv_bytes_per_token))
+
+
+def memory_per_device(
+    hw: Hardware, shape: ModelShape, *, tp: int = 1, pp: int = 1, gpu_memory_utilization: float = 0.9
+) -> DeviceMemory:
+    """Weights and KV room on the fullest device: stage 0 holds the embedding, the last stage the
+    final norm and lm_head (one tensor with a tied embedding when there is one stage); both are
+    split over the vocabulary by TP."""
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    layers = stage_layers(shape.num_layers, pp)
+    vocab_rows = math.ceil(shape.vocab_size / tp) * shape.hidden_size
+    per_stage = []
+    for s, n in enumerate(layers):
+        params = n * layer_params_per_device(shape, tp)
+        if s == 0:
+            params += vocab_rows  # embedding
+        if s == pp - 1:
+            params += shape.hidden_size  # final norm
+            if not (shape.tied_embeddings and pp == 1):
+                params += vocab_rows  # lm_head
+        per_stage.append(params)
+    b = hw.dtype_bytes
+    kv_per_token = 2 * max(layers) * kv_heads_per_device(shape, tp) * shape.head_dim * b
+    return DeviceMemory(weight_bytes=max(per_stage) * b, kv_bytes_per_token=kv_per_token,
+                        budget_bytes=hw.mem_capacity_bytes * gpu_memory_utilization)
+
+
+def min_tp_to_fit(
+    hw: Hardware, shape: ModelShape, *, min_kv_tokens: int = 0, max_tp: int = 8,
+    gpu_memory_utilization: float = 0.9,
+) -> int | None:
+    """The smallest TP degree (1, 2, 4, ...) whose devices hold the weights and `min_kv_tokens` of KV."""
+    tp = 1
+    while tp <= max_tp:
+        try:
+            mem = memory_per_device(hw, shape, tp=tp, gpu_memory_utilization=gpu_memory_utilization)
+        except ValueError:  # this degree does not split the model
+            mem = None
+        if mem is not None and mem.fits and mem.kv_tokens >= min_kv_tokens:
+            return tp
+        tp *= 2
+    return None
+
+
+# --- expert parallel ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """An MoE decoder: the dense shape (attention, embeddings) and, in each layer, `num_experts`
+    SwiGLU experts of `shape.intermediate_size`, of which each token uses `top_k`."""
+
+    shape: ModelShape
+    num_experts: int
+    top_k: int
+
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.shape.hidden_size * self.shape.intermediate_size
+
+    @property
+    def num_params(self) -> int:
+        s = self.shape
+        router = self.num_experts * s.hidden_size
+        experts = (self.num_experts - 1) * self.expert_params  # ModelShape counts one MLP already
+        return s.num_params + s.num_layers * (experts + router)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token is multiplied through (k experts per layer)."""
+        return self.num_params - self.shape.num_layers * (self.num_experts - self.top_k) * self.expert_params
+
+
+# Mixtral 8x7B, from mistralai/Mixtral-8x7B-v0.1's config.json (Jiang et al., 2024, "Mixtral of
+# Experts"): 32 layers, hidden 4096, 32 query / 8 KV heads, 8 experts of 14336, top 2, vocab 32000.
+MIXTRAL_8X7B = MoEShape(ModelShape("mixtral-8x7b", 32, 4096, 32, 8, 128, 14336, 32000), num_experts=8, top_k=2)
+
+
+def ep_expert_bytes_per_device(moe: MoEShape, ep: int, dtype_bytes: int = 2) -> float:
+    """Expert weights each EP rank holds: num_experts / ep whole experts per layer."""
+    if ep < 1 or moe.num_experts % ep:
+        raise ValueError(f"{moe.num_experts} experts cannot be split evenly over expert parallel size {ep}")
+    return moe.shape.num_layers * (moe.num_experts // ep) * moe.expert_params * dtype_bytes
+
+
+def ep_all_to_all_per_layer_s(moe: MoEShape, tokens_per_device: int, ep: int, link: Link, dtype_bytes: int = 2) -> float:
+    """Dispatch + combine of one MoE layer: two all-to-alls of each device's tokens x top_k hidden
+    vectors (with even routing, (ep-1)/ep of them leave the device)."""
+    send_bytes = tokens_per_device * moe.top_k * moe.shape.hidden_size * dtype_bytes
+    return 2 * all_to_all_time_s(send_bytes, ep, link)
+
+
+def ep_step_comm_s(moe: MoEShape, tokens_per_device: int, ep: int, link: Link, dtype_bytes: int = 2) -> float:
+    """All-to-all time of one step, every layer being an MoE layer."""
+    return moe.shape.num_layers * ep_all_to_all_per_layer_s(moe, tokens_per_device, ep, link, dtype_bytes)
+
+
+def rank_loads(tokens_per_expert: Sequence[int], ep: int) -> list[int]:
+    """Routed tokens each EP rank computes, experts placed contiguously (rank r: experts r·E/ep ...)."""
+    num_experts = len(tokens_per_expert)
+    if ep < 1 or num_experts % ep:
+        raise ValueError(f"{num_experts} experts cannot be split evenly over expert parallel size {ep}")
+    per_rank = num_experts // ep
+    return [sum(tokens_per_expert[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
+
+
+def load_imbalance(tokens_per_expert: Sequence[int], ep: int) -> float:
+    """Busiest rank's load over the mean: the MoE layer runs at the pace of its busiest rank."""
+    loads = rank_loads(tokens_per_expert, ep)
+    mean = sum(loads) / len(loads)
+    return max(loads) / mean if mean else 1.0
+
+
+# --- one layout, every number a playground shows -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayoutSummary:
+    """What a TP x PP layout gives one model on one kind of device (chapter 12's playground)."""
+
+    tp: int
+    pp: int
+    num_devices: int
+    ttft_s: float  # one prompt's prefill on an idle engine (crosses every stage once)
+    tpot_s: float  # time between two tokens of one sequence at this batch
+    throughput_tokens_per_s: float  # decode tokens per second, all sequences together
+    weight_bytes_per_device: float
+    kv_tokens_per_device: int
+    fits: bool
+
+
+def layout_summary(
+    hw: Hardware, shape: ModelShape, *, tp: int = 1, pp: int = 1, tp_link: Link, pp_link: Link | None = None,
+    prompt_len: int = 512, batch: int = 1, context_len: int = 1024, num_microbatches: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+) -> LayoutSummary:
+    """TTFT, TPOT, decode throughput and memory per device of `tp` x `pp` devices.
+
+    Tensor parallelism shortens both TTFT and TPOT (each step is split); pipeline parallelism
+    shortens neither (a token still crosses every layer, plus the hops). `batch` sequences are cut
+    into `num_microbatches` (default: one per stage when the batch allows) that keep every stage
+    busy; in weight-bound decode that gains little, as each micro-batch re-reads the stage's
+    weights: PP's throughput comes from the larger batches its freed KV room holds, and it lets
+    a model too big for one device fit. `pp_link` joins the stages (often InfiniBand between nodes).
+    """
+    pp_link = pp_link or tp_link
+    if num_microbatches is None:
+        num_microbatches = pp if batch % pp == 0 else 1
+    stage_shape = dataclasses.replace(shape, num_layers=max(stage_layers(shape.num_layers, pp)))
+    prefill = tp_step_time(hw, stage_shape, tp, tp_link, prefill_tokens=[prompt_len])
+    hop_s = send_recv_time_s(prompt_len * shape.hidden_size * hw.dtype_bytes, pp_link)
+    decode = pp_decode(hw, shape, pp, pp_link, batch=batch, context_len=context_len,
+                       num_microbatches=num_microbatches, tp=tp, tp_link=tp_link)
+    memory = memory_per_device(hw, shape, tp=tp, pp=pp, gpu_memory_utilization=gpu_memory_utilization)
+    return LayoutSummary(
+        tp=tp, pp=pp, num_devices=tp * pp,
+        ttft_s=pp * prefill.time_s + (pp - 1) * hop_s,
+        tpot_s=decode.inter_token_s,
+        throughput_tokens_per_s=decode.throughput_tokens_per_s,
+        weight_bytes_per_device=memory.weight_bytes,
+        kv_tokens_per_device=memory.kv_tokens,
+        fits=memory.fits,
+    )
