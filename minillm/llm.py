@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from minillm.config import EngineConfig
-from minillm.engine import LLMEngine, make_kv_manager
+from minillm.engine import build_engine
 from minillm.model.config import ModelConfig
 from minillm.model.loader import load_hf_model, load_model_dir
 from minillm.model.tokenizer import generation_eos_ids, load_tokenizer
@@ -102,14 +102,9 @@ class LLM:
         else:
             self.model = load_hf_model(model, torch_dtype, device, config.max_model_len)
             self.tokenizer = tokenizer
-        scheduler = None
-        if scheduler_factory is not None:
-            resolved = config.resolve(self.model.config.max_position_embeddings)
-            kv = make_kv_manager(resolved, self.model.config, self.model.dtype, str(self.model.device))
-            scheduler = scheduler_factory(resolved, kv)
         proposer = self._draft_proposer(config, torch_dtype, device)
-        self.engine = LLMEngine(self.model.config, config, model=self.model, tokenizer=self.tokenizer,
-                                kv=None if scheduler is None else kv, scheduler=scheduler, proposer=proposer)
+        self.engine = build_engine(config, self.model.config, model=self.model, tokenizer=self.tokenizer,
+                                   scheduler_factory=scheduler_factory, proposer=proposer)
         self.prometheus = PrometheusMetrics(self.engine, "minillm")
 
     def get_metrics(self) -> list:
@@ -205,14 +200,9 @@ class LLM:
 
             bar = tqdm(total=total, desc="generate", unit="req", leave=False)
         try:
-            while engine.has_unfinished():
-                steps_before = engine.num_steps
-                updates = engine.step()
-                if engine.num_steps == steps_before:
-                    if not engine.wait_for_work():
-                        raise RuntimeError(self._stuck_message())
-                elif bar is not None:
-                    bar.update(sum(1 for u in updates if u.finished))
+            progress = None if bar is None else (lambda updates: bar.update(sum(1 for u in updates if u.finished)))
+            if not engine.run_until_done(progress):
+                raise RuntimeError(self._stuck_message())
         finally:
             engine.expect_more_requests = True
             if bar is not None:

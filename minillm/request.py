@@ -105,7 +105,11 @@ class SamplingParams:
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
+        self.stop = list(self.stop or [])
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if any(not s for s in self.stop):
+            raise ValueError(f"stop cannot contain an empty string (it would match everywhere), got stop={self.stop!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
 
     @property
@@ -159,7 +163,7 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)  # prompt + output, grown as tokens arrive
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_preemptions = 0
-        self.output_text: str | None = None  # set on finish, or when a stop string cuts it
+        self.output_text: str | None = None  # set on finish, by the engine's output processor only
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's)
         self.stopped_on_token = False  # ended by EOS or a stop token id: that token's text is not output (vLLM's)
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
@@ -221,8 +225,7 @@ class Request:
         if self.detokenizer is not None:
             stop = self.params.stop if not early else ()
             cut = self.detokenizer.append(token_id, stop, self.params.include_stop_str_in_output)
-            if cut is not None:
-                self.output_text = cut
+            if cut is not None:  # the detokenizer's text ends at the stop string now
                 self.stop_reason = self.detokenizer.matched_stop
                 return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:

@@ -306,3 +306,23 @@ def test_prefix_cache_hit_rate_is_hits_over_queried_tokens_of_every_admission():
     llm.generate([prompt], greedy, use_tqdm=False)
     summary = llm.engine.metrics.summary()
     assert summary.prefix_cache_hit_rate == pytest.approx(20 / (21 + 21))
+
+
+def test_an_empty_stop_string_is_refused_as_vllm_does():
+    for stop in ("", [""], ["ok", ""]):
+        with pytest.raises(ValueError, match="stop cannot contain an empty string"):
+            SamplingParams(stop=stop)
+    with pytest.raises(ValueError, match="list of strings"):
+        SamplingParams(stop=[3])
+
+
+def test_step_says_whether_the_model_ran():
+    llm = LLM(max_num_seqs=2, enable_chunked_prefill=True, max_num_batched_tokens=4)
+    engine = llm.engine
+    assert engine.step().model_ran is False  # nothing to run
+    engine.add_request({"prompt_token_ids": list(range(5, 15))}, SamplingParams(max_tokens=1, temperature=0.0))
+    first = engine.step()  # a 4-token chunk of a 10-token prompt: the model ran, nothing was sampled
+    assert first.model_ran and first == []
+    engine.step()
+    last = engine.step()  # the last chunk samples the one token: done
+    assert last.model_ran and [u.finished for u in last] == [True] and not engine.has_unfinished()

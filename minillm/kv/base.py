@@ -33,6 +33,15 @@ class KVUsage:
 
 
 @dataclass(frozen=True)
+class PrefixCacheStats:
+    """Prefix-cache lookups since the last `make_prefix_cache_stats()` (vLLM's name): tokens of
+    admitted requests looked up, and of those, found cached."""
+
+    queries: int = 0
+    hits: int = 0
+
+
+@dataclass(frozen=True)
 class KVCacheSpec:
     """The KV pool a worker allocates for a manager's layout: `[num_layers, num_slots, H_kv, D]` for
     K and for V. Slot `b * block_size + i` is position i of block b; `null_block` is never handed
@@ -124,6 +133,10 @@ class KVManager(Protocol):
 
     def usage(self) -> KVUsage: ...
 
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """Lookups since the last call (then counting starts again)."""
+        ...
+
     # -- what the plan reads (minillm.scheduler.output)
     def block_ids_of(self, request_id: str) -> list[int]: ...
 
@@ -149,3 +162,5 @@ class PaddedKV(Protocol):
     def rollback_step(self) -> list[str]: ...
 
     def usage(self) -> KVUsage: ...
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats: ...

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from minillm.config import PREFIX_CACHES
-from minillm.kv.base import CachedPrefix, KVCacheSpec, KVUsage
+from minillm.kv.base import CachedPrefix, KVCacheSpec, KVUsage, PrefixCacheStats
 from minillm.kv.block_allocator import BlockAllocator
 from minillm.kv.radix import RadixTree
 from minillm.request import Request
@@ -200,6 +200,7 @@ class BlockManager:
         # vLLM's prefix-cache counters: tokens of admitted requests looked up, and of those, found.
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
+        self._stats = (0, 0)  # the totals at the last make_prefix_cache_stats()
 
     # ---- prefix cache ------------------------------------------------------------------------
     @property
@@ -528,6 +529,12 @@ class BlockManager:
         return KVUsage(used_tokens=self._used_tokens, reserved_tokens=in_use * bs,
                        total_tokens=self.allocator.num_blocks * bs,
                        swapped_tokens=self._swapped_tokens)
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """Lookups counted since the last call (vLLM's `make_prefix_cache_stats`)."""
+        queries, hits = self._stats
+        self._stats = (self.num_query_tokens, self.num_hit_tokens)
+        return PrefixCacheStats(self.num_query_tokens - queries, self.num_hit_tokens - hits)
 
     @property
     def num_free_blocks(self) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from minillm.kv.base import KVCacheSpec, KVUsage
+from minillm.kv.base import KVCacheSpec, KVUsage, PrefixCacheStats
 from minillm.request import Request
 
 
@@ -47,3 +47,6 @@ class PaddedKVManager:
         used = sum(r.num_computed_tokens for r in self.rows if not r.status.finished)
         return KVUsage(used_tokens=used, reserved_tokens=len(self.rows) * self.max_len,
                        total_tokens=self.capacity_tokens)
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats()  # no prefix cache

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from minillm.kv.base import CachedPrefix, KVCacheSpec, KVUsage
+from minillm.kv.base import CachedPrefix, KVCacheSpec, KVUsage, PrefixCacheStats
 from minillm.request import Request
 
 
@@ -110,3 +110,6 @@ class SlabKVManager:
     @property
     def num_free_slabs(self) -> int:
         return len(self.free_slabs)
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats()  # no prefix cache

@@ -22,7 +22,6 @@ reserve `max_model_len` slots per request, so that pool caps how many requests r
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 
 from minillm.clock import SimClock
 from minillm.config import EngineConfig
-from minillm.engine import LLMEngine, make_kv_manager, make_scheduler
+from minillm.engine import LLMEngine, build_engine, make_kv_manager
 from minillm.metrics import SLO, RequestMetrics, StepRecord, Summary
 from minillm.model.config import ModelConfig
 from minillm.request import SamplingParams
@@ -99,8 +98,7 @@ def simulate(
     executor = SimExecutor(hw, shape, token_id=token_id, block_size=config.block_size,
                            draft_shape=speculation.draft_shape if speculation else None)
     proposer = speculation.proposer(token_id, shape.vocab_size, model_config.eos_token_ids) if speculation else None
-    engine = LLMEngine(model_config, config, kv=kv, scheduler=make_scheduler(config, kv),
-                       executor=executor, clock=SimClock(), proposer=proposer)
+    engine = build_engine(config, model_config, kv=kv, executor=executor, clock=SimClock(), proposer=proposer)
     engine.expect_more_requests = False  # the trace is all there is: a static batch need not wait to fill
     for r in trace:
         params = SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
@@ -116,19 +114,14 @@ def simulate(
 
 def _run(engine: LLMEngine) -> None:
     """Step until every request has finished; jump the clock over idle gaps."""
-    while engine.has_unfinished():
-        steps_before, now = engine.num_steps, engine.clock.now()
-        engine.step()
-        if engine.num_steps > steps_before:
-            continue  # something ran (a step may sample nothing: a prefill chunk)
-        engine.wait_for_work()
-        if engine.clock.now() == now or math.isinf(engine.clock.now()):  # nothing will ever run
-            stuck = list(engine.requests.values())
-            raise RuntimeError(
-                f"the simulation is stuck at t={now!r}s with {len(stuck)} unfinished request(s) "
-                f"(e.g. {stuck[0]!r}): the scheduler plans nothing and its next wakeup is "
-                f"{engine.scheduler.next_wakeup(now)!r}; is the KV pool ({engine.kv.usage().total_tokens} "
-                f"tokens) or max_num_batched_tokens too small, or does the scheduler's timer fire late?")
+    if not engine.run_until_done():
+        now = engine.clock.now()
+        stuck = list(engine.requests.values())
+        raise RuntimeError(
+            f"the simulation is stuck at t={now!r}s with {len(stuck)} unfinished request(s) "
+            f"(e.g. {stuck[0]!r}): the scheduler plans nothing and its next wakeup is "
+            f"{engine.scheduler.next_wakeup(now)!r}; is the KV pool ({engine.kv.usage().total_tokens} "
+            f"tokens) or max_num_batched_tokens too small, or does the scheduler's timer fire late?")
 
 
 def _model(model: str | Path | ModelShape | ModelConfig, trace: Trace,

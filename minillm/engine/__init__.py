@@ -1,0 +1,15 @@
+"""The engine: requests in, one step at a time, outputs out (chapters 02–11).
+
+- `core.LLMEngine` — `step()` (schedule → execute → update → record) and rollback of a failed step.
+- `input.InputProcessor` — tokenize and check a prompt and its parameters into a `Request`.
+- `output.OutputProcessor` — final text, stop strings, what each output carries (deltas).
+- `threaded.ThreadedEngine` — the inbox through which other threads talk to a running engine.
+- `build.build_engine` — one engine from a config (used by `LLM`, the simulator and the graders).
+"""
+
+from minillm.engine.build import build_engine, make_kv_manager, make_scheduler
+from minillm.engine.core import LLMEngine, StepUpdates
+from minillm.engine.threaded import ADD_FAILED, SERVER_FAULTS, STEP_FAILED, OutputSink
+
+__all__ = ["ADD_FAILED", "SERVER_FAULTS", "STEP_FAILED", "LLMEngine", "OutputSink", "StepUpdates", "build_engine",
+           "make_kv_manager", "make_scheduler"]
