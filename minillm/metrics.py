@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from minillm.report import LATENCY_METRICS, Report, format_value, latency_keys, ratio
+from minillm.report import LATENCY_METRICS, LatencyStats, Report, format_value, latency_keys, ratio
 
 
 @dataclass
@@ -110,23 +110,6 @@ class SLO:
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     e2el_ms: float | None = None
-
-
-@dataclass
-class LatencyStats:
-    mean_ms: float
-    median_ms: float
-    std_ms: float
-    percentiles_ms: dict[float, float]
-
-    @classmethod
-    def of(cls, values_s: Sequence[float], percentiles: Sequence[float]) -> LatencyStats:
-        if len(values_s) == 0:
-            nan = float("nan")
-            return cls(nan, nan, nan, {p: nan for p in percentiles})
-        ms = np.asarray(values_s, dtype=np.float64) * 1000.0
-        return cls(float(ms.mean()), float(np.median(ms)), float(ms.std()),
-                   {p: float(np.percentile(ms, p)) for p in percentiles})
 
 
 @dataclass

@@ -20,11 +20,10 @@ In the JSON, metric `ttft` with percentile 99 becomes `mean_ttft_ms`, `median_tt
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
-if TYPE_CHECKING:
-    from minillm.metrics import LatencyStats
+import numpy as np
 
 REPORT_WIDTH = 50
 LABEL_WIDTH = 40
@@ -54,6 +53,25 @@ def format_value(value: float | int | None) -> str:
     if value is None:
         return "-"
     return f"{value}" if isinstance(value, int) else f"{value:.2f}"
+
+
+@dataclass
+class LatencyStats:
+    """One latency metric over requests (or gaps): mean, median, std and percentiles, in ms."""
+
+    mean_ms: float
+    median_ms: float
+    std_ms: float
+    percentiles_ms: dict[float, float]
+
+    @classmethod
+    def of(cls, values_s: Sequence[float], percentiles: Sequence[float]) -> LatencyStats:
+        if len(values_s) == 0:
+            nan = float("nan")
+            return cls(nan, nan, nan, {p: nan for p in percentiles})
+        ms = np.asarray(values_s, dtype=np.float64) * 1000.0
+        return cls(float(ms.mean()), float(np.median(ms)), float(ms.std()),
+                   {p: float(np.percentile(ms, p)) for p in percentiles})
 
 
 def latency_keys(name: str, stats: LatencyStats) -> dict[str, float]:

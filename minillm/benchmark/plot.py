@@ -8,12 +8,17 @@ under overload is visible at a glance, and the number of requests in flight.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from minillm.benchmark.serve import BenchmarkResult
+
+class BenchmarkResultLike(Protocol):
+    """What `plot_result` reads of a `minillm.benchmark.serve.BenchmarkResult`."""
+
+    outcomes: list
+    metrics: Any
+    config: Any
 
 
 def _cdf(ax, values_s: list[float], label: str) -> None:
@@ -32,7 +37,7 @@ def _cdf(ax, values_s: list[float], label: str) -> None:
     ax.legend(fontsize="x-small")
 
 
-def plot_result(result: BenchmarkResult, path: str | Path | None = None, title: str | None = None):
+def plot_result(result: BenchmarkResultLike, path: str | Path | None = None, title: str | None = None):
     """Draw the figure; save it as PNG when `path` is given. Returns the matplotlib Figure."""
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, nothing left open
 

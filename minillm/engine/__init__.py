@@ -4,12 +4,14 @@
 - `input.InputProcessor` — tokenize and check a prompt and its parameters into a `Request`.
 - `output.OutputProcessor` — final text, stop strings, what each output carries (deltas).
 - `threaded.ThreadedEngine` — the inbox through which other threads talk to a running engine.
-- `build.build_engine` — one engine from a config (used by `LLM`, the simulator and the graders).
+- `build.build_engine` — one engine from a config (used by `LLM` and the simulator);
+  `parts.make_kv_manager` / `make_scheduler` — the KV manager and scheduler a config names.
 """
 
-from minillm.engine.build import build_engine, make_kv_manager, make_scheduler
-from minillm.engine.core import LLMEngine, StepUpdates
+from minillm.engine.build import build_engine
+from minillm.engine.core import EngineLoad, LLMEngine, StepUpdates
+from minillm.engine.parts import make_kv_manager, make_scheduler
 from minillm.engine.threaded import ADD_FAILED, SERVER_FAULTS, STEP_FAILED, OutputSink
 
-__all__ = ["ADD_FAILED", "SERVER_FAULTS", "STEP_FAILED", "LLMEngine", "OutputSink", "StepUpdates", "build_engine",
+__all__ = ["ADD_FAILED", "SERVER_FAULTS", "STEP_FAILED", "EngineLoad", "LLMEngine", "OutputSink", "StepUpdates", "build_engine",
            "make_kv_manager", "make_scheduler"]

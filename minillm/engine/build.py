@@ -10,39 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from minillm.config import EngineConfig
-from minillm.kv.block_manager import BlockManager
-from minillm.kv.padded import PaddedKVManager
-from minillm.kv.slab import SlabKVManager
+from minillm.engine.core import LLMEngine
+from minillm.engine.parts import make_kv_manager, make_scheduler
 from minillm.model.config import ModelConfig
 from minillm.scheduler.base import Scheduler
-from minillm.scheduler.continuous import ContinuousScheduler
-from minillm.scheduler.dynamic import DynamicScheduler
-from minillm.scheduler.static import StaticScheduler
 
-
-def make_kv_manager(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype = torch.float32,
-                    device: str = "cpu", allocate_pool: bool = True):
-    """The KV manager the config names: one rectangle per batch for static/dynamic, else slabs or pages.
-    (`allocate_pool=False`: the worker allocates no memory for it — the simulator's 7B pools.)"""
-    c = model_config
-    if config.batching in ("static", "dynamic"):
-        return PaddedKVManager(c.num_layers, c.num_kv_heads, c.head_dim, config.max_num_seqs,
-                               config.max_model_len, dtype, device, allocate_pool)
-    if config.kv_layout == "slab":
-        return SlabKVManager(c.num_layers, c.num_kv_heads, c.head_dim, num_slabs=config.max_num_seqs,
-                             slab_len=config.max_model_len, dtype=dtype, device=device, allocate_pool=allocate_pool)
-    return BlockManager(c.num_layers, c.num_kv_heads, c.head_dim, config.num_kv_blocks, config.block_size, dtype,
-                        device, enable_prefix_caching=config.enable_prefix_caching, allocate_pool=allocate_pool,
-                        watermark=config.kv_watermark, prefix_cache=config.prefix_cache,
-                        max_model_len=config.max_model_len, swap_space_gib=config.swap_space)
-
-
-def make_scheduler(config: EngineConfig, kv) -> Scheduler:
-    schedulers = {"static": StaticScheduler, "dynamic": DynamicScheduler, "continuous": ContinuousScheduler}
-    return schedulers[config.batching](config, kv)
+__all__ = ["build_engine", "make_kv_manager", "make_scheduler"]
 
 
 def build_engine(config: EngineConfig, model_config: ModelConfig, *, model: Any = None, tokenizer: Any = None,
@@ -51,8 +25,6 @@ def build_engine(config: EngineConfig, model_config: ModelConfig, *, model: Any 
     """An `LLMEngine` for `config`: with `model`, the real model runs in an in-process worker; without
     it, pass `executor` (the simulator's, a stand-in). `scheduler_factory(resolved_config, kv)`
     plugs in another scheduler (an exercise's); `kv` another KV manager."""
-    from minillm.engine.core import LLMEngine
-
     resolved = config.resolve(model_config.max_position_embeddings)
     if kv is None:
         if model is not None:

@@ -19,15 +19,17 @@ import itertools
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from minillm.clock import WallClock
 from minillm.config import EngineConfig
-from minillm.engine.build import make_kv_manager, make_scheduler
 from minillm.engine.input import InputProcessor
 from minillm.engine.output import OutputProcessor
+from minillm.engine.parts import make_kv_manager, make_scheduler
 from minillm.engine.threaded import OutputSink, ThreadedEngine
 from minillm.executor.uniproc import UniProcExecutor
+from minillm.kv.base import KVUsage
 from minillm.metrics import MetricsCollector, StepRecord
 from minillm.model.config import ModelConfig
 from minillm.model.llama import LlamaModel
@@ -42,6 +44,16 @@ class StepUpdates(list):
     chunk runs but samples nothing; a step with nothing to run does not)."""
 
     model_ran: bool = False
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """The engine's load now, for gauges (`minillm.server.metrics`): returned, never probed."""
+
+    num_running: int
+    num_waiting: int  # in the scheduler's queue (preempted ones included)
+    num_not_arrived: int  # added with a future arrival time
+    kv_usage: KVUsage
 
 
 class LLMEngine(ThreadedEngine):
@@ -226,6 +238,9 @@ class LLMEngine(ThreadedEngine):
         guesses, dists = self.proposer.propose(requests, budgets)
         for req, g, q in zip(requests, guesses, dists):
             req.spec_token_ids, req.spec_draft_probs = list(g), q
+
+    def load_snapshot(self) -> EngineLoad:
+        return EngineLoad(self.scheduler.num_running, self.scheduler.num_waiting, len(self._pending), self.kv.usage())
 
     def run_until_done(self, on_step: Callable[[StepUpdates], None] | None = None,
                        max_iterations: int | None = None) -> bool:

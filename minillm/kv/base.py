@@ -33,6 +33,20 @@ class KVUsage:
 
 
 @dataclass(frozen=True)
+class KVLayoutSnapshot:
+    """Who holds which blocks (or slabs), as plain values: what the KV heatmap draws (`minillm.viz`)."""
+
+    kind: str  # "blocks" (paged) or "slabs"
+    num_blocks: int  # blocks (or slabs) in the pool
+    block_size: int  # token slots per block (a slab's length)
+    tables: dict[str, tuple[int, ...]]  # request id -> its blocks in order, in admission order
+    tokens: dict[str, int]  # request id -> tokens whose K/V it holds (or this step adds)
+    usage: KVUsage
+    ref_counts: tuple[int, ...] = ()  # per block: readers (paged)
+    cached_unused: tuple[int, ...] = ()  # blocks kept for the prefix cache that nobody reads (paged)
+
+
+@dataclass(frozen=True)
 class PrefixCacheStats:
     """Prefix-cache lookups since the last `make_prefix_cache_stats()` (vLLM's name): tokens of
     admitted requests looked up, and of those, found cached."""
@@ -135,6 +149,10 @@ class KVManager(Protocol):
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """Lookups since the last call (then counting starts again)."""
+        ...
+
+    def layout_snapshot(self) -> KVLayoutSnapshot:
+        """Who holds which blocks now (for pictures; a copy)."""
         ...
 
     # -- what the plan reads (minillm.scheduler.output)

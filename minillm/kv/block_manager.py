@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from minillm.config import PREFIX_CACHES
-from minillm.kv.base import CachedPrefix, KVCacheSpec, KVUsage, PrefixCacheStats
+from minillm.kv.base import CachedPrefix, KVCacheSpec, KVLayoutSnapshot, KVUsage, PrefixCacheStats
 from minillm.kv.block_allocator import BlockAllocator
 from minillm.kv.radix import RadixTree
 from minillm.request import Request
@@ -535,6 +535,12 @@ class BlockManager:
         queries, hits = self._stats
         self._stats = (self.num_query_tokens, self.num_hit_tokens)
         return PrefixCacheStats(self.num_query_tokens - queries, self.num_hit_tokens - hits)
+
+    def layout_snapshot(self) -> KVLayoutSnapshot:
+        allocator = self.allocator
+        return KVLayoutSnapshot("blocks", allocator.num_blocks, self.block_size,
+                                {rid: tuple(t) for rid, t in self.block_tables.items()}, dict(self._tokens_of),
+                                self.usage(), tuple(allocator.ref_counts), tuple(allocator.evictable))
 
     @property
     def num_free_blocks(self) -> int:

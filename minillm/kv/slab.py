@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from minillm.kv.base import CachedPrefix, KVCacheSpec, KVUsage, PrefixCacheStats
+from minillm.kv.base import CachedPrefix, KVCacheSpec, KVLayoutSnapshot, KVUsage, PrefixCacheStats
 from minillm.request import Request
 
 
@@ -113,3 +113,8 @@ class SlabKVManager:
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         return PrefixCacheStats()  # no prefix cache
+
+    def layout_snapshot(self) -> KVLayoutSnapshot:
+        return KVLayoutSnapshot("slabs", self.num_slabs, self.slab_len,
+                                {rid: (slab,) for rid, slab in self.slab_of.items()}, dict(self._tokens_of),
+                                self.usage())

@@ -110,15 +110,14 @@ class PrometheusMetrics(Collector):
     # ---- engine-thread callbacks ---------------------------------------------------------------
     def refresh(self) -> None:
         """The gauges, from the engine's state now (after a step, or after commands changed it)."""
-        engine = self.engine
         g = self.gauges
         try:
-            running, waiting = engine.scheduler.num_running, engine.scheduler.num_waiting
+            load = self.engine.load_snapshot()
         except (AttributeError, NotImplementedError):  # an unfinished learner's scheduler (the exercises plug theirs in)
             return
-        g["num_requests_running"] = running
-        g["num_requests_waiting"] = waiting + len(engine._pending)
-        usage = engine.kv.usage()
+        g["num_requests_running"] = load.num_running
+        g["num_requests_waiting"] = load.num_waiting + load.num_not_arrived
+        usage = load.kv_usage
         g["kv_cache_usage_perc"] = usage.reserved_tokens / usage.total_tokens if usage.total_tokens else 0.0
 
     def on_step(self, step: StepRecord) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 from matplotlib.axes import Axes
@@ -34,13 +34,13 @@ from matplotlib.collections import PatchCollection
 from matplotlib.colors import BoundaryNorm, ListedColormap
 from matplotlib.patches import Patch, Rectangle
 
+from minillm.kv.base import KVLayoutSnapshot
+from minillm.kv.block_manager import BlockManager
+from minillm.kv.slab import SlabKVManager
 from minillm.viz.plots import _axes, plot_batch_occupancy, plot_kv_occupancy
 from minillm.viz.style import COLORS
 
-if TYPE_CHECKING:
-    from minillm.kv.block_manager import BlockManager
-    from minillm.kv.slab import SlabKVManager
-    from minillm.viz.live import LiveView
+KVSource = BlockManager | SlabKVManager | KVLayoutSnapshot  # what the pictures read: a manager, or its snapshot
 
 # Codes in the grid `block_states` returns: a request's index (0, 1, …) where one request owns the
 # cell, else one of these. Negative so that owner indices can start at 0.
@@ -62,21 +62,22 @@ def owner_color(index: int) -> str:
     return OWNER_COLORS[index % len(OWNER_COLORS)]
 
 
-def _is_paged(kv: Any) -> bool:
-    return hasattr(kv, "block_tables") and hasattr(kv, "allocator")
-
-
-def _is_slab(kv: Any) -> bool:
-    return hasattr(kv, "slab_of") and hasattr(kv, "slab_len")
+def layout_of(kv: Any) -> KVLayoutSnapshot:
+    """The snapshot a picture draws: `kv.layout_snapshot()` of a paged or slab manager, or a snapshot."""
+    if isinstance(kv, KVLayoutSnapshot):
+        return kv
+    if isinstance(kv, (BlockManager, SlabKVManager)):
+        return kv.layout_snapshot()
+    raise TypeError(f"KV pictures need a BlockManager, a SlabKVManager or a KVLayoutSnapshot, got {type(kv).__name__}")
 
 
 def can_draw(kv: Any) -> bool:
     """Does `plot_kv_blocks` know this KV manager's layout (paged blocks or slabs)?"""
-    return _is_paged(kv) or _is_slab(kv)
+    return isinstance(kv, (BlockManager, SlabKVManager, KVLayoutSnapshot))
 
 
 # ---- states -----------------------------------------------------------------------------------
-def block_states(kv: BlockManager | SlabKVManager) -> tuple[np.ndarray, dict[int, str]]:
+def block_states(kv: KVSource) -> tuple[np.ndarray, dict[int, str]]:
     """Classify the pool: `(owner_grid, legend)`.
 
     For a `BlockManager`, `owner_grid[b]` describes physical block b (shape `[num_blocks]`):
@@ -86,43 +87,42 @@ def block_states(kv: BlockManager | SlabKVManager) -> tuple[np.ndarray, dict[int
     `legend` maps every state code, and every owner index present, to a name (owners: request ids,
     numbered in block-table order, which is admission order).
     """
-    if _is_slab(kv):
-        return slab_states(kv)
-    if not _is_paged(kv):
-        raise TypeError(f"block_states needs a BlockManager or a SlabKVManager, got {type(kv).__name__}")
-    allocator = kv.allocator
-    grid = np.full(allocator.num_blocks, FREE, dtype=np.int64)
-    grid[list(allocator.evictable)] = CACHED
+    layout = layout_of(kv)
+    if layout.kind == "slabs":
+        return slab_states(layout)
+    grid = np.full(layout.num_blocks, FREE, dtype=np.int64)
+    grid[list(layout.cached_unused)] = CACHED
     legend: dict[int, str] = {code: STATE_NAMES[code] for code in (FREE, CACHED, SHARED)}
-    for index, (request_id, table) in enumerate(kv.block_tables.items()):
+    for index, (request_id, table) in enumerate(layout.tables.items()):
         legend[index] = request_id
         for block in table:
-            grid[block] = SHARED if allocator.ref_counts[block] > 1 else index
+            grid[block] = SHARED if layout.ref_counts[block] > 1 else index
     return grid, legend
 
 
-def slab_states(kv: SlabKVManager) -> tuple[np.ndarray, dict[int, str]]:
+def slab_states(kv: SlabKVManager | KVLayoutSnapshot) -> tuple[np.ndarray, dict[int, str]]:
     """`[num_slabs, slab_len]` token slots: owner index where filled, RESERVED after, FREE slabs."""
-    grid = np.full((kv.num_slabs, kv.slab_len), FREE, dtype=np.int64)
+    layout = layout_of(kv)
+    grid = np.full((layout.num_blocks, layout.block_size), FREE, dtype=np.int64)
     legend: dict[int, str] = {FREE: STATE_NAMES[FREE], RESERVED: STATE_NAMES[RESERVED]}
-    for index, (request_id, slab) in enumerate(kv.slab_of.items()):
+    for index, (request_id, (slab,)) in enumerate(layout.tables.items()):
         legend[index] = request_id
-        filled = min(kv._tokens_of.get(request_id, 0), kv.slab_len)
+        filled = min(layout.tokens.get(request_id, 0), layout.block_size)
         grid[slab, :filled] = index
         grid[slab, filled:] = RESERVED
     return grid, legend
 
 
-def block_fill(kv: BlockManager) -> np.ndarray:
+def block_fill(kv: BlockManager | KVLayoutSnapshot) -> np.ndarray:
     """Tokens in each physical block, `[num_blocks]`: block_size for full blocks, less in a request's
     last block, 0 where free or cached-and-unused. A shared block counts its fullest reader."""
-    bs = kv.block_size
-    fill = np.zeros(kv.allocator.num_blocks, dtype=np.int64)
+    layout = layout_of(kv)
+    bs = layout.block_size
+    fill = np.zeros(layout.num_blocks, dtype=np.int64)
     # The manager's own count of each request's tokens (those computed plus those this step adds),
     # as its `usage()` reads it.
-    tokens_of = getattr(kv, "_tokens_of", {})
-    for request_id, table in kv.block_tables.items():
-        tokens = tokens_of.get(request_id, len(table) * bs)
+    for request_id, table in layout.tables.items():
+        tokens = layout.tokens.get(request_id, len(table) * bs)
         for i, block in enumerate(table):
             fill[block] = max(fill[block], min(bs, max(tokens - i * bs, 0)))
     return fill
@@ -155,7 +155,7 @@ def default_ncols(num_blocks: int) -> int:
     return max(1, min(num_blocks, math.ceil(math.sqrt(2 * num_blocks))))
 
 
-def plot_kv_blocks(kv: BlockManager | SlabKVManager, ax: Axes | None = None, ncols: int | None = None) -> Axes:
+def plot_kv_blocks(kv: KVSource, ax: Axes | None = None, ncols: int | None = None) -> Axes:
     """The KV pool as a grid of cells colored by state; block b sits at row b // ncols, column b % ncols.
 
     The image (`ax.images[0]`) holds the codes of `block_states` (masked past the last block), so
@@ -163,10 +163,11 @@ def plot_kv_blocks(kv: BlockManager | SlabKVManager, ax: Axes | None = None, nco
     tail of a partly filled block is shaded in the reservation color. A `SlabKVManager` is drawn as
     one row per slab (`ncols` ignored).
     """
-    if _is_slab(kv):
-        return plot_kv_slabs(kv, ax)
+    layout = layout_of(kv)
+    if layout.kind == "slabs":
+        return plot_kv_slabs(layout, ax)
     ax = _axes(ax)
-    grid, legend = block_states(kv)
+    grid, legend = block_states(layout)
     num_blocks = len(grid)
     ncols = ncols or default_ncols(num_blocks)
     nrows = -(-num_blocks // ncols)
@@ -176,8 +177,8 @@ def plot_kv_blocks(kv: BlockManager | SlabKVManager, ax: Axes | None = None, nco
     ax.imshow(cells.reshape(nrows, ncols), cmap=cmap, norm=norm, interpolation="nearest",
               aspect="equal", extent=(0, ncols, nrows, 0))
 
-    bs = kv.block_size
-    fill = block_fill(kv)
+    bs = layout.block_size
+    fill = block_fill(layout)
     # The empty right part of each partly filled block in use: internal fragmentation.
     partial = np.flatnonzero((grid >= 0) | (grid == SHARED))
     partial = partial[fill[partial] < bs]
@@ -199,7 +200,7 @@ def plot_kv_blocks(kv: BlockManager | SlabKVManager, ax: Axes | None = None, nco
     ax.set_ylim(nrows, 0)
     ax.set_xlabel(f"physical block id = row × {ncols} + column", fontsize="small")
 
-    usage = kv.usage()
+    usage = layout.usage
     counts = {code: int(np.sum(grid == code)) for code in (FREE, CACHED, SHARED)}
     in_use = num_blocks - counts[FREE] - counts[CACHED]
     empty = usage.reserved_tokens - usage.used_tokens
@@ -212,23 +213,25 @@ def plot_kv_blocks(kv: BlockManager | SlabKVManager, ax: Axes | None = None, nco
     return ax
 
 
-def plot_kv_slabs(kv: SlabKVManager, ax: Axes | None = None) -> Axes:
+def plot_kv_slabs(kv: SlabKVManager | KVLayoutSnapshot, ax: Axes | None = None) -> Axes:
     """One row per slab: the owner's tint over the slots that hold tokens, the reservation color
     over the slots reserved for tokens that may never come, gray for unused slabs."""
     ax = _axes(ax)
-    grid, legend = slab_states(kv)
+    layout = layout_of(kv)
+    num_slabs, slab_len = layout.num_blocks, layout.block_size
+    grid, legend = slab_states(layout)
     cmap, norm = _state_colormap(_num_owners(legend))
     ax.imshow(grid, cmap=cmap, norm=norm, interpolation="nearest", aspect="auto",
-              extent=(0, kv.slab_len, kv.num_slabs, 0))
-    if kv.num_slabs <= 64:
-        ax.set_yticks(np.arange(kv.num_slabs) + 0.5, [str(s) for s in range(kv.num_slabs)], fontsize="small")
-        ax.hlines(np.arange(1, kv.num_slabs), 0, kv.slab_len, color="white", linewidth=1)
+              extent=(0, slab_len, num_slabs, 0))
+    if num_slabs <= 64:
+        ax.set_yticks(np.arange(num_slabs) + 0.5, [str(s) for s in range(num_slabs)], fontsize="small")
+        ax.hlines(np.arange(1, num_slabs), 0, slab_len, color="white", linewidth=1)
     ax.set_ylabel("slab")
     ax.set_xlabel("token slot within the slab")
-    usage = kv.usage()
+    usage = layout.usage
     empty = usage.reserved_tokens - usage.used_tokens
     waste = empty / usage.reserved_tokens if usage.reserved_tokens else 0.0
-    ax.set_title(f"KV slabs: {len(kv.slab_of)}/{kv.num_slabs} in use\n{usage.used_tokens} tokens / "
+    ax.set_title(f"KV slabs: {len(layout.tables)}/{num_slabs} in use\n{usage.used_tokens} tokens / "
                  f"{usage.reserved_tokens} reserved slots: {waste:.1%} reserved but empty ({empty})",
                  fontsize="medium")
     ax.legend(handles=_legend_handles(legend, (FREE, RESERVED)), loc="upper center", bbox_to_anchor=(0.5, -0.12),
@@ -236,7 +239,15 @@ def plot_kv_slabs(kv: SlabKVManager, ax: Axes | None = None) -> Axes:
     return ax
 
 
-def draw_kv_layout(axes: Sequence[Axes], view: LiveView) -> None:
+class KVView(Protocol):
+    """What `draw_kv_layout` reads of a live view (`minillm.viz.live.LiveView`)."""
+
+    kv: Any  # the engine's KV manager, or None
+    steps: list
+    max_num_seqs: int | None
+
+
+def draw_kv_layout(axes: Sequence[Axes], view: KVView) -> None:
     """LiveView kind="kv": the pool's blocks (or slabs) now, beside KV occupancy over the steps.
 
     Without a KV manager to read (a bare MetricsCollector, or static/dynamic batching's padded

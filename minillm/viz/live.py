@@ -85,13 +85,15 @@ def in_notebook() -> bool:
 
 def _collector_of(source: Any) -> tuple[MetricsCollector, Any]:
     """Accept an LLM, an LLMEngine, or a bare MetricsCollector; return (collector, engine or None)."""
-    engine = getattr(source, "engine", source)  # LLM → its engine
-    if isinstance(engine, MetricsCollector):
-        return engine, None
-    metrics = getattr(engine, "metrics", None)
-    if not isinstance(metrics, MetricsCollector):
+    from minillm.engine import LLMEngine  # lazily: importing the viewer does not load the engine
+    from minillm.llm import LLM
+
+    if isinstance(source, MetricsCollector):
+        return source, None
+    engine = source.engine if isinstance(source, LLM) else source
+    if not isinstance(engine, LLMEngine):
         raise TypeError(f"LiveView needs an LLM, an LLMEngine or a MetricsCollector, got {type(source).__name__}")
-    return metrics, engine
+    return engine.metrics, engine
 
 
 _DEFAULT_WHAT = {"measured": "this CPU, tiny model", "simulated": "7B on A100-80GB"}
@@ -103,11 +105,10 @@ def _source_provenance(engine: Any) -> tuple[str, str] | None:
         return None
     from minillm.sim.executor import SimExecutor  # lazily: the simulator imports the engine
 
-    executor = getattr(engine, "executor", None)
+    executor = engine.executor
     if isinstance(executor, SimExecutor):
         return "simulated", f"{executor.shape.name} on {executor.hw.name}"
-    device = getattr(getattr(executor, "model", None), "device", None)
-    where = "this GPU" if getattr(device, "type", device) == "cuda" else "this CPU"
+    where = "this GPU" if str(engine.device).startswith("cuda") else "this CPU"
     return "measured", f"{where}, tiny model"
 
 
@@ -147,9 +148,9 @@ class LiveView:
             if detected is not None and detected[0] != self.provenance[0]:
                 raise ValueError(f"provenance={provenance!r}, but this engine is {detected[0]} "
                                  f"({detected[0]}: {detected[1]}); leave provenance=None to read it off the engine")
-        self.kv = getattr(self.engine, "kv", None)  # the live KV manager, for layouts that draw its blocks
+        self.kv = self.engine.kv if self.engine is not None else None  # for layouts that draw its blocks
         if max_num_seqs is None and self.engine is not None:
-            max_num_seqs = getattr(getattr(self.engine, "config", None), "max_num_seqs", None)
+            max_num_seqs = self.engine.config.max_num_seqs
         self.every, self.max_num_seqs, self.kind = every, max_num_seqs, kind
         self.min_interval_s, self.max_overhead, self.dpi = min_interval_s, max_overhead, dpi
         self.display = in_notebook()
