@@ -20,8 +20,9 @@ import time
 import numpy as np
 import torch
 
-from minillm.attention.flat_pool import AttentionMetadata, FlatPoolAttention, RowGroup
+from minillm.attention.flat_pool import AttentionMetadata, RowGroup
 from minillm.attention.padded import PaddedAttention
+from minillm.attention.select import make_attention, resolve_backend
 from minillm.kv.base import KVManager
 from minillm.model.llama import LlamaModel
 from minillm.request import Request
@@ -52,8 +53,7 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVManager, attention_backend: str = "auto") -> None:
         self.model = model
         self.kv = kv
-        on_cuda = torch.device(model.device).type == "cuda"
-        self.attention_backend = ("numba" if on_cuda else "torch") if attention_backend == "auto" else attention_backend
+        self.attention_backend = resolve_backend(attention_backend, model.device, model.dtype)
         self.keys_read = 0  # decode attention, over the runner's life: keys gathered ...
         self.keys_exist = 0  # ... and keys the rows really have
         self.model_time_s = 0.0  # wall time in the model's forward and lm_head (CPU; a GPU would need syncs)
@@ -271,12 +271,8 @@ class ModelRunner:
     def compute_logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
         """Run the model; return logits [N, vocab] and the request each row belongs to (plan order)."""
         input_ids, positions, meta, logits_rows = self.prepare(batch)
-        if self.attention_backend == "numba":
-            from minillm.attention.numba_paged import NumbaPagedAttention
-
-            attention = NumbaPagedAttention(self.kv.k_pool, self.kv.v_pool, meta, self.model.config.sliding_windows)
-        else:
-            attention = FlatPoolAttention(self.kv.k_pool, self.kv.v_pool, meta, self.model.config.sliding_windows)
+        attention = make_attention(self.attention_backend, self.kv.k_pool, self.kv.v_pool, meta,
+                                   self.model.config.sliding_windows)
         rows = torch.tensor(logits_rows, dtype=torch.long, device=input_ids.device)
         start = time.perf_counter()
         hidden = self.model.forward(input_ids, positions, attention, output_rows=rows)
