@@ -2,6 +2,7 @@
 
     python bench/router.py dp         # 2 replicas x 1 thread vs 1 replica x 2 threads, equal offered load
     python bench/router.py policies   # cache_aware vs round_robin vs least_load on a multi-tenant trace
+    python bench/router.py policies --policies cache_aware --router-flags "--balance-abs-threshold 8"
 
 Every server is a real `python -m minillm serve` process on a loopback port, every router a real
 `python -m minillm router`, and every load the `python -m minillm bench serve` command line (its
@@ -55,9 +56,9 @@ def bench(url: str, extra: list[str]) -> dict:
     return result
 
 
-def start_router(workers: list[str], policy: str) -> tuple[subprocess.Popen, str]:
+def start_router(workers: list[str], policy: str, flags: list[str] = ()) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "minillm", "router", "--policy", policy, "--port", str(port)]
+    cmd = [sys.executable, "-m", "minillm", "router", "--policy", policy, "--port", str(port), *flags]
     for w in workers:
         cmd += ["--worker", w]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
@@ -133,12 +134,12 @@ def run_policies(args) -> None:
           f"prompt {args.system_len} + question 16 tokens -> {args.output_len} tokens, Poisson {args.rate} req/s; "
           f"2 replicas x 1 thread, {args.kv_blocks} KV blocks of 16 tokens each; {describe_machine()}")
     results = {}
-    for policy in ("round_robin", "least_load", "cache_aware"):
+    for policy in args.policies:
         procs = replicas(2, 1, flags)
         router = None
         try:
             workers = [u for _, u in procs]
-            router, url = start_router(workers, policy)
+            router, url = start_router(workers, policy, args.router_flags.split())
             r = bench(url, load)
             hits = sum(scrape(w)['vllm:prefix_cache_hits_total{model_name="minillm"}'] for w in workers)
             queries = sum(scrape(w)['vllm:prefix_cache_queries_total{model_name="minillm"}'] for w in workers)
@@ -154,6 +155,8 @@ def run_policies(args) -> None:
     print(HEADER + "  prefix hit rate, requests per worker")
     for policy, (r, per_worker, _) in results.items():
         print(row(policy, r, f"{r['hit_rate']:.1%}  {per_worker}"))
+    if "round_robin" not in results or "cache_aware" not in results:
+        return
     rr, ca = results["round_robin"][0], results["cache_aware"][0]
     print(f"cache_aware / round_robin: prefix hit rate {ca['hit_rate']:.1%} vs {rr['hit_rate']:.1%}, "
           f"p99 TTFT x{ca['p99_ttft_ms'] / rr['p99_ttft_ms']:.2f}, mean TTFT x{ca['mean_ttft_ms'] / rr['mean_ttft_ms']:.2f}, "
@@ -171,6 +174,8 @@ def main() -> None:
     parser.add_argument("--tenants", type=int, default=16)
     parser.add_argument("--system-len", type=int, default=192)
     parser.add_argument("--kv-blocks", type=int, default=160)
+    parser.add_argument("--policies", nargs="+", default=["round_robin", "least_load", "cache_aware"])
+    parser.add_argument("--router-flags", default="", help="more `minillm router` flags, e.g. '--balance-abs-threshold 8'")
     args = parser.parse_args()
     run_dp(args) if args.what == "dp" else run_policies(args)
 

@@ -16,6 +16,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREFIX_CACHES = ("hash", "radix")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "numba", "numba_cpu")  # minillm.attention.select
 
 
 @dataclass
@@ -41,7 +42,9 @@ class EngineConfig:
     # "fcfs"; "priority": lower priority value runs first; "lpm": longest cached prefix first (SGLang)
     scheduling_policy: str = "fcfs"
     seed: int = 0  # seeds requests that sample without their own seed
-    attention_backend: str = "auto"  # "torch", "numba" (minillm's kernels, chapter 10), or "auto": numba on CUDA
+    # "torch", "numba" (chapter 10's CUDA kernels), "numba_cpu" (its @njit CPU decode kernel) or "auto":
+    # numba on CUDA, numba_cpu on a CPU (minillm.attention.select says why)
+    attention_backend: str = "auto"
     # Speculative decoding (chapter 09), vLLM's dict: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
     speculative_config: Any = None
 
@@ -52,8 +55,8 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
             if self.batching != "continuous":
                 raise ValueError(f"speculative_config needs batching='continuous' (got {self.batching!r})")
-        if self.attention_backend not in ("auto", "torch", "numba"):
-            raise ValueError(f"attention_backend={self.attention_backend!r}; choose one of ('auto', 'torch', 'numba')")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r}; choose one of {ATTENTION_BACKENDS}")
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching={self.batching!r}; choose one of {BATCHING_MODES}")
         if self.kv_layout not in KV_LAYOUTS:

@@ -56,6 +56,7 @@ def test_grouped_rows_equal_per_row_attention(block_size, window):
 
     class Stub:
         device = torch.device("cpu")
+        dtype = torch.float64
 
         class config:  # noqa: N801 - stands in for a ModelConfig
             sliding_windows = (window,)

@@ -22,6 +22,7 @@ from minillm.model.moe import (  # noqa: E402
     MoEWeights,
     dispatch,
     expert_ranges,
+    moe_tensor_names,
     moe_weights_from_state,
     route,
     sparse_moe,
@@ -143,6 +144,13 @@ def test_in_memory_weights_equal_disk_weights(hf_moe64) -> None:
     _, memory = _hf_block_and_ours(hf_moe64, 1, "memory")
     for name in ("router", "gate_up", "down"):
         assert torch.equal(getattr(disk, name), getattr(memory, name)), name
+    # The names read, for a loader's unused-tensor check: every MoE tensor of the file, nothing else.
+    state = read_safetensors(MOE_DIR)
+    names = [n for layer in (0, 1) for n in moe_tensor_names(state, layer, 4)]
+    assert len(names) == 2 * (1 + 4 * 3) and all(n in state for n in names)
+    assert {n for n in state if "block_sparse_moe" in n} == set(names)
+    in_memory = hf_moe64.state_dict()
+    assert all(n in in_memory for n in moe_tensor_names(in_memory, 1, 4))
 
 
 def test_dispatch_groups_rows_by_expert() -> None:

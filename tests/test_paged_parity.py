@@ -8,6 +8,8 @@ from conftest import hf_greedy, make_tiny_hf_model
 from minillm import LLM, SamplingParams
 from minillm.workload import make_trace
 
+BACKENDS = ["torch", "numba_cpu"]  # both CPU attention backends
+
 
 @pytest.fixture(scope="module")
 def shared_prefix_case():
@@ -31,9 +33,10 @@ def run(hf, trace, **knobs):
     dict(kv_layout="paged", block_size=5, max_num_seqs=8, enable_prefix_caching=True),
     dict(kv_layout="paged", block_size=1, max_num_seqs=4, enable_prefix_caching=True),
 ], ids=["paged", "prefix-hash", "prefix-block1"])
-def test_paged_modes_match_hf(shared_prefix_case, knobs):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_paged_modes_match_hf(shared_prefix_case, knobs, backend):
     hf, trace, refs = shared_prefix_case
-    llm, outputs = run(hf, trace, **knobs)
+    llm, outputs = run(hf, trace, attention_backend=backend, **knobs)
     assert outputs == refs
     assert llm.engine.kv.usage().reserved_tokens == 0
     if knobs.get("enable_prefix_caching"):
@@ -50,11 +53,12 @@ def storm_case():
 
 
 @pytest.mark.parametrize("prefix", [False, True])
-def test_preemption_storm_matches_hf(storm_case, prefix):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_preemption_storm_matches_hf(storm_case, prefix, backend):
     """48 one-token blocks for up to 8 sequences of up to 48 tokens: preemption after preemption."""
     hf, trace, refs = storm_case
     llm = LLM(hf, dtype="float64", device="cpu", max_model_len=48, block_size=1, num_kv_blocks=48,
-              max_num_seqs=8, kv_watermark=0.0, enable_prefix_caching=prefix)
+              max_num_seqs=8, kv_watermark=0.0, enable_prefix_caching=prefix, attention_backend=backend)
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in trace]
     outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in trace], params, use_tqdm=False)
     steps = llm.engine.metrics.steps
@@ -71,10 +75,12 @@ def test_a_pool_smaller_than_one_request_is_refused():
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
-def test_swap_preemption_matches_hf_and_recomputes_nothing(storm_case, policy):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_swap_preemption_matches_hf_and_recomputes_nothing(storm_case, policy, backend):
     hf, trace, refs = storm_case
     llm = LLM(hf, dtype="float64", device="cpu", max_model_len=48, block_size=1, num_kv_blocks=48,
-              max_num_seqs=8, kv_watermark=0.0, preemption_mode="swap", scheduling_policy=policy)
+              max_num_seqs=8, kv_watermark=0.0, preemption_mode="swap", scheduling_policy=policy,
+              attention_backend=backend)
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in trace]
     outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in trace], params, use_tqdm=False,
                         priority=[i % 3 for i in range(len(trace))])

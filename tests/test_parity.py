@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import hf_greedy, varied_prompts
 
@@ -25,10 +26,11 @@ def test_logits_match_hf_prefill_and_decode(tiny_hf_model):
     assert ref.abs().max().item() > 1.0  # the comparison is not trivially between near-zero logits
 
 
-def test_greedy_tokens_match_hf_generate(tiny_hf_model):
+@pytest.mark.parametrize("backend", ["torch", "numba_cpu"])  # both CPU attention backends
+def test_greedy_tokens_match_hf_generate(tiny_hf_model, backend):
     name, hf = tiny_hf_model
     prompts = varied_prompts(8, hf.config.vocab_size, seed=2)
-    llm = LLM(hf, dtype="float64", device="cpu", max_num_seqs=3)
+    llm = LLM(hf, dtype="float64", device="cpu", max_num_seqs=3, attention_backend=backend)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts, outs):

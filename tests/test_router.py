@@ -129,14 +129,15 @@ def _four_answers(client) -> list:
         out.append((c.choices[0].text, c.choices[0].finish_reason))
         chunks = list(client.completions.create(model="minillm", prompt=prompt, max_tokens=12, temperature=0.0,
                                                 stream=True))
-        out.append(("".join(ch.choices[0].text for ch in chunks if ch.choices), chunks[-1].choices[0].finish_reason))
+        out.append(("".join(ch.choices[0].text for ch in chunks if ch.choices), chunks[-1].choices[0].finish_reason,
+                    len(chunks)))  # the same number of events: passed through, not re-chunked
     c = client.chat.completions.create(model="minillm", messages=messages, max_tokens=10, temperature=0.0)
     out.append((c.choices[0].message.content, c.choices[0].finish_reason))
     chunks = list(client.chat.completions.create(model="minillm", messages=messages, max_tokens=10, temperature=0.0,
                                                  stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     out.append(("".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices),
-                chunks[-1].choices[0].finish_reason))
+                chunks[-1].choices[0].finish_reason, len(chunks)))
     return out
 
 
@@ -144,7 +145,7 @@ def _four_answers(client) -> list:
 def test_every_policy_gives_a_plain_servers_greedy_outputs(replicas, policy):
     _, urls, _ = replicas
     expected = _four_answers(_openai(urls[0]))
-    assert all(text for text, _ in expected)
+    assert all(answer[0] for answer in expected)
     with running_router(urls, policy) as (url, router):
         for _ in range(2):  # twice: round_robin and least_load then send to both replicas
             assert _four_answers(_openai(url)) == expected
@@ -244,6 +245,42 @@ async def _stream(client: httpx.AsyncClient, url: str, max_tokens: int, started:
     return "cut off"
 
 
+def _worker_gauges(url: str, deadline_s: float = 30) -> list[float]:
+    """running, waiting, KV usage of a worker, once all are 0 (or at the deadline)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        values = scrape(url)
+        gauges = [values[f'vllm:{g}{{model_name="minillm"}}']
+                  for g in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")]
+        if gauges == [0, 0, 0] or time.monotonic() > deadline:
+            return gauges
+        time.sleep(0.2)
+
+
+def test_a_client_hanging_up_through_the_router_aborts_on_the_worker(replicas):
+    _, urls, _ = replicas
+    def aborted() -> float:
+        return sum(v for k, v in scrape(urls[0]).items()
+                   if k.startswith("vllm:request_success_total") and 'finished_reason="abort"' in k)
+
+    before = aborted()
+    with running_router(urls[:1], "round_robin") as (url, router):
+        body = {"model": "minillm", "prompt": "In the beginning", "max_tokens": 200, "temperature": 0.0,
+                "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: {")
+                if seen == 3:
+                    break  # hang up mid-stream
+        assert _worker_gauges(urls[0]) == [0, 0, 0]
+        assert aborted() == before + 1  # stopped by the hang-up, not run to its 200 tokens
+        deadline = time.monotonic() + 10
+        while router.workers[0].in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert router.workers[0].in_flight == 0
+
+
 def test_a_replica_killed_mid_load(replicas):
     """Runs last in the module: it kills one of the module's replicas."""
     _, urls, pids = replicas
@@ -275,12 +312,4 @@ def test_a_replica_killed_mid_load(replicas):
         assert httpx.post(url + "/v1/completions", timeout=60,
                           json={"model": "minillm", "prompt": "In", "max_tokens": 3}).status_code == 200
         assert httpx.get(url + "/health", timeout=30).status_code == 200
-    deadline = time.monotonic() + 30
-    while True:  # the survivor finishes its last step's bookkeeping
-        values = scrape(survivor)
-        gauges = [values[f'vllm:{g}{{model_name="minillm"}}']
-                  for g in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")]
-        if gauges == [0, 0, 0] or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert gauges == [0, 0, 0]
+    assert _worker_gauges(survivor) == [0, 0, 0]  # nothing running, waiting or holding KV

@@ -9,6 +9,14 @@ import pytest
 
 from minillm.sim import A100_80GB, H100_SXM, H200, LLAMA_7B, LLAMA_70B, decode_step_time, prefill_time
 from minillm.sim.cost_model import weight_bytes_read_per_step
+from minillm.sim.expert_parallel import (
+    MIXTRAL_8X7B,
+    ep_all_to_all_per_layer_s,
+    ep_expert_bytes_per_device,
+    load_imbalance,
+    moe_shape_from_hf_config,
+    rank_loads,
+)
 from minillm.sim.network import (
     INFINIBAND_HDR,
     INFINIBAND_NDR,
@@ -26,19 +34,14 @@ from minillm.sim.network import (
     send_recv_time_s,
 )
 from minillm.sim.parallel import (
-    MIXTRAL_8X7B,
     check_tp,
-    ep_all_to_all_per_layer_s,
-    ep_expert_bytes_per_device,
     kv_heads_per_device,
     layer_params_per_device,
     layout_summary,
-    load_imbalance,
     memory_per_device,
     min_tp_to_fit,
     pipeline_bubble_fraction,
     pp_decode,
-    rank_loads,
     scaling_stops_at,
     stage_layers,
     tp_decode_scaling,
@@ -233,6 +236,19 @@ def test_mixtral_parameter_counts():
     # Mistral AI's announcement: 46.7 B parameters in total, 12.9 B used per token.
     assert MIXTRAL_8X7B.num_params == pytest.approx(46.7e9, rel=2e-3)
     assert MIXTRAL_8X7B.active_params == pytest.approx(12.9e9, rel=2e-3)
+
+
+def test_bundled_moe_shape_counts_its_parameters():
+    from pathlib import Path
+
+    moe = moe_shape_from_hf_config(Path(__file__).resolve().parents[1] / "models" / "minillm-moe")
+    assert (moe.num_experts, moe.top_k, moe.shape.tied_embeddings) == (4, 2, True)
+    # transformers counts 484,160 parameters (models/README.md): embedding 4096 x 64, per layer
+    # attention 64 x (64 + 2 x 32) + 64 x 64, 4 experts of 3 x 64 x 128, router 4 x 64, 2 norms.
+    assert moe.num_params == 4096 * 64 + 2 * (64 * 128 + 64 * 64 + 4 * 3 * 64 * 128 + 4 * 64 + 2 * 64) + 64 == 484_160
+    assert moe.active_params == 484_160 - 2 * 2 * 3 * 64 * 128
+    with pytest.raises(ValueError, match="no num_local_experts"):
+        moe_shape_from_hf_config(Path(__file__).resolve().parents[1] / "models" / "minillm-target")
 
 
 def test_ep_all_to_all_and_expert_memory_by_hand():

@@ -1,7 +1,8 @@
 """`make student-release` (tools/student_release.py): a copy of the course without the answers that still grades.
 
-One release is built per module, into a tmp dir, by the Makefile target. In it: no solutions/, no
-solution-region marker anywhere (grep), `make grade EX=03` fails the untouched exercise and passes
+One release is built, into a tmp dir, by the Makefile target, and checked by one test (split in two,
+pytest-xdist would build it once per worker: xdist_group does not keep tests together here). In it:
+no solutions/, no solution-region marker anywhere (grep), `make grade EX=03` fails the untouched exercise and passes
 the same exercise with its learner cells filled from the solution (read here, from this repository),
 importing the release's own minillm (the learner cell writes down where minillm came from). Both
 grades use this test's venv (`make -o install ... VENV=`): nothing is installed. One small exercise
@@ -29,7 +30,6 @@ EXERCISE = "ex03_dynamic_batcher.ipynb"  # four tasks, the quickest solution to 
 # The solution-region marker on a line of its own, raw or inside a JSON string: grep's own reading,
 # independent of the tool's regex.
 GREP_MARKER = r'(^|"|\\n)[[:space:]]*#[[:space:]]*(BEGIN|END) SOLUTION[[:space:]]*(\\n|"|$)'
-pytestmark = pytest.mark.xdist_group("student_release")  # one worker builds the one release
 
 
 def _make(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -39,17 +39,14 @@ def _make(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProc
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def release(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    target = tmp_path_factory.mktemp("class") / "minillm-class"
+def _release(target: Path) -> Path:
     made = _make("student-release", f"DIR={target}", cwd=REPO_ROOT, timeout=300)
     assert made.returncode == 0, made.stdout + made.stderr
     assert "no solutions/" in made.stdout
     return target
 
 
-@pytest.mark.slow
-def test_release_has_no_answers(release: Path) -> None:
+def _assert_no_answers(release: Path) -> None:
     assert not (release / "solutions").exists()
     assert not (release / "tests" / "known_wrong").exists()
     assert not list(release.rglob("*solutions*"))
@@ -88,7 +85,11 @@ def _filled(exercise: dict, solution: dict) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.notebook
-def test_make_grade_in_the_release_fails_untouched_and_passes_a_correct_answer(release: Path) -> None:
+def test_release_has_no_answers_and_make_grade_there_fails_untouched_and_passes_a_correct_answer(
+        tmp_path: Path) -> None:
+    release = _release(tmp_path / "minillm-class")
+    _assert_no_answers(release)
+
     untouched = _make("grade", "EX=03", cwd=release)
     assert untouched.returncode != 0, untouched.stdout + untouched.stderr  # make: 2 (tools/grade.py: 1)
     assert "0/4 task(s) pass" in untouched.stdout and "NotImplementedError" in untouched.stdout, untouched.stdout

@@ -210,7 +210,7 @@ def render_manifest(solution_path: Path) -> str:
 class Planned:
     """One generated file (an exercise or its grading manifest) and what regenerating it would do."""
 
-    exercise: Path
+    exercise: Path  # the generated file: exercises/exNN_topic.ipynb or minillm/grading/cells/exNN_topic.json
     status: str  # "in sync" | "out of sync" | "missing" | "orphaned"
     text: str | None  # the generated text; None for an orphan
     kind: str = "exercise"  # or "manifest"

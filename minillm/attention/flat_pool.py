@@ -104,19 +104,29 @@ class FlatPoolAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta, window = self.meta, self.windows[layer]
-        k_pool, v_pool = self.k_pool[layer], self.v_pool[layer]
-        k_pool.index_copy_(0, meta.slot_mapping, k)  # every new K/V is written before anyone reads
-        v_pool.index_copy_(0, meta.slot_mapping, v)
-        bs = meta.block_size
-        k_blocks = k_pool.view(-1, bs, *k_pool.shape[1:])  # [num_blocks, block_size, H_kv, D]
-        v_blocks = v_pool.view(-1, bs, *v_pool.shape[1:])
+        k_blocks, v_blocks = self.write(layer, k, v)
         if len(meta.decode_groups) == 1 and not meta.prefill_groups:  # pure decode, one group
             return self._decode(meta.decode_groups[0], q, k_blocks, v_blocks, window)
         out = torch.empty_like(q)
         for g in meta.decode_groups:
             out[g.first_row : g.first_row + g.num_rows] = self._decode(
                 g, q[g.first_row : g.first_row + g.num_rows], k_blocks, v_blocks, window)
-        for g in meta.prefill_groups:
+        self.multi_token(out, q, k, v, k_blocks, v_blocks, window)
+        return out
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's K/V through `slot_mapping`; the layer's pools seen as blocks
+        [num_blocks, block_size, H_kv, D]."""
+        k_pool, v_pool = self.k_pool[layer], self.v_pool[layer]
+        k_pool.index_copy_(0, self.meta.slot_mapping, k)  # every new K/V is written before anyone reads
+        v_pool.index_copy_(0, self.meta.slot_mapping, v)
+        bs = self.meta.block_size
+        return k_pool.view(-1, bs, *k_pool.shape[1:]), v_pool.view(-1, bs, *v_pool.shape[1:])
+
+    def multi_token(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_blocks: torch.Tensor, v_blocks: torch.Tensor, window: int | None) -> None:
+        """Attention of the rows that bring several new tokens (prefill groups), written into `out`."""
+        for g in self.meta.prefill_groups:
             if g.fresh_causal and window is None:
                 # A whole new prompt: its keys are exactly this step's k, v (nothing to gather). A
                 # leading batch dimension of 1 lets PyTorch pick its fused CPU kernel.
@@ -131,7 +141,6 @@ class FlatPoolAttention:
                                                enable_gqa=True)
             o = o.transpose(1, 2).reshape(g.num_rows * g.q_max, *q.shape[1:])
             out.index_copy_(0, g.out_index, o[g.valid] if g.valid is not None else o)
-        return out
 
     @staticmethod
     def _gather(g: RowGroup, k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

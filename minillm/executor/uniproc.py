@@ -38,6 +38,11 @@ class UniProcExecutor:
         return 0.0
 
     @property
+    def attention_backend(self) -> str:
+        """The backend the worker resolved ("auto" → what this device and dtype use)."""
+        return self.worker.attention_backend
+
+    @property
     def model(self):
         """The worker's model (in this process, one can look at it)."""
         return self.worker.model

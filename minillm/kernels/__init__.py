@@ -23,7 +23,8 @@ __path__.append(str(Path(__file__).resolve().parents[2] / "kernels"))  # noqa: F
 # launcher -> the module (one file per kernel, in kernels/) that defines it beside its reference
 KERNELS = {"reshape_and_cache": "cache_write", "paged_attention_decode": "decode_attention",
            "paged_attention_decode_warp": "decode_attention_warp",
-           "prefill_attention": "varlen_attention", "rms_norm": "rmsnorm", "rotary_embedding": "rope"}
+           "prefill_attention": "varlen_attention", "rms_norm": "rmsnorm", "rotary_embedding": "rope",
+           "paged_attention_decode_cpu": "cpu_decode_attention"}
 __all__ = list(KERNELS)
 
 

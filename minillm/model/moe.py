@@ -152,8 +152,18 @@ def expert_ranges(num_experts: int, ep_size: int) -> list[range]:
     return [range(r * per_rank, (r + 1) * per_rank) for r in range(ep_size)]
 
 
+def moe_tensor_names(state: Mapping[str, torch.Tensor], layer: int, num_experts: int) -> list[str]:
+    """The names `moe_weights_from_state` reads for `layer` (for a loader's unused-tensor check)."""
+    disk, memory = f"model.layers.{layer}.block_sparse_moe.", f"model.layers.{layer}.mlp."
+    if disk + "gate.weight" in state:
+        return [disk + "gate.weight"] + [f"{disk}experts.{e}.{n}.weight" for e in range(num_experts)
+                                         for n in ("w1", "w2", "w3")]
+    return [memory + "gate.weight", memory + "experts.gate_up_proj", memory + "experts.down_proj"]
+
+
 def moe_weights_from_state(state: Mapping[str, torch.Tensor], layer: int, num_experts: int, top_k: int,
-                           dtype: torch.dtype | None = None, renormalize: bool = True) -> MoEWeights:
+                           dtype: torch.dtype | None = None, renormalize: bool = True,
+                           device: str | torch.device | None = None) -> MoEWeights:
     """Layer `layer`'s MoE weights from a Mixtral state dict, in either spelling:
 
     - on disk (safetensors, the original Mixtral names): `model.layers.{i}.block_sparse_moe.gate.weight`
@@ -181,6 +191,7 @@ def moe_weights_from_state(state: Mapping[str, torch.Tensor], layer: int, num_ex
         )
     if router.shape[0] != num_experts:
         raise ValueError(f"layer {layer}: router has {router.shape[0]} experts, the config says {num_experts}")
-    dtype = dtype or router.dtype
-    return MoEWeights(router=router.to(dtype), gate_up=gate_up.to(dtype).contiguous(),
-                      down=down.to(dtype).contiguous(), top_k=top_k, renormalize=renormalize)
+    dtype, device = dtype or router.dtype, device or router.device
+    return MoEWeights(router=router.to(device=device, dtype=dtype),
+                      gate_up=gate_up.to(device=device, dtype=dtype).contiguous(),
+                      down=down.to(device=device, dtype=dtype).contiguous(), top_k=top_k, renormalize=renormalize)

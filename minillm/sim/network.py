@@ -57,8 +57,8 @@ class Link:
 # Bandwidths are the vendors' figures, halved where the sheet prints both directions together.
 # Latencies (alpha) are not on spec sheets: they are round per-message figures of the right order
 # (about a microsecond across NVLink/NVSwitch, a few over PCIe or through an InfiniBand NIC and
-# switch), chosen so that a ring all-reduce of a few KiB on 8 GPUs costs ~15-40 us, the order of
-# nccl-tests' small-message times. Treat them as knobs: `dataclasses.replace(link, latency_s=...)`.
+# switch), so that a ring all-reduce of a few KiB on 8 GPUs costs 14 us (NVLink) to 42 us
+# (InfiniBand), the order of nccl-tests' small-message times. Treat them as knobs: `dataclasses.replace(link, latency_s=...)`.
 
 # NVIDIA A100 Tensor Core GPU datasheet (SXM4): "NVIDIA NVLink: 600GB/s" (third-generation NVLink,
 # 12 links x 50 GB/s, both directions), https://www.nvidia.com/en-us/data-center/a100/

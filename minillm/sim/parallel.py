@@ -14,8 +14,8 @@ the messages):
   a micro-batch's hidden states go from stage to stage with send/recv. One request's latency does
   not improve (it still crosses every layer, plus the hops); with `m` micro-batches in flight the
   share of time a stage sits idle in a fill-and-drain pipeline (GPipe) is (p-1)/(m+p-1).
-* **Expert parallel (EP):** an MoE layer's experts are placed on different devices; every token
-  goes to its top-k experts and comes back: two all-to-alls per MoE layer (dispatch, combine).
+* **Expert parallel (EP):** an MoE layer's experts on different devices, two all-to-alls per
+  layer: see `minillm.sim.expert_parallel`.
 
 Memory per device: weights (split by TP and PP) plus the KV cache of the device's layers and KV
 heads (KV heads are replicated when tp exceeds them). `memory_per_device` says which model fits
@@ -33,13 +33,7 @@ from dataclasses import dataclass
 from minillm.sim.cost_model import step_time
 from minillm.sim.hardware import Hardware
 from minillm.sim.model_shapes import ModelShape
-from minillm.sim.network import (
-    Link,
-    all_gather_time_s,
-    all_reduce_time_s,
-    all_to_all_time_s,
-    send_recv_time_s,
-)
+from minillm.sim.network import Link, all_gather_time_s, all_reduce_time_s, send_recv_time_s
 
 # --- how a model splits ---------------------------------------------------------------------------
 
@@ -286,75 +280,6 @@ def min_tp_to_fit(
             return tp
         tp *= 2
     return None
-
-
-# --- expert parallel ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MoEShape:
-    """An MoE decoder: the dense shape (attention, embeddings) and, in each layer, `num_experts`
-    SwiGLU experts of `shape.intermediate_size`, of which each token uses `top_k`."""
-
-    shape: ModelShape
-    num_experts: int
-    top_k: int
-
-    @property
-    def expert_params(self) -> int:
-        return 3 * self.shape.hidden_size * self.shape.intermediate_size
-
-    @property
-    def num_params(self) -> int:
-        s = self.shape
-        router = self.num_experts * s.hidden_size
-        experts = (self.num_experts - 1) * self.expert_params  # ModelShape counts one MLP already
-        return s.num_params + s.num_layers * (experts + router)
-
-    @property
-    def active_params(self) -> int:
-        """Parameters one token is multiplied through (k experts per layer)."""
-        return self.num_params - self.shape.num_layers * (self.num_experts - self.top_k) * self.expert_params
-
-
-# Mixtral 8x7B, from mistralai/Mixtral-8x7B-v0.1's config.json (Jiang et al., 2024, "Mixtral of
-# Experts"): 32 layers, hidden 4096, 32 query / 8 KV heads, 8 experts of 14336, top 2, vocab 32000.
-MIXTRAL_8X7B = MoEShape(ModelShape("mixtral-8x7b", 32, 4096, 32, 8, 128, 14336, 32000), num_experts=8, top_k=2)
-
-
-def ep_expert_bytes_per_device(moe: MoEShape, ep: int, dtype_bytes: int = 2) -> float:
-    """Expert weights each EP rank holds: num_experts / ep whole experts per layer."""
-    if ep < 1 or moe.num_experts % ep:
-        raise ValueError(f"{moe.num_experts} experts cannot be split evenly over expert parallel size {ep}")
-    return moe.shape.num_layers * (moe.num_experts // ep) * moe.expert_params * dtype_bytes
-
-
-def ep_all_to_all_per_layer_s(moe: MoEShape, tokens_per_device: int, ep: int, link: Link, dtype_bytes: int = 2) -> float:
-    """Dispatch + combine of one MoE layer: two all-to-alls of each device's tokens x top_k hidden
-    vectors (with even routing, (ep-1)/ep of them leave the device)."""
-    send_bytes = tokens_per_device * moe.top_k * moe.shape.hidden_size * dtype_bytes
-    return 2 * all_to_all_time_s(send_bytes, ep, link)
-
-
-def ep_step_comm_s(moe: MoEShape, tokens_per_device: int, ep: int, link: Link, dtype_bytes: int = 2) -> float:
-    """All-to-all time of one step, every layer being an MoE layer."""
-    return moe.shape.num_layers * ep_all_to_all_per_layer_s(moe, tokens_per_device, ep, link, dtype_bytes)
-
-
-def rank_loads(tokens_per_expert: Sequence[int], ep: int) -> list[int]:
-    """Routed tokens each EP rank computes, experts placed contiguously (rank r: experts r·E/ep ...)."""
-    num_experts = len(tokens_per_expert)
-    if ep < 1 or num_experts % ep:
-        raise ValueError(f"{num_experts} experts cannot be split evenly over expert parallel size {ep}")
-    per_rank = num_experts // ep
-    return [sum(tokens_per_expert[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
-
-
-def load_imbalance(tokens_per_expert: Sequence[int], ep: int) -> float:
-    """Busiest rank's load over the mean: the MoE layer runs at the pace of its busiest rank."""
-    loads = rank_loads(tokens_per_expert, ep)
-    mean = sum(loads) / len(loads)
-    return max(loads) / mean if mean else 1.0
 
 
 # --- one layout, every number a playground shows -------------------------------------------------

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from minillm.attention.flat_pool import AttentionMetadata, FlatPoolAttention, RowGroup
+from minillm.attention.flat_pool import AttentionMetadata, RowGroup
 from minillm.attention.padded import PaddedAttention, PaddedBatchCache
+from minillm.attention.select import make_attention, resolve_backend
 from minillm.kv.base import KVCacheSpec
 from minillm.model.llama import LlamaModel
 from minillm.sampling import sampled_logprobs
@@ -74,8 +75,7 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, cache_spec: KVCacheSpec, attention_backend: str = "auto") -> None:
         self.model = model
         self.cache_spec = cache_spec
-        on_cuda = torch.device(model.device).type == "cuda"
-        self.attention_backend = ("numba" if on_cuda else "torch") if attention_backend == "auto" else attention_backend
+        self.attention_backend = resolve_backend(attention_backend, model.device, cache_spec.dtype)
         self.block_size = cache_spec.block_size
         self.null_block = cache_spec.null_block
         self.k_pool = self.v_pool = None
@@ -328,18 +328,12 @@ class ModelRunner:
         self.model_time_s += time.perf_counter() - start
         return logits
 
-    def attention_for(self, meta: AttentionMetadata):
-        if self.attention_backend == "numba":
-            from minillm.attention.numba_paged import NumbaPagedAttention
-
-            return NumbaPagedAttention(self.k_pool, self.v_pool, meta, self.model.config.sliding_windows)
-        return FlatPoolAttention(self.k_pool, self.v_pool, meta, self.model.config.sliding_windows)
-
     def compute_logits(self, plan: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
         """Run the model on a step whose diffs were applied; logits [N, vocab] of the sampled rows
         (plan order, 1+k per speculative row) and the step's inputs."""
         inputs = self.prepare(plan)
-        attention = self.attention_for(inputs.meta)
+        attention = make_attention(self.attention_backend, self.k_pool, self.v_pool, inputs.meta,
+                                   self.model.config.sliding_windows)
         rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=inputs.input_ids.device)
         start = time.perf_counter()
         hidden = self.model.forward(inputs.input_ids, inputs.positions, attention, output_rows=rows)

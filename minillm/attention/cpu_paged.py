@@ -1,0 +1,46 @@
+"""Paged decode attention on a CPU through chapter 10's kernel compiled by numba @njit (chapter 10).
+
+`attention_backend="numba_cpu"` (what `"auto"` picks on a CPU, see `minillm.attention.select`):
+the decode rows — the first `num_decode` sequences, one query each — go to
+`kernels/cpu_decode_attention.py`, which reads every key and value once straight from the pool
+through the block table (online softmax, the G query heads of a KV head sharing each read). The
+torch backend instead gathers each length group's blocks into a padded run and calls SDPA on it:
+two extra passes over the keys and values, and one call per group. Rows with several new tokens
+(prefill chunks, speculative rows, recomputes) stay on the torch backend's batched SDPA, which
+measures faster for them here. Everything else (the K/V write, the metadata) is shared with
+`FlatPoolAttention`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from minillm.attention.flat_pool import AttentionMetadata, FlatPoolAttention
+
+
+class NumbaCpuAttention(FlatPoolAttention):
+    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
+                 sliding_windows: tuple[int | None, ...] = ()) -> None:
+        super().__init__(k_pool, v_pool, meta, sliding_windows)
+        from minillm.kernels.cpu_decode_attention import paged_decode_kernel
+
+        self.kernel = paged_decode_kernel
+        nd = meta.num_decode
+        # numpy views (zero-copy) made once per step and shared by every layer
+        self.decode_tables = meta.block_tables[:nd].contiguous().numpy()
+        self.decode_lens = meta.seq_lens[:nd].contiguous().numpy()
+        self.scale = 1.0 / math.sqrt(k_pool.shape[-1])
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        window = self.windows[layer]
+        k_blocks, v_blocks = self.write(layer, k, v)
+        nd = self.meta.num_decode
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if nd:
+            self.kernel(q[:nd].contiguous().numpy(), k_blocks.numpy(), v_blocks.numpy(), self.decode_tables,
+                        self.decode_lens, self.scale, window or 0, out[:nd].numpy())
+        if self.meta.prefill_groups:
+            self.multi_token(out, q, k, v, k_blocks, v_blocks, window)
+        return out

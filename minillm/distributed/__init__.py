@@ -1,0 +1,1 @@
+"""Several processes, one model, on torch.distributed (chapter 12): the parallel layers and collectives."""

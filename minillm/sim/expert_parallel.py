@@ -1,0 +1,92 @@
+"""Expert parallelism in the simulator: MoE shapes, all-to-all traffic and load per rank (chapter 12).
+
+An MoE layer replaces the MLP by `num_experts` expert MLPs of which each token uses `top_k`. With
+expert parallelism (EP) over `ep` devices each holds E/ep whole experts; every token travels to its
+top-k experts' devices and back: two all-to-alls per MoE layer (dispatch, combine), priced by
+`minillm.sim.network`. The layer then runs at the pace of its busiest rank: `load_imbalance` reads
+that off a router histogram such as `minillm.model.moe.sparse_moe`'s `tokens_per_expert`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from minillm.sim.model_shapes import ModelShape, from_hf_config
+from minillm.sim.network import Link, all_to_all_time_s
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """An MoE decoder: the dense shape (attention, embeddings) and, in each layer, `num_experts`
+    SwiGLU experts of `shape.intermediate_size`, of which each token uses `top_k`."""
+
+    shape: ModelShape
+    num_experts: int
+    top_k: int
+
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.shape.hidden_size * self.shape.intermediate_size
+
+    @property
+    def num_params(self) -> int:
+        s = self.shape
+        router = self.num_experts * s.hidden_size
+        experts = (self.num_experts - 1) * self.expert_params  # ModelShape counts one MLP already
+        return s.num_params + s.num_layers * (experts + router)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token is multiplied through (k experts per layer)."""
+        return self.num_params - self.shape.num_layers * (self.num_experts - self.top_k) * self.expert_params
+
+
+def moe_shape_from_hf_config(model_dir: str | Path) -> MoEShape:
+    """An `MoEShape` from a Mixtral-style config.json (num_local_experts, num_experts_per_tok)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if "num_local_experts" not in config:
+        raise ValueError(f"{model_dir}: config.json has no num_local_experts (not a Mixtral-style MoE model)")
+    return MoEShape(from_hf_config(model_dir), config["num_local_experts"], config["num_experts_per_tok"])
+
+
+# Mixtral 8x7B, from mistralai/Mixtral-8x7B-v0.1's config.json (Jiang et al., 2024, "Mixtral of
+# Experts"): 32 layers, hidden 4096, 32 query / 8 KV heads, 8 experts of 14336, top 2, vocab 32000.
+MIXTRAL_8X7B = MoEShape(ModelShape("mixtral-8x7b", 32, 4096, 32, 8, 128, 14336, 32000), num_experts=8, top_k=2)
+
+
+def ep_expert_bytes_per_device(moe: MoEShape, ep: int, dtype_bytes: int = 2) -> float:
+    """Expert weights each EP rank holds: num_experts / ep whole experts per layer."""
+    if ep < 1 or moe.num_experts % ep:
+        raise ValueError(f"{moe.num_experts} experts cannot be split evenly over expert parallel size {ep}")
+    return moe.shape.num_layers * (moe.num_experts // ep) * moe.expert_params * dtype_bytes
+
+
+def ep_all_to_all_per_layer_s(moe: MoEShape, tokens_per_device: int, ep: int, link: Link, dtype_bytes: int = 2) -> float:
+    """Dispatch + combine of one MoE layer: two all-to-alls of each device's tokens x top_k hidden
+    vectors (with even routing, (ep-1)/ep of them leave the device)."""
+    send_bytes = tokens_per_device * moe.top_k * moe.shape.hidden_size * dtype_bytes
+    return 2 * all_to_all_time_s(send_bytes, ep, link)
+
+
+def ep_step_comm_s(moe: MoEShape, tokens_per_device: int, ep: int, link: Link, dtype_bytes: int = 2) -> float:
+    """All-to-all time of one step, every layer being an MoE layer."""
+    return moe.shape.num_layers * ep_all_to_all_per_layer_s(moe, tokens_per_device, ep, link, dtype_bytes)
+
+
+def rank_loads(tokens_per_expert: Sequence[int], ep: int) -> list[int]:
+    """Routed tokens each EP rank computes, experts placed contiguously (rank r: experts r·E/ep ...)."""
+    num_experts = len(tokens_per_expert)
+    if ep < 1 or num_experts % ep:
+        raise ValueError(f"{num_experts} experts cannot be split evenly over expert parallel size {ep}")
+    per_rank = num_experts // ep
+    return [sum(tokens_per_expert[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
+
+
+def load_imbalance(tokens_per_expert: Sequence[int], ep: int) -> float:
+    """Busiest rank's load over the mean: the MoE layer runs at the pace of its busiest rank."""
+    loads = rank_loads(tokens_per_expert, ep)
+    mean = sum(loads) / len(loads)
+    return max(loads) / mean if mean else 1.0
