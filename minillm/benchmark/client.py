@@ -3,7 +3,7 @@
 The request goes out over `httpx` and the server-sent events are read line by line: the client's
 clock starts just before the POST and stamps every `data:` line that carries a choice, which is
 exactly what a user watching the stream would see. TTFT ends at the first chunk with content
-(as `vllm bench serve`): a chat stream's `{"role": "assistant", "content": ""}` chunk carries no
+(as aiperf and guidellm time it): a chat stream's `{"role": "assistant", "content": ""}` chunk carries no
 token, and a server that sends it before prefill would otherwise move the prefill into ITL. `stream_options.include_usage` asks the server
 for a last chunk with the token counts; servers that send none get their text re-tokenized.
 A status other than 200, a broken stream or a timeout is a failed request, with the reason kept.

@@ -87,6 +87,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from minillm.grading import provenance
+
 DEFAULT_TIME_LIMIT_S = 180
 
 
@@ -132,8 +134,9 @@ def _tripwire(*args, **kwargs):  # its code is installed into disabled reference
 
 def _tripped(code: types.CodeType) -> DelegationError:
     label = _TRIPWIRES.get(id(code), (None, "a reference function"))[1]
-    _HITS.append(label)
-    return DelegationError(f"your code called the reference {label}: write it yourself")
+    message = f"your code called the reference {label}: write it yourself"
+    _HITS.append(message)
+    return DelegationError(message)
 
 
 def _label(owner: Any, name: str) -> str:
@@ -235,7 +238,11 @@ def task(number: int, name: str, check_time_limit_s: int = DEFAULT_TIME_LIMIT_S)
             del _HITS[:]
             try:
                 with _time_limit(check_time_limit_s):
-                    detail = check(*args)
+                    own = provenance.provenance_problem(args, sys.modules.get(check.__module__), number)
+                    if own is not None:
+                        raise Fail(own)
+                    with provenance.guard_graders(number), provenance.watch_learner():
+                        detail = check(*args)
                 problem = None
             except Fail as failure:
                 problem = str(failure)
@@ -250,8 +257,7 @@ def task(number: int, name: str, check_time_limit_s: int = DEFAULT_TIME_LIMIT_S)
             except Exception as error:  # noqa: BLE001  (the learner's code failed: that is the report)
                 problem = f"{type(error).__name__}: {error}"
             if _HITS:
-                problem = f"your code called the reference {_HITS[0]}: write it yourself" + (
-                    "" if problem is None or "reference" in problem else f" ({problem})")
+                problem = _HITS[0] + ("" if problem is None or problem in _HITS else f" ({problem})")
                 del _HITS[:]
             if problem is not None:
                 return TaskResult(number, name, False, [problem])
@@ -306,10 +312,13 @@ LIBRARIES: dict[str, tuple[str, ...] | None] = {
     "builtins": None,
     "random": None,
     "torch": ("equal", "allclose", "isclose", "eq", "ne", "tensor", "as_tensor", "stack", "cat", "all", "any",
-              "repeat_interleave", "cumsum", "arange", "full", "zeros"),
+              "repeat_interleave", "cumsum", "arange", "full", "zeros",
+              # the graders' random sources: a learner cell that replaces one chooses the check's cases
+              "randn", "rand", "randint", "randperm", "multinomial", "softmax", "Generator", "normal"),
     "torch.Tensor": ("__eq__", "__ne__", "__bool__", "__iter__", "__getitem__", "__len__", "tolist", "item",
                      "equal", "all", "any", "long", "as_subclass"),
     "numpy": ("array_equal", "allclose", "isclose", "sort", "cumsum", "array", "asarray"),
+    "numpy.random": ("default_rng", "seed", "randint", "random", "shuffle", "Generator"),
 }
 
 

@@ -17,6 +17,10 @@ from minillm.grading import Fail, forbid, task
 from minillm.llm import BUNDLED_TARGET
 from minillm.workload import make_trace
 
+# Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
+# module raises when learner code calls it while a check runs.
+LEARNER_TOOLS = ("CountingModel",)  # task 3 hands the model in, wrapped in it
+
 PADDING = (reference.pad_batch, reference.static_batch_steps, reference.static_batch_slots,
            reference.static_run_slots, reference.padding_waste)
 

@@ -25,6 +25,10 @@ from minillm.scheduler.static import StaticScheduler
 from minillm.sim import A100_80GB, LLAMA_7B, SimExecutor
 from minillm.workload import make_trace
 
+# Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
+# module raises when learner code calls it while a check runs.
+LEARNER_TOOLS = {"simulate": (4,)}  # task 4: explore the trace on the simulator
+
 FIRING_RULES = ((DynamicScheduler, "should_fire"), (StaticScheduler, "should_fire"))
 
 # The model the engine is told about: Llama-7B's shape (the simulator's cost model uses it).
@@ -34,7 +38,7 @@ SEVEN_B = ModelConfig(model_type="llama", vocab_size=LLAMA_7B.vocab_size, hidden
                       head_dim=LLAMA_7B.head_dim, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=2048)
 
 
-def reference_should_fire(now, waiting_arrival_times, max_batch_size, max_queue_delay_s):
+def _reference_should_fire(now, waiting_arrival_times, max_batch_size, max_queue_delay_s):
     config = EngineConfig(batching="dynamic", max_num_seqs=max_batch_size, max_queue_delay_ms=max_queue_delay_s * 1000)
     scheduler = DynamicScheduler(config, kv=None)
     for i, t in enumerate(waiting_arrival_times):
@@ -99,7 +103,7 @@ def check_task_1(should_fire) -> str:
         now = float(rng.choice([oldest + delay, oldest + delay * rng.uniform(0, 2), max(arrivals, default=0.0)]))
         cases.append((max(now, max(arrivals, default=0.0)), arrivals, int(rng.integers(1, 6)), delay))
     for now, arrivals, size, delay in cases:
-        want = reference_should_fire(now, arrivals, size, delay)
+        want = _reference_should_fire(now, arrivals, size, delay)
         with forbid(*FIRING_RULES):
             got = bool(should_fire(now, list(arrivals), size, delay))
         if got != want:
@@ -108,7 +112,7 @@ def check_task_1(should_fire) -> str:
     return f"{len(cases)} cases agree with DynamicScheduler.should_fire"
 
 
-def engine_batches(arrival_times, durations, max_batch_size, max_queue_delay):
+def _engine_batches(arrival_times, durations, max_batch_size, max_queue_delay):
     """minillm's answer: each request has a 1-token prompt and `duration` output tokens, one step per unit."""
     requests = [(t, 1, d) for t, d in zip(arrival_times, durations)]
     return batches_of(run_engine(DynamicScheduler, OneUnitPerStep(), requests, max_batch_size, max_queue_delay))
@@ -130,8 +134,8 @@ def check_task_2(dynamic_batches) -> str:
         arrivals = np.cumsum(rng.integers(0, 6, size=n)).tolist()
         cases.append((arrivals, rng.integers(1, 20, size=n).tolist(), int(rng.integers(1, 7)), int(rng.integers(0, 9))))
     for arrivals, durations, max_batch_size, delay in cases:
-        want = engine_batches(arrivals, durations, max_batch_size, delay)
-        with forbid(*FIRING_RULES, DynamicScheduler, StaticScheduler, LLMEngine, run_engine, engine_batches):
+        want = _engine_batches(arrivals, durations, max_batch_size, delay)
+        with forbid(*FIRING_RULES, DynamicScheduler, StaticScheduler, LLMEngine, run_engine, _engine_batches):
             got = [(float(t), sorted(int(i) for i in batch))
                    for t, batch in dynamic_batches(list(arrivals), list(durations), max_batch_size, delay)]
         if got != want:

@@ -22,6 +22,10 @@ from minillm.request import Request, RequestStatus
 from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch, SchedulerBase
 from minillm.scheduler.continuous import ContinuousScheduler
 
+# Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
+# module raises when learner code calls it while a check runs.
+LEARNER_TOOLS = {"AdmitHarness": (2,)}  # task 2 runs your admit inside it (task 3 does not lend it)
+
 # A small model config for the stand-in runs: the scheduler only reads its context limit.
 TOY_MODEL = ModelConfig(model_type="llama", vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=1,
                         num_heads=1, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,

@@ -20,6 +20,10 @@ from minillm.kv.block_table import BlockTableBuffer
 from minillm.llm import BUNDLED_TARGET
 from minillm.request import Request
 
+# Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
+# module raises when learner code calls it while a check runs.
+LEARNER_TOOLS = ("NoLoops",)  # task 4 hands the tensors in as NoLoops
+
 # What the learner writes in task 1: disabled while learner code runs (the engine still builds a
 # BlockAllocator before the factory replaces it, so __init__ stays allowed in task 3).
 ALLOCATOR_METHODS = tuple((BlockAllocator, name) for name in ("allocate", "share", "release", "uncache"))

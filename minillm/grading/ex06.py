@@ -22,6 +22,10 @@ from minillm.request import Request, RequestStatus
 from minillm.scheduler.base import ModelRunnerOutput
 from minillm.scheduler.continuous import ContinuousScheduler
 
+# Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
+# module raises when learner code calls it while a check runs.
+LEARNER_TOOLS = ()
+
 MODEL = BUNDLED_TARGET
 # What tasks 1-3 write, and what task 4 writes on top: disabled while the learner's code runs.
 VICTIM_AND_PREEMPT = ((ContinuousScheduler, "_pick_victim"), (ContinuousScheduler, "_preempt"))

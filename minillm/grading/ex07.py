@@ -3,7 +3,7 @@ parent checks, predicting the engine's hits, and a token-granular radix cache wi
 
 Tasks 1 and 2 compare with minillm's `HashChain` and `BlockManager` (without K/V tensors), disabled
 (`forbid`) while the learner's code runs; task 3 runs the bundled model; task 4 compares with
-`ReferenceRadix` below, a token-granular radix tree (SGLang's default page size of 1), on seeded
+`_ReferenceRadix` below, a token-granular radix tree (SGLang's default page size of 1), on seeded
 sequences of inserts, matches and evictions.
 """
 
@@ -18,6 +18,10 @@ from minillm.kv.radix import RadixNode, RadixTree
 from minillm.llm import BUNDLED_TARGET
 from minillm.request import Request
 from minillm.workload import LengthDist, make_trace
+
+# Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
+# module raises when learner code calls it while a check runs.
+LEARNER_TOOLS = ()
 
 MODEL = BUNDLED_TARGET
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
@@ -158,70 +162,79 @@ def check_task_3(predict_cached_tokens) -> str:
 # --- task 4: a token-granular radix cache --------------------------------------------------------
 
 
-class ReferenceNode:
+class _Edge:
+    """A node of the grader's tree: the edge tokens that lead to it, its parent, when a call last
+    touched it, and its children by first token."""
+
+    __slots__ = ("tokens", "parent", "last_access", "children")
+
     def __init__(self, tokens, parent, last_access):
         self.tokens, self.parent, self.last_access, self.children = tuple(tokens), parent, last_access, {}
 
 
-class ReferenceRadix:
-    """The rules of task 4, the grader's own: edges split where an insert diverges (never merged),
-    every call stamps the nodes its path touches with the next clock value, and `evict` removes the
-    least recently used leaf (ties: the smaller edge tokens) until enough tokens are gone."""
+def _common(edge, tokens) -> int:
+    limit = min(len(edge), len(tokens))
+    return next((j for j in range(limit) if edge[j] != tokens[j]), limit)
+
+
+def _descend(node, tokens, clock, split):
+    """(the node where `tokens` stop matching, how many matched), stamping the path with `clock`; with
+    `split`, an edge the tokens leave part-way is cut in two there."""
+    child = node.children.get(tokens[0]) if tokens else None
+    if child is None:
+        return node, 0
+    child.last_access = clock
+    k = _common(child.tokens, tokens)
+    if k == len(child.tokens):
+        end, more = _descend(child, tokens[k:], clock, split)
+        return end, k + more
+    if not (split and k < len(tokens)):
+        return child, k
+    upper = _Edge(child.tokens[:k], node, clock)
+    node.children[upper.tokens[0]] = upper
+    child.tokens, child.parent = child.tokens[k:], upper
+    upper.children[child.tokens[0]] = child
+    return upper, k
+
+
+def _leaves(node):
+    for child in node.children.values():
+        if child.children:
+            yield from _leaves(child)
+        else:
+            yield child
+
+
+class _ReferenceRadix:
+    """The rules of task 4, the grader's own (private, and guarded while a check runs): edges split
+    where an insert diverges (never merged), every call stamps the nodes its path touches with the
+    next clock value, and `evict` removes the least recently used leaf (ties: the smaller edge
+    tokens) until enough tokens are gone."""
 
     def __init__(self):
-        self.root, self.clock = ReferenceNode((), None, 0), 0
-
-    def _walk(self, tokens, split):
-        self.clock += 1
-        node, i = self.root, 0
-        while i < len(tokens) and tokens[i] in node.children:
-            child = node.children[tokens[i]]
-            child.last_access = self.clock
-            k = 0
-            while k < len(child.tokens) and i + k < len(tokens) and child.tokens[k] == tokens[i + k]:
-                k += 1
-            i += k
-            if k < len(child.tokens):
-                if split and i < len(tokens):
-                    upper = ReferenceNode(child.tokens[:k], node, self.clock)
-                    node.children[upper.tokens[0]] = upper
-                    child.tokens, child.parent = child.tokens[k:], upper
-                    upper.children[child.tokens[0]] = child
-                    return upper, i
-                return child, i
-            node = child
-        return node, i
+        self.root, self.clock = _Edge((), None, 0), 0
 
     def match(self, tokens):
-        return self._walk(list(tokens), split=False)[1]
+        self.clock += 1
+        return _descend(self.root, tuple(tokens), self.clock, split=False)[1]
 
     def insert(self, tokens):
-        tokens = list(tokens)
-        node, matched = self._walk(tokens, split=True)
+        self.clock += 1
+        tokens = tuple(tokens)
+        end, matched = _descend(self.root, tokens, self.clock, split=True)
         if matched < len(tokens):
-            leaf = ReferenceNode(tokens[matched:], node, self.clock)
-            node.children[leaf.tokens[0]] = leaf
+            end.children[tokens[matched]] = _Edge(tokens[matched:], end, self.clock)
         return matched
 
     def evict(self, num_tokens):
         removed = 0
         while removed < num_tokens:
-            leaves = [n for n in _nodes(self.root) if n is not self.root and not n.children]
-            if not leaves:
+            victim = min(_leaves(self.root), key=lambda n: (n.last_access, n.tokens), default=None)
+            if victim is None:
                 break
-            victim = min(leaves, key=lambda n: (n.last_access, n.tokens))
             del victim.parent.children[victim.tokens[0]]
             removed += len(victim.tokens)
         return removed
-
-
-def _nodes(root):
-    stack, seen = [root], []
-    while stack:
-        node = stack.pop()
-        seen.append(node)
-        stack.extend(node.children.values())
-    return seen
 
 
 def _shape(node, depth=0):
@@ -243,7 +256,7 @@ def check_task_4(radix_class, num_sequences: int = 150) -> str:
     operations = 0
     for seed in range(num_sequences):
         rng = random.Random(700 + seed)
-        ref = ReferenceRadix()
+        ref = _ReferenceRadix()
         with forbid(*PREFIX_CACHE):
             mine = radix_class()
         history = []

@@ -25,14 +25,13 @@ from minillm.request import Request, RequestStatus
 from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch, SchedulerBase
 from minillm.scheduler.continuous import ContinuousScheduler
 
+# Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
+# module raises when learner code calls it while a check runs.
+LEARNER_TOOLS = {"ChunkedHarness": (3,)}  # task 3: the scheduler around your fill_budget
+
 TOY_MODEL = ModelConfig(model_type="llama", vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=1,
                         num_heads=1, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
                         max_position_embeddings=256, eos_token_ids=(2,))
-
-
-def is_decoding(req: Request) -> bool:
-    """Exactly one token missing after a computed context: it costs one token of budget, like a decode."""
-    return req.num_tokens - req.num_computed_tokens == 1 and req.num_computed_tokens > 0
 
 
 class ChunkedHarness(SchedulerBase):

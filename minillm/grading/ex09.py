@@ -22,6 +22,10 @@ import torch
 from minillm.grading import Fail, forbid, task
 from minillm.spec import rejection as reference
 
+# Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
+# module raises when learner code calls it while a check runs.
+LEARNER_TOOLS = ("ExactRng", "SymbolicUniform")  # the rng verify draws from, and its uniforms
+
 DTYPE = torch.float64
 MAX_PATHS = 200_000
 
@@ -235,6 +239,42 @@ def _check_paths(name: str, outputs: dict, draft: list[int]) -> None:
                        f"correction comes from normalize(max(0, p − q)), where the rejected token has no mass")
 
 
+def _check_rule(name: str, outputs: dict, draft: list[int], p: torch.Tensor, q: torch.Tensor) -> None:
+    """The properties that define the rejection sampler, for one draft, from the exact outputs: guess i
+    is accepted (given guesses before it were) with probability min(1, p[i](x) / q[i](x)); after a
+    rejection the correction follows normalize(max(0, p[i] − q[i])); after k acceptances the bonus
+    follows p[k]. (Outputs distributed as p alone do not define it: a verifier that never reads q can
+    get them for a one-hot q.)"""
+    k = len(draft)
+    accepted = defaultdict(float)  # number of accepted guesses -> probability
+    last = defaultdict(lambda: torch.zeros(p.shape[1], dtype=DTYPE))  # accepted count -> law of the last token
+    for out, prob in outputs.items():
+        accepted[len(out) - 1] += prob
+        last[len(out) - 1][out[-1]] += prob
+    for i, x in enumerate(draft):
+        reach = sum(prob for n, prob in accepted.items() if n >= i)
+        if reach < 1e-12:
+            break
+        rate = sum(prob for n, prob in accepted.items() if n >= i + 1) / reach
+        px, qx = float(p[i, x]), float(q[i, x])
+        want = min(1.0, px / qx)
+        if abs(rate - want) > 1e-9:
+            raise Fail(f"{name}: with draft {draft}, guess {i + 1} (token {x}) is accepted with probability "
+                       f"{rate:.6f}; the rule accepts it with min(1, p/q) = min(1, {px:.4f}/{qx:.4f}) = {want:.6f}")
+        rejected = accepted.get(i, 0.0)
+        if rejected > 1e-12:
+            got = last[i] / last[i].sum()
+            diff = (p[i] - q[i]).clamp(min=0)
+            if float(diff.sum()) > 0 and not torch.allclose(got, diff / diff.sum(), atol=1e-9):
+                raise Fail(f"{name}: with draft {draft}, after rejecting guess {i + 1} the correction follows "
+                           f"{_fmt(got)}; it must follow normalize(max(0, p − q)) = {_fmt(diff / diff.sum())}")
+    if accepted.get(k, 0.0) > 1e-12:
+        got = last[k] / last[k].sum()
+        if not torch.allclose(got, p[k], atol=1e-9):
+            raise Fail(f"{name}: with draft {draft}, after accepting all {k} guesses the bonus token follows "
+                       f"{_fmt(got)}; it must follow the target's p[{k}] = {_fmt(p[k])}")
+
+
 @task(2, "verify, exactly")
 def check_task_2(verify, num_random: int = 12) -> str:
     cases = _cases(num_random)
@@ -246,6 +286,7 @@ def check_task_2(verify, num_random: int = 12) -> str:
             with forbid(reference.rejection_sample, reference.target_probs):
                 outputs = exact_outputs(lambda rng, d=draft, p=p, q=q: verify(p.clone(), q.clone(), list(d), rng))
             _check_paths(name, outputs, draft)
+            _check_rule(name, outputs, draft, p, q)
             total_paths += len(outputs)
             for out, prob in outputs.items():
                 emitted[out] += weight * prob
@@ -268,6 +309,8 @@ def check_task_2(verify, num_random: int = 12) -> str:
                     raise Fail(f"{name}: {where} follows {_fmt(got)}, but the target's p[{i}] is {_fmt(p[i])}")
     return [f"{len(cases)} cases (q = p, disjoint, one-hot, k = 1 … 3): every draft q could propose, every path "
             f"of your random choices ({total_paths} outputs)",
+            "each guess accepted with probability min(1, p/q), each correction drawn from normalize(max(0, p − q)), "
+            "the bonus from p[k] (to 1e-9)",
             "each emitted position follows the target's p exactly (to 1e-9); 1 … k + 1 tokens, bonus included"]
 
 

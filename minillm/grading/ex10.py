@@ -22,8 +22,9 @@ While the learner's kernel runs, minillm's own kernel function and the torch ref
 disabled (`forbid`). `KNOWN_WRONG` holds minillm's kernel with one bug each, the bug classes the
 exercise is about (chapter 10, section 6, runs them; tests/known_wrong/ex10.py grades them).
 
-numba reads NUMBA_ENABLE_CUDASIM once, when it is first imported; the exercise's runner imports this
-module before any notebook cell, so it sets the variable here when torch sees no GPU.
+numba reads NUMBA_ENABLE_CUDASIM when it is first imported and numba.cuda picks the simulator when it
+is; the exercise's runner imports this module before any notebook cell, so it sets the variable here
+when torch sees no GPU (and has numba re-read it if only its CPU compiler was imported before).
 """
 
 from __future__ import annotations
@@ -44,8 +45,12 @@ from pathlib import Path
 
 import torch
 
-if "numba" not in sys.modules and not torch.cuda.is_available():
+if "numba.cuda" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+    if "numba" in sys.modules:  # numba's CPU compiler came first (the engine's CPU kernels): re-read the variable
+        from numba.core import config as _numba_config
+
+        _numba_config.reload_config()
 
 from numba import cuda, float32  # noqa: E402
 
@@ -53,6 +58,10 @@ from minillm.grading import Fail, forbid, task  # noqa: E402
 from minillm.kernels import decode_attention  # noqa: E402
 from minillm.kernels._launch import device_array, launch, simulator  # noqa: E402
 from minillm.kernels.scenarios import PagedScenario, paged_scenario  # noqa: E402
+
+# Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
+# module raises when learner code calls it while a check runs.
+LEARNER_TOOLS = ()
 
 MAX_HEAD_DIM = 64  # the size of a thread's accumulator: cuda.local.array(MAX_HEAD_DIM, float32)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,11 +1,13 @@
-"""numba.cuda kernels, each beside its torch reference (chapter 10).
+"""numba.cuda kernels, each beside its torch reference, and the CPU decode kernel (chapter 10).
 
 The kernel sources live in the repository's top-level `kernels/` directory (the course's layout);
-this package only points its search path there, so they import as `minillm.kernels.<name>`.
+in a source or editable checkout this package points its search path there, so they import as
+`minillm.kernels.<name>`. A wheel carries them inside this package instead (tools/build_backend.py
+copies them at build time), so the same imports work from an installed minillm.
 `kernels/` itself has no `__init__.py` on purpose: see kernels/README.md. Importing this package
 imports neither numba nor CUDA; the launchers below import their kernel module (and numba) on
-first use. On a CPU they run only under numba's simulator (NUMBA_ENABLE_CUDASIM=1, set before
-numba is imported).
+first use. On a CPU the CUDA kernels run only under numba's simulator (NUMBA_ENABLE_CUDASIM=1, set
+before numba is imported); the CPU kernel is plain numba @njit.
 
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)            # in place
     paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale) -> out
@@ -13,12 +15,16 @@ numba is imported).
     prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale) -> out
     rms_norm(x, weight, eps) -> out
     rotary_embedding(positions, query, key, cos_sin_cache, is_neox=True)          # in place
+    paged_attention_decode_cpu(query, key_cache, value_cache, block_tables, seq_lens, scale, window=None)
 """
 
 import importlib
 from pathlib import Path
 
-__path__.append(str(Path(__file__).resolve().parents[2] / "kernels"))  # noqa: F821 - a package's __path__
+_HERE = Path(__file__).resolve().parent
+_CHECKOUT_KERNELS = _HERE.parents[1] / "kernels"  # the repository's kernels/, beside minillm/
+if not (_HERE / "decode_attention.py").is_file() and (_CHECKOUT_KERNELS / "decode_attention.py").is_file():
+    __path__.append(str(_CHECKOUT_KERNELS))  # noqa: F821 - a package's __path__
 
 # launcher -> the module (one file per kernel, in kernels/) that defines it beside its reference
 KERNELS = {"reshape_and_cache": "cache_write", "paged_attention_decode": "decode_attention",

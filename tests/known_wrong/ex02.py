@@ -1,6 +1,6 @@
 """Known-wrong answers to exercise 02 (padding): see tests/known_wrong/__init__.py."""
 
-from known_wrong import Mutant
+from known_wrong import Mutant, code_reused, source_reexecuted
 
 KNOWN_WRONG = [
     # task 1: left padding and the mask
@@ -53,4 +53,18 @@ KNOWN_WRONG = [
                                               "order[start : start + max_num_seqs + 1] for start in range(0, len(order), max_num_seqs + 1)"),),
            expect="group sizes"),
     Mutant(5, "loses a request", edits=(("    return [order[start", "    order = order[1:]\n    return [order[start"),), expect="missing"),
+]
+
+# issue 18: the library's answer under another name, the grader as an oracle
+KNOWN_WRONG += [
+    code_reused(1, "pad_batch", "minillm.padding", "pad_batch"),
+    source_reexecuted(1, "pad_batch", "minillm.padding", "pad_batch"),
+    source_reexecuted(2, "static_batch_steps", "minillm.padding", "static_batch_steps"),
+    Mutant(5, "the grader as an oracle: keeps whichever grouping grader.grouping_cost prices lower", code=(
+        "_mine = group_requests\n"
+        "def group_requests(prompt_lens, output_lens, max_num_seqs):\n"
+        "    arrival = [list(range(len(prompt_lens)))[s:s + max_num_seqs] for s in range(0, len(prompt_lens), max_num_seqs)]\n"
+        "    return min([arrival, _mine(prompt_lens, output_lens, max_num_seqs)],\n"
+        "               key=lambda groups: grader.grouping_cost(groups, prompt_lens, output_lens))\n"),
+        expect="grader's"),
 ]

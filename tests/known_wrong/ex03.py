@@ -1,6 +1,6 @@
 """Known-wrong answers to exercise 03 (dynamic batcher): see tests/known_wrong/__init__.py."""
 
-from known_wrong import Mutant
+from known_wrong import Mutant, reads_the_checks_frame
 
 RULE = "return len(waiting_arrival_times) >= max_batch_size or now >= waiting_arrival_times[0] + max_queue_delay_s"
 
@@ -32,7 +32,7 @@ KNOWN_WRONG = [
                                                             "            batch, waiting = waiting[-max_batch_size:], waiting[:-max_batch_size]"),)),
     Mutant(2, "delegates to the engine", code=(
         "def dynamic_batches(arrival_times, durations, max_batch_size, max_queue_delay):\n"
-        "    return grader.engine_batches(arrival_times, durations, max_batch_size, max_queue_delay)\n"),
+        "    return grader._engine_batches(arrival_times, durations, max_batch_size, max_queue_delay)\n"),
            expect="reference"),
     # task 3: the rule in the scheduler
     Mutant(3, "delay in milliseconds where seconds are meant", edits=(("self.config.max_num_seqs, self.timeout_s)",
@@ -44,4 +44,20 @@ KNOWN_WRONG = [
     Mutant(4, "batches too small: the TTFT promise is missed", edits=(('"max_num_seqs": 32', '"max_num_seqs": 16'),), expect="the SLO is missed"),
     Mutant(4, "batches too large: the TPOT promise is missed", edits=(('"max_num_seqs": 32', '"max_num_seqs": 128'),), expect="the SLO is missed"),
     Mutant(4, "knobs in the wrong units (seconds)", edits=(('"max_queue_delay_ms": 0', '"max_queue_delay_s": 0'),), expect="exactly the keys"),
+]
+
+# issue 18: the grader's private reference, the library's method copied, the check's frame
+KNOWN_WRONG += [
+    Mutant(1, "the grader's helper answers: calls grader._reference_should_fire", code=(
+        "def should_fire(now, waiting_arrival_times, max_batch_size, max_queue_delay_s):\n"
+        "    return grader._reference_should_fire(now, waiting_arrival_times, max_batch_size, max_queue_delay_s)\n"),
+        expect="grader's minillm.grading.ex03._reference_should_fire"),
+    Mutant(1, "the grader's helper handed in: should_fire = grader._reference_should_fire",
+           code="should_fire = grader._reference_should_fire\n", expect="handed in"),
+    reads_the_checks_frame(1, "def should_fire(now, waiting_arrival_times, max_batch_size, max_queue_delay_s):\n"
+                              "    return _expected()\n", var="want"),
+    Mutant(3, "the library's answer under another name: DynamicScheduler.should_fire copied into the class", code=(
+        "from minillm.scheduler.base import SchedulerBase as _Base\n"
+        "class MyDynamicScheduler(DynamicScheduler):\n"
+        "    should_fire = DynamicScheduler.should_fire\n"), expect="is minillm's"),
 ]

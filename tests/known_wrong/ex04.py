@@ -1,6 +1,6 @@
 """Known-wrong answers to exercise 04 (continuous scheduler): see tests/known_wrong/__init__.py."""
 
-from known_wrong import Mutant
+from known_wrong import Mutant, reads_the_checks_frame, source_reexecuted
 
 KNOWN_WRONG = [
     # task 1: retire
@@ -57,4 +57,25 @@ KNOWN_WRONG = [
     Mutant(4, "the engine's own scheduler", edits=(("scheduler_factory=lambda config, kv: LearnerScheduler(config, kv), ", ""),),
            expect="reference ContinuousScheduler"),
     Mutant(4, "drops the knobs", edits=(("LearnerScheduler(config, kv), **knobs)", "LearnerScheduler(config, kv))"),)),
+]
+
+# issue 18: the grader's harness as the answer, the library's class re-executed or copied, the check's frame
+KNOWN_WRONG += [
+    reads_the_checks_frame(1, "def retire(running, kv):\n"
+                              "    keep = _expected()\n"
+                              "    for req in running:\n"
+                              "        if req.request_id not in keep:\n"
+                              "            kv.free(req)\n"
+                              "    return [r for r in running if r.request_id in keep]\n"),
+    source_reexecuted(2, "LearnerScheduler", "minillm.scheduler.continuous", "ContinuousScheduler", keyword="class"),
+    Mutant(3, "the grader's harness is the step: inherits grader.AdmitHarness", code=(
+        "_admit = LearnerScheduler.admit\n"
+        "class LearnerScheduler(grader.AdmitHarness):\n"
+        "    admit = _admit\n"), expect="inherits from the grader's"),
+    Mutant(3, "the library's answer under another name: ContinuousScheduler's methods copied", code=(
+        "from minillm.scheduler.base import SchedulerBase as _Base\n"
+        "from minillm.scheduler.continuous import ContinuousScheduler as _CS\n"
+        "LearnerScheduler = type('LearnerScheduler', (_Base,), {k: v for k, v in vars(_CS).items()\n"
+        "                         if k not in ('__dict__', '__weakref__')})\n"), expect="is minillm's"),
+    source_reexecuted(3, "LearnerScheduler", "minillm.scheduler.continuous", "ContinuousScheduler", keyword="class"),
 ]

@@ -1,6 +1,6 @@
 """Known-wrong answers to exercise 05 (block allocator): see tests/known_wrong/__init__.py."""
 
-from known_wrong import Mutant
+from known_wrong import Mutant, source_reexecuted
 
 KNOWN_WRONG = [
     # task 1: free list and reference counts
@@ -49,4 +49,17 @@ KNOWN_WRONG = [
         "from minillm.kv.block_manager import BlockManager as _Ref\n"
         "def slot_mapping(block_tables, starts, counts, block_size):\n"
         "    return _Ref.slot_mapping(None, [], [])\n"), expect="reference BlockManager.slot_mapping"),
+]
+
+# issue 18: the library's class re-executed, the grader's expected-slots helper as the answer
+KNOWN_WRONG += [
+    source_reexecuted(1, "LearnerAllocator", "minillm.kv.block_allocator", "BlockAllocator", keyword="class"),
+    Mutant(2, "the grader's helper answers: slots_for calls grader._expected_slots", code=(
+        "def slots_for(table, start, n, block_size):\n"
+        "    return grader._expected_slots([table], [start], [n], block_size)\n"), expect="grader's"),
+    Mutant(3, "the library's answer under another name: BlockAllocator's code in LearnerAllocator", code=(
+        "import types as _types\n"
+        "import minillm.kv.block_allocator as _lib\n"
+        "LearnerAllocator.release = _types.FunctionType(_lib.BlockAllocator.release.__code__, vars(_lib), 'release')\n"),
+        expect="bytecode"),
 ]

@@ -1,6 +1,6 @@
 """Known-wrong answers to exercise 06 (preemption): see tests/known_wrong/__init__.py."""
 
-from known_wrong import Mutant
+from known_wrong import Mutant, reads_the_checks_frame
 
 KNOWN_WRONG = [
     # task 1: the victim
@@ -42,4 +42,22 @@ KNOWN_WRONG = [
         "class StepScheduler(LearnerScheduler):\n"
         "    def schedule(self, now, more_arrivals=True):\n        return _Ref.schedule(self, now, more_arrivals)\n"),
            expect="reference ContinuousScheduler.schedule"),
+]
+
+# issue 18: the library's method under another name, the check's frame
+KNOWN_WRONG += [
+    reads_the_checks_frame(1, "def pick_victim(running, policy):\n"
+                              "    return next(r for r in running if r.request_id == _expected())\n"),
+    Mutant(2, "the library's answer under another name: ContinuousScheduler._preempt's code object reused", code=(
+        "import types as _types\n"
+        "import minillm.scheduler.continuous as _lib\n"
+        "LearnerScheduler._preempt = _types.FunctionType(_lib.ContinuousScheduler._preempt.__code__, vars(_lib),\n"
+        "                                                '_preempt')\n"), expect="bytecode"),
+    Mutant(4, "the library's answer under another name: ContinuousScheduler.schedule's source re-executed", code=(
+        "import inspect as _inspect\n"
+        "import textwrap as _textwrap\n"
+        "import minillm.scheduler.continuous as _lib\n"
+        "_ns = dict(vars(_lib))\n"
+        "exec(_textwrap.dedent(_inspect.getsource(_lib.ContinuousScheduler.schedule)), _ns)\n"
+        "StepScheduler.schedule = _ns['schedule']\n"), expect="bytecode"),
 ]

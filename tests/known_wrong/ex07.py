@@ -1,6 +1,6 @@
 """Known-wrong answers to exercise 07 (prefix lookup and radix cache): see tests/known_wrong/__init__.py."""
 
-from known_wrong import Mutant
+from known_wrong import Mutant, source_reexecuted
 
 KNOWN_WRONG = [
     # task 1: the hash chain
@@ -51,4 +51,13 @@ KNOWN_WRONG = [
         "from minillm.kv.radix import RadixTree as _Ref\n"
         "class RadixCache(RadixCache):\n"
         "    def match(self, tokens):\n        return _Ref.match_prefix(self, tokens)\n"), expect="reference RadixTree"),
+]
+
+# issue 18: the grader's own reference radix as the answer
+KNOWN_WRONG += [
+    Mutant(4, "the grader's reference handed in: RadixCache = grader._ReferenceRadix",
+           code="RadixCache = grader._ReferenceRadix\n", expect="handed in"),
+    Mutant(4, "the grader's reference inherited", code="class RadixCache(grader._ReferenceRadix):\n    pass\n",
+           expect="inherits from the grader's"),
+    source_reexecuted(4, "RadixCache", "minillm.grading.ex07", "_ReferenceRadix", keyword="class"),
 ]

@@ -1,6 +1,6 @@
 """Known-wrong answers to exercise 08 (chunked prefill budget): see tests/known_wrong/__init__.py."""
 
-from known_wrong import Mutant
+from known_wrong import Mutant, reads_a_traceback_frame, reads_the_checks_frame
 
 DELEGATING_FILLER = """
 from minillm.config import EngineConfig as _EC
@@ -73,4 +73,20 @@ KNOWN_WRONG = [
            expect="differs from minillm's"),
     Mutant(3, "delegates: the engine's ContinuousScheduler in a harness", code=DELEGATING_FILLER,
            expect="reference ContinuousScheduler"),
+]
+
+# issue 18: the grader's harness as the answer (the public is_decoding helper of old is gone), the check's frame
+KNOWN_WRONG += [
+    Mutant(1, "the grader's harness sorts: serve_order through ChunkedHarness.schedule", code=(
+        "def serve_order(running):\n"
+        "    from minillm.config import EngineConfig as _EC\n"
+        "    harness = grader.ChunkedHarness(_EC(max_num_seqs=64, max_num_batched_tokens=10_000).resolve(256), None,\n"
+        "                                    lambda r, w, b, t, m: [(q, 1) for q in r])\n"
+        "    return harness.schedule(0.0).requests\n"), expect="grader's"),
+    reads_the_checks_frame(1, "def serve_order(running):\n"
+                              "    order = _expected()\n"
+                              "    return sorted(running, key=lambda r: order.index(r.request_id))\n"),
+    reads_a_traceback_frame(1, "def serve_order(running):\n"
+                               "    order = _expected()\n"
+                               "    return sorted(running, key=lambda r: order.index(r.request_id))\n"),
 ]

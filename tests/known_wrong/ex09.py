@@ -1,6 +1,6 @@
 """Known-wrong answers to exercise 09 (rejection sampler): see tests/known_wrong/__init__.py."""
 
-from known_wrong import Mutant
+from known_wrong import Mutant, reads_the_checks_frame
 
 ACCEPT = "if rng.uniform() < min(1.0, float(p[i, d] / q[i, d])):"
 CORRECTION = "return out + [rng.choice(residual(p[i], q[i]))]"
@@ -13,12 +13,12 @@ KNOWN_WRONG = [
     Mutant(1, "p equals q divides by zero", edits=(("    if float(total) <= 0:\n        return p.clone()\n", ""),),
            expect="p equals q"),
     # task 2: verify, exactly
-    Mutant(2, "always accept", edits=((ACCEPT, "if True:"),), expect="follows"),
+    Mutant(2, "always accept", edits=((ACCEPT, "if True:"),), expect="accepted with probability"),
     Mutant(2, "resample from p instead of max(0, p - q)", edits=((CORRECTION, "return out + [rng.choice(p[i])]"),),
            expect="rejected token has no mass"),
     Mutant(2, "forgets the bonus token", edits=((BONUS, "return out"),), expect="bonus token"),
     Mutant(2, "accepts with q/p instead of p/q", edits=(("float(p[i, d] / q[i, d])", "float(q[i, d] / p[i, d])"),),
-           expect="follows"),
+           expect="accepted with probability"),
     Mutant(2, "goes on after a rejection", edits=((CORRECTION, "out.append(rng.choice(residual(p[i], q[i])))"),),
            expect="every token but the last"),
     Mutant(2, "bonus from the wrong row", edits=((BONUS, "return out + [rng.choice(p[len(draft) - 1])]"),),
@@ -43,4 +43,29 @@ KNOWN_WRONG = [
          "return float(torch.rand((), dtype=torch.float64))"),), expect="same seed"),
     Mutant(3, "ignores the seed", edits=(("torch.Generator().manual_seed(seed)", "torch.Generator().manual_seed(0)"),),
            expect="the seed must matter"),
+]
+
+# issue 18: a verifier that never reads q (its outputs still follow p), the grader's rng handed in, the check's frame
+Q_BLIND = """
+def verify(p, q, draft, rng):
+    out = []
+    for i, d in enumerate(draft):
+        x = rng.choice(p[i])
+        if x != d:
+            return out + [x]
+        out.append(d)
+    return out + [rng.choice(p[len(draft)])]
+"""
+
+KNOWN_WRONG += [
+    Mutant(2, "never reads q: draws from p and keeps the guess only if the draw equals it", code=Q_BLIND,
+           expect="accepted with probability"),
+    Mutant(2, "accepts with p alone (no q): u < p(x)", edits=((ACCEPT, "if rng.uniform() < float(p[i, d]):"),)),
+    Mutant(3, "the grader's rng handed in: TorchRng = grader.ExactRng", code="TorchRng = grader.ExactRng\n",
+           expect="handed in"),
+    reads_the_checks_frame(1, "def residual(p, q):\n    return _expected()\n"),
+    Mutant(2, "patches the grader's random source (torch.randn) so that q equals p", code=(
+        "import torch as _torch\n"
+        "_torch.randn = lambda *shape, **kw: _torch.zeros(*shape, dtype=kw.get('dtype'))\n"),
+        expect="changed the grader or minillm"),
 ]

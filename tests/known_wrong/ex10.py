@@ -42,3 +42,28 @@ KNOWN_WRONG = [
     Mutant(3, "wrong GQA head mapping", edits=WRONG_GQA, expect="decode call"),
     Mutant(3, "delegates to minillm's kernel", code=DELEGATE, expect="reference"),
 ]
+
+# issue 18: minillm's kernel under another name (code object reused, source re-executed, __code__ swapped)
+SOURCE_REEXEC = (
+    "import inspect as _inspect\n"
+    "from minillm.kernels import decode_attention as _lib\n"
+    "exec(_inspect.getsource(_lib._kernel).replace('def _kernel(', 'def paged_decode_kernel(', 1))\n")
+
+KNOWN_WRONG += [
+    Mutant(1, "the library's answer under another name: decode_attention._kernel's code object reused", code=(
+        "import types as _types\n"
+        "from minillm.kernels import decode_attention as _lib\n"
+        "paged_decode_kernel = _types.FunctionType(_lib._kernel.__code__, globals(), 'paged_decode_kernel')\n"),
+        expect="bytecode"),
+    Mutant(1, "the library's answer under another name: decode_attention._kernel's source re-executed",
+           code=SOURCE_REEXEC, expect="bytecode"),
+    Mutant(1, "the library's answer under another name: __code__ swapped in",
+           code="from minillm.kernels import decode_attention as _lib\n"
+                "paged_decode_kernel.__code__ = _lib._kernel.__code__\n", expect="bytecode"),
+    Mutant(2, "the library's answer under another name: decode_attention._kernel's source re-executed",
+           code=SOURCE_REEXEC, expect="bytecode"),
+    Mutant(3, "the library's answer under another name: decode_attention._kernel's source re-executed",
+           code=SOURCE_REEXEC, expect="bytecode"),
+    Mutant(1, "a grader's kernel handed in (one of its known-wrong kernels)",
+           code="paged_decode_kernel = grader.KNOWN_WRONG['wrong GQA head mapping']\n", expect="handed in"),
+]
