@@ -155,13 +155,13 @@ def azure_trace(
         prompts = np.minimum(prompts, max_model_len - outputs)
 
     rng = np.random.default_rng(seed)
-    pool = list(range(lo, hi))  # shared int objects: a prompt list costs 8 bytes a token
+    pool = np.arange(lo, hi).astype(object)  # shared int objects: a prompt list costs 8 bytes a token
     firsts = rng.permutation(hi - lo)[: len(idx)] if len(idx) <= hi - lo else rng.integers(0, hi - lo, len(idx))
     requests = []
     for i, (t, p, o) in enumerate(zip(arrivals.tolist(), prompts.tolist(), outputs.tolist())):
         ids = rng.integers(0, hi - lo, size=p)
         ids[0] = firsts[i]
-        requests.append(TraceRequest(f"{kind}-{int(idx[i])}", float(t), [pool[j] for j in ids.tolist()], int(o)))
+        requests.append(TraceRequest(f"{kind}-{int(idx[i])}", float(t), pool[ids].tolist(), int(o)))
     meta = dict(
         source="azure-llm-inference-2023", kind=kind, citation=AZURE_CITATION, num_requests=len(requests),
         start_s=start_s, duration_s=duration_s, max_requests=max_requests, speedup=speedup,

@@ -167,3 +167,26 @@ def test_tenant_trace_shares_exactly_the_system_prompt_and_skews_popularity(tmp_
     trace.save_jsonl(tmp_path / "t.jsonl")
     assert Trace.load_jsonl(tmp_path / "t.jsonl").requests == trace.requests
     assert make_tenant_trace(400, num_tenants=4, system_prompt_len=10, question_len=3, seed=3).requests == trace.requests
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["router", "--worker", "127.0.0.1:8001"], "--worker must be a URL starting with http://"),
+    (["router", "--worker", "http://a:1", "--worker", "http://a:1"], "--worker URLs must differ"),
+    (["router", "--worker", "http://a:1", "--cache-threshold", "2"], "--cache-threshold must lie in [0, 1]"),
+    (["router", "--worker", "http://a:1", "--health-failure-threshold", "0"], "--health-failure-threshold must be >= 1"),
+    (["serve", "--data-parallel-size", "0"], "--data-parallel-size must be >= 1, got 0"),
+    (["serve", "--data-parallel-size", "2", "--balance-rel-threshold", "0.5"], "--balance-rel-threshold must be >= 1.0"),
+])
+def test_router_and_data_parallel_flags_fail_clearly_before_starting_anything(argv, message, capsys):
+    from minillm.cli import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_replicas_get_the_serve_flags_without_the_routers_and_the_port():
+    from minillm.cli import replica_argv
+
+    argv = ["serve", "models/m", "--data-parallel-size=2", "--port", "9000", "--host", "0.0.0.0", "--policy",
+            "least_load", "--max-num-seqs", "4", "--enable-prefix-caching", "--cache-threshold", "0.5"]
+    assert replica_argv(argv) == ["models/m", "--max-num-seqs", "4", "--enable-prefix-caching"]

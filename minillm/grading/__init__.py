@@ -60,7 +60,12 @@ How to add an exercise (ex08, ex09, ex10 are added this way; nothing outside you
    reference X: write it yourself", even if the learner's code swallowed the exception.
    `refuse_subclass(cls, Reference)` fails a class that inherits what it should implement.
    Checks must be deterministic (fixed seeds) and fail on the first difference, with a message that
-   shows it. `check_time_limit_s=` on `@task` bounds a check (default 180 s).
+   shows it. Where a learner could precompute the seeded cases' answers (with the reference, before
+   the check disables it) or special-case the seeds, add cases from `grade_time_seeds(n)`: drawn when
+   the check runs, they cannot be known in advance, and a correct answer passes them all.
+   Every check also runs the rules of `minillm.grading.provenance` (the learner's code is the
+   learner's; grader helpers are not answers; a check's data is not an input): list in
+   `LEARNER_TOOLS` what the module lends the learner during a check. `check_time_limit_s=` on `@task` bounds a check (default 180 s).
 
 3. `tests/known_wrong/exNN.py`: `KNOWN_WRONG = [Mutant(...), ...]` (see tests/known_wrong/__init__.py):
    for every task, a few wrong implementations of the bug classes it is about, written either as
@@ -79,6 +84,7 @@ How to add an exercise (ex08, ex09, ex10 are added this way; nothing outside you
 from __future__ import annotations
 
 import functools
+import random
 import signal
 import sys
 import types
@@ -285,6 +291,14 @@ def run_until_done(engine: Any, max_iterations: int, stalled: str) -> None:
             engine.wait_for_work()
     if engine.has_unfinished():
         raise Fail(stalled.format(unfinished=len(engine.requests)))
+
+
+def grade_time_seeds(count: int) -> list[int]:
+    """`count` seeds drawn when the check runs (from the OS, not from a generator a learner could seed):
+    cases made from them cannot be memoised or special-cased in advance, and a correct answer passes
+    them all, so a correct solution's verdict stays the same from run to run."""
+    draw = random.SystemRandom()
+    return [draw.randrange(10**6, 10**9) for _ in range(count)]
 
 
 def tasks_of(module: types.ModuleType) -> dict[int, Callable]:

@@ -14,7 +14,7 @@ from minillm import LLM, SamplingParams
 from minillm.clock import SimClock
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
-from minillm.grading import Fail, forbid, refuse_subclass, run_until_done, task
+from minillm.grading import Fail, forbid, grade_time_seeds, refuse_subclass, run_until_done, task
 from minillm.kv.slab import SlabKVManager
 from minillm.llm import BUNDLED_TARGET
 from minillm.model.config import ModelConfig
@@ -24,6 +24,7 @@ from minillm.scheduler.continuous import ContinuousScheduler
 
 # Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
 # module raises when learner code calls it while a check runs.
+FRESH_CASES = 50  # task 1's cases drawn at grade time, besides the seeded ones
 LEARNER_TOOLS = {"AdmitHarness": (2,)}  # task 2 runs your admit inside it (task 3 does not lend it)
 
 # A small model config for the stand-in runs: the scheduler only reads its context limit.
@@ -74,7 +75,7 @@ def _retire_case(seed):
 
 @task(1, "retire")
 def check_task_1(retire, num_cases: int = 200) -> str:
-    for seed in range(num_cases):
+    for seed in [*range(num_cases), *grade_time_seeds(FRESH_CASES)]:  # fresh ones cannot be memoised
         mine_running, mine_kv = _retire_case(seed)
         ref_running, ref_kv = _retire_case(seed)
         reference = ContinuousScheduler(EngineConfig(kv_layout="slab").resolve(256), ref_kv)

@@ -18,7 +18,7 @@ from minillm import LLM, SamplingParams
 from minillm.clock import SimClock
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine, make_kv_manager
-from minillm.grading import Fail, forbid, run_until_done, task
+from minillm.grading import Fail, forbid, grade_time_seeds, run_until_done, task
 from minillm.llm import BUNDLED_TARGET
 from minillm.model.config import ModelConfig
 from minillm.request import Request, RequestStatus
@@ -27,6 +27,7 @@ from minillm.scheduler.continuous import ContinuousScheduler
 
 # Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
 # module raises when learner code calls it while a check runs.
+FRESH_CASES = 50  # task 1's cases drawn at grade time, besides the seeded ones
 LEARNER_TOOLS = {"ChunkedHarness": (3,)}  # task 3: the scheduler around your fill_budget
 
 TOY_MODEL = ModelConfig(model_type="llama", vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=1,
@@ -159,7 +160,7 @@ def _running_case(seed: int) -> list[Request]:
 @task(1, "stall-free order")
 def check_task_1(serve_order, num_cases: int = 300) -> str:
     config = EngineConfig(enable_chunked_prefill=True, max_num_batched_tokens=64).resolve(256)
-    for seed in range(num_cases):
+    for seed in [*range(num_cases), *grade_time_seeds(FRESH_CASES)]:  # fresh ones cannot be memoised
         running = _running_case(seed)
         reference = ContinuousScheduler(config, kv=None)
         reference.running = list(running)

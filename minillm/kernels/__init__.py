@@ -30,11 +30,13 @@ if not (_HERE / "decode_attention.py").is_file() and (_CHECKOUT_KERNELS / "decod
 KERNELS = {"reshape_and_cache": "cache_write", "paged_attention_decode": "decode_attention",
            "paged_attention_decode_warp": "decode_attention_warp",
            "prefill_attention": "varlen_attention", "rms_norm": "rmsnorm", "rotary_embedding": "rope",
-           "paged_attention_decode_cpu": "cpu_decode_attention"}
-__all__ = list(KERNELS)
+           "flash_attention": "flash_attention"}
+CPU_KERNELS = {"paged_attention_decode_cpu": "cpu_decode_attention"}  # @njit, not CUDA: no PTX
+__all__ = [*KERNELS, *CPU_KERNELS]
 
 
 def __getattr__(name: str):
-    if name in KERNELS:
-        return getattr(importlib.import_module(f"minillm.kernels.{KERNELS[name]}"), name)
+    module = KERNELS.get(name) or CPU_KERNELS.get(name)
+    if module is not None:
+        return getattr(importlib.import_module(f"minillm.kernels.{module}"), name)
     raise AttributeError(f"module 'minillm.kernels' has no attribute {name!r}")

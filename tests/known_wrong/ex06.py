@@ -61,3 +61,21 @@ KNOWN_WRONG += [
         "exec(_textwrap.dedent(_inspect.getsource(_lib.ContinuousScheduler.schedule)), _ns)\n"
         "StepScheduler.schedule = _ns['schedule']\n"), expect="bytecode"),
 ]
+
+# issue 18: answers memoised from the grader's seeded cases (computed with the reference in advance)
+KNOWN_WRONG += [
+    Mutant(1, "memoised: the seeded cases' answers computed with the reference in advance", code=(
+        "from minillm.config import EngineConfig as _EC\n"
+        "from minillm.scheduler.continuous import ContinuousScheduler as _CS\n"
+        "def _key(running, policy):\n"
+        "    return policy, tuple((r.request_id, r.priority, r.arrival_time) for r in running)\n"
+        "_MEMO = {}\n"
+        "for _seed in range(300):\n"
+        "    _running, _policy = grader._victim_case(_seed)\n"
+        "    _ref = _CS(_EC(scheduling_policy=_policy).resolve(256), kv=None)\n"
+        "    _ref.running = list(_running)\n"
+        "    _MEMO[_key(_running, _policy)] = _ref._pick_victim().request_id\n"
+        "def pick_victim(running, policy):\n"
+        "    victim = _MEMO.get(_key(running, policy), running[0].request_id)\n"
+        "    return next(r for r in running if r.request_id == victim)\n"), expect="expected"),
+]

@@ -90,3 +90,20 @@ KNOWN_WRONG += [
                                "    order = _expected()\n"
                                "    return sorted(running, key=lambda r: order.index(r.request_id))\n"),
 ]
+
+# issue 18: answers memoised from the grader's seeded cases (computed with the reference before the check disables it)
+KNOWN_WRONG += [
+    Mutant(1, "memoised: the seeded cases' answers computed with the reference in advance", code=(
+        "from minillm.config import EngineConfig as _EC\n"
+        "from minillm.scheduler.continuous import ContinuousScheduler as _CS\n"
+        "def _key(running):\n"
+        "    return tuple((r.request_id, r.num_computed_tokens, r.num_tokens) for r in running)\n"
+        "_MEMO = {}\n"
+        "for _seed in range(300):\n"
+        "    _ref = _CS(_EC(enable_chunked_prefill=True, max_num_batched_tokens=64).resolve(256), kv=None)\n"
+        "    _ref.running = grader._running_case(_seed)\n"
+        "    _MEMO[_key(_ref.running)] = [r.request_id for r in _ref._running_order()]\n"
+        "def serve_order(running):\n"
+        "    order = _MEMO.get(_key(running), [r.request_id for r in running])\n"
+        "    return sorted(running, key=lambda r: order.index(r.request_id))\n"), expect="expected"),
+]
