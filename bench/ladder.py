@@ -276,7 +276,7 @@ def run_minillm(llm: LLM, batching: str, trace: Trace) -> Run:
 def make_measured_llm(model_dir: Path, device: str, batching: str, batch_size: int) -> LLM:
     """`make_llm` with the runner's counters zeroed after the warm-up."""
     llm = make_llm(model_dir, device, batching, batch_size)
-    runner, engine = llm.engine.executor.worker, llm.engine
+    runner, engine = llm.engine.executor, llm.engine
     runner.keys_read = runner.keys_exist = 0
     runner.model_time_s = engine.time_in_steps_s = 0.0
     return llm
@@ -286,7 +286,7 @@ def engine_shares(run: Run) -> str:
     """Where a minillm step's wall time goes: the model (forward + lm_head) vs everything else
     (scheduling, building inputs, sampling, updating requests, metrics)."""
     engine = run.engine
-    runner = engine.executor.worker
+    runner = engine.executor
     steps = engine.time_in_steps_s
     outside = 1 - runner.model_time_s / steps
     return (f"{len(run.steps)} steps, {1e3 * steps / len(run.steps):.2f} ms per step, of which "

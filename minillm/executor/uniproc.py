@@ -37,6 +37,31 @@ class UniProcExecutor:
         """Real time passes by itself: nothing to charge a clock."""
         return 0.0
 
+    # The worker's counters, read (and zeroed) by bench/ladder.py through the engine's executor.
+    @property
+    def model_time_s(self) -> float:
+        return self.worker.model_time_s
+
+    @model_time_s.setter
+    def model_time_s(self, value: float) -> None:
+        self.worker.model_time_s = value
+
+    @property
+    def keys_read(self) -> int:
+        return self.worker.keys_read
+
+    @keys_read.setter
+    def keys_read(self, value: int) -> None:
+        self.worker.keys_read = value
+
+    @property
+    def keys_exist(self) -> int:
+        return self.worker.keys_exist
+
+    @keys_exist.setter
+    def keys_exist(self, value: int) -> None:
+        self.worker.keys_exist = value
+
     @property
     def attention_backend(self) -> str:
         """The backend the worker resolved ("auto" → what this device and dtype use)."""
