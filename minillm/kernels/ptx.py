@@ -33,6 +33,7 @@ def signatures(dtype: str = "float32") -> dict[str, tuple]:
         "prefill_attention": (x_3, x_4, x_4, i32_2, i32_1, i32_1, types.float32, x_3),
         "rms_norm": (x_2, x_1, types.float32, x_2),
         "rotary_embedding": (i64_1, x_3, x_3, f32_2, types.boolean),
+        "flash_attention": (x_3, x_4, x_4, i32_2, i32_1, i32_1, types.float32, x_3),
     }
 
 

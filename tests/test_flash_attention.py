@@ -1,0 +1,51 @@
+"""The tiled attention kernel (chapter 10): against its reference on the simulator, on ragged
+varlen batches, with its HBM bytes measured by tracing (tests/flash_checks.py, a fresh process
+with NUMBA_ENABLE_CUDASIM=1), and compiled to PTX for sm_90 in a process without the simulator,
+where its shared-memory tiles and barriers must be real. Cost on this CPU: ~10 s and ~20 s."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO_ROOT
+
+
+def run(args: list[str], simulator: bool) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    if simulator:
+        env["NUMBA_ENABLE_CUDASIM"] = "1"
+    return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.slow
+def test_flash_attention_matches_its_reference_on_ragged_batches_in_the_simulator():
+    proc = run([str(REPO_ROOT / "tests" / "flash_checks.py")], simulator=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert sum(line.startswith("PASS") for line in lines) == 8 and not any(line.startswith("FAIL") for line in lines)
+
+
+PTX_SCRIPT = """
+from numba import cuda, types
+from minillm.kernels import flash_attention as fa
+for dtype in ("float32", "float16"):
+    t = getattr(types, dtype)
+    x3, x4 = types.Array(t, 3, "C"), types.Array(t, 4, "C")
+    i2, i1 = types.Array(types.int32, 2, "C"), types.Array(types.int32, 1, "C")
+    ptx, _ = cuda.compile_ptx(fa.python_function, (x3, x4, x4, i2, i1, i1, types.float32, x3), cc=(9, 0))
+    print(dtype, ptx.count(".entry"), ".target sm_90" in ptx, ptx.count("bar.sync"), ".shared" in ptx)
+"""
+
+
+@pytest.mark.slow
+def test_flash_attention_compiles_to_ptx_for_sm90_with_shared_tiles_and_barriers():
+    proc = run(["-c", PTX_SCRIPT], simulator=False)
+    assert proc.returncode == 0, proc.stderr
+    for line, dtype in zip(proc.stdout.splitlines(), ("float32", "float16"), strict=True):
+        name, entries, target, barriers, shared = line.split()
+        assert (name, entries, target, shared) == (dtype, "1", "True", "True") and int(barriers) >= 2, line
+
