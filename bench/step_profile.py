@@ -54,7 +54,7 @@ def main() -> None:
         engine = plain.engine
         num_steps = len(plain.steps)
         step_ms = 1e3 * engine.time_in_steps_s / num_steps
-        model_ms = 1e3 * engine.executor.worker.model_time_s / num_steps
+        model_ms = 1e3 * engine.executor.model_time_s / num_steps
         llm = ladder.make_measured_llm(args.model, "cpu", "continuous", batch)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             ladder.run_minillm(llm, "continuous", trace)
@@ -68,7 +68,7 @@ def main() -> None:
             share = seconds.get(label, 0.0) / total
             print(f"  {label:<66} {model_ms * share:6.2f} ms  {model_ms * share / step_ms:6.1%}")
         print(f"  decode attention: keys read / keys that exist "
-              f"{engine.executor.worker.keys_read / engine.executor.worker.keys_exist:.3f}\n", flush=True)
+              f"{engine.executor.keys_read / engine.executor.keys_exist:.3f}\n", flush=True)
 
 
 if __name__ == "__main__":
