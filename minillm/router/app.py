@@ -27,6 +27,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -208,6 +209,16 @@ class Router:
                 worker.in_flight -= 1
             return Response(content, status_code=response.status_code, headers=out_headers)
 
+        counted = True
+
+        async def release() -> None:  # however the stream ends; the count drops once
+            nonlocal counted
+            if counted:
+                counted = False
+                worker.in_flight -= 1
+            with anyio.CancelScope(shield=True):  # also when the client's hang-up cancels us
+                await response.aclose()  # closing the worker's connection makes the worker abort
+
         async def relay():
             try:
                 async for chunk in response.aiter_raw():
@@ -217,10 +228,9 @@ class Router:
                 message = f"worker {worker.url} died while streaming: {type(err).__name__}: {err}"
                 yield f"data: {json.dumps(error_body(502, message))}\n\ndata: [DONE]\n\n".encode()
             finally:
-                await response.aclose()  # a client that hung up is passed on: the worker aborts
-                worker.in_flight -= 1
+                await release()
 
-        return StreamingResponse(relay(), status_code=response.status_code, headers=out_headers)
+        return _RelayResponse(relay(), release, status_code=response.status_code, headers=out_headers)
 
     async def models(self) -> Response:
         for worker in self.healthy_workers():
@@ -230,6 +240,21 @@ class Router:
                 continue
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
         return error_response(503, "no healthy worker to list the models")
+
+
+class _RelayResponse(StreamingResponse):
+    """A stream that also releases the worker's response when the client leaves before the first
+    chunk (the generator's own `finally` never runs if it never started)."""
+
+    def __init__(self, content, release, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._release()
 
 
 def create_router_app(router: Router) -> FastAPI:
