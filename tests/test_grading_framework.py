@@ -214,3 +214,94 @@ def test_graded_cells_must_be_one_plain_call(source: str) -> None:
 
 def test_parse_graded_call() -> None:
     assert parse_graded_call("grader.check_task_12(make_llm, Learner)", "x") == (12, ["make_llm", "Learner"])
+
+
+# --- the learner's code is the learner's (minillm.grading.provenance) -----------------------------
+
+import inspect  # noqa: E402
+import textwrap  # noqa: E402
+
+from minillm import padding  # noqa: E402
+from minillm.grading import provenance  # noqa: E402
+from minillm.scheduler.continuous import ContinuousScheduler  # noqa: E402
+
+
+def _learner(source: str, name: str):
+    """`name` as a notebook cell defines it (exec'd in a __main__ namespace, as the runner does)."""
+    namespace = {"__name__": "__main__"}
+    exec(compile(source, "<cell 3>", "exec"), namespace)  # noqa: S102
+    return namespace[name]
+
+
+def test_provenance_refuses_the_library_under_another_name() -> None:
+    own = _learner("def pad_batch(prompts, pad_id):\n    return [p + [pad_id] for p in prompts]\n", "pad_batch")
+    assert provenance.provenance_problem([own]) is None
+    reused = types.FunctionType(padding.pad_batch.__code__, {"__name__": "__main__"}, "mine")
+    assert "is minillm's pad_batch (minillm/padding.py): the same bytecode" in provenance.provenance_problem([reused])
+    renamed = textwrap.dedent(inspect.getsource(padding.pad_batch)).replace("prompts", "ps").replace("width", "w")
+    copy = _learner("import torch\n" + renamed, "pad_batch")
+    assert "the same bytecode" in provenance.provenance_problem([copy])  # names are not what is compared
+    helper = _learner("def helper():\n    return 1\n", "helper")
+    helper.__code__ = padding.static_batch_steps.__code__
+    wrapper = _learner("def mine(a, b):\n    return helper(a, b)\n", "mine")
+    wrapper.__globals__["helper"] = helper  # reachable through the globals the learner's code names
+    assert "static_batch_steps" in provenance.provenance_problem([wrapper])
+    assert "handed in minillm's own" in provenance.provenance_problem([padding.pad_batch])
+    copied = type("Mine", (), {"schedule": ContinuousScheduler.schedule, "__module__": "__main__"})
+    assert "Mine.schedule is minillm's" in provenance.provenance_problem([copied])
+
+
+def test_small_functions_are_not_compared() -> None:
+    tiny = _learner("def num_waiting(self):\n    return len(self.waiting)\n", "num_waiting")
+    assert len(provenance.tokens(tiny.__code__)) < provenance.MIN_INSTRUCTIONS
+    assert provenance.provenance_problem([tiny]) is None
+
+
+def test_grader_helpers_raise_for_learner_code_only() -> None:
+    import minillm.grading.ex03 as ex03
+
+    calls = _learner("def ask(*args):\n    return grader._reference_should_fire(*args)\n", "ask")
+    calls.__globals__["grader"] = ex03
+
+    # a check as a grading module holds it (the guard tells the grader's frames by their file)
+    namespace = {"ex03": ex03, "task": task}
+    exec(compile("@task(9, 'demo')\ndef check_task_9(fn):\n"
+                 "    ex03._reference_should_fire(1.0, [0.0], 2, 0.5)  # the grader's own call passes\n"
+                 "    return str(fn(1.0, [0.0], 2, 0.5))\n", provenance.GRADING_DIR + "ex99_demo.py", "exec"),
+         namespace)  # noqa: S102
+    check_task_9 = namespace["check_task_9"]
+    result = check_task_9(calls)
+    assert not result.passed and "grader's minillm.grading.ex03._reference_should_fire" in result.lines[0], result
+    assert ex03._reference_should_fire(1.0, [0.0], 2, 0.5) is True  # restored after the check
+    assert check_task_9(lambda *args: "mine").passed
+
+
+def test_looking_into_the_checks_frames_fails() -> None:
+    spy = _learner("import sys\ndef spy():\n    return sys._getframe(1).f_locals.get('secret')\n", "spy")
+    via_traceback = _learner("def spy():\n    try:\n        raise ValueError\n    except ValueError as e:\n"
+                             "        return e.__traceback__.tb_frame.f_back.f_locals.get('secret')\n", "spy")
+
+    @task(9, "demo")
+    def check_task_9(fn):
+        secret = 42  # noqa: F841  (what a learner would read)
+        return str(fn())
+
+    for cheat in (spy, via_traceback):
+        result = check_task_9(cheat)
+        assert not result.passed and "looked into the running program" in result.lines[0], result
+    assert check_task_9(lambda: 1).passed
+
+
+def test_reexecuting_minillm_source_during_a_check_fails() -> None:
+    late = _learner("import inspect, textwrap\nfrom minillm import padding\n"
+                    "def late(prompts, pad_id):\n"
+                    "    ns = dict(vars(padding))\n"
+                    "    exec(textwrap.dedent(inspect.getsource(padding.pad_batch)), ns)\n"
+                    "    return ns['pad_batch'](prompts, pad_id)\n", "late")
+
+    @task(9, "demo")
+    def check_task_9(fn):
+        return str(fn([[1, 2], [3]], 0)[0].tolist())
+
+    result = check_task_9(late)
+    assert not result.passed and "minillm's" in result.lines[0], result

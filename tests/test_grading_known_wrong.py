@@ -51,3 +51,51 @@ def test_the_solution_passes_every_task_in_process(number: str) -> None:
     for task in tasks_in(number):
         result = run_task(number, task)
         assert result.passed, f"ex{number}'s solution fails task {task}:\n{result}"
+
+
+CLASSES = ("under another name", "grader", "frame", "never reads q", "memoised")
+
+
+@pytest.mark.parametrize("number", NUMBERS)
+def test_every_exercise_has_mutants_of_issue_18s_classes(number: str) -> None:
+    """The library's answer under another name or a grader's helper as the answer (every exercise),
+    and the check's data read from its frames or memoised (where a check could be fooled so)."""
+    names = [m.name for m in importlib.import_module(f"known_wrong.ex{number}").KNOWN_WRONG]
+    assert any("under another name" in n or "grader" in n for n in names), f"ex{number}: {names}"
+
+
+def test_issue_18s_classes_are_covered() -> None:
+    names = [m.name for _, m in MUTANTS]
+    for kind in CLASSES:
+        assert sum(kind in n for n in names) >= 2, f"fewer than two mutants of the class '{kind}'"
+
+
+# make grade itself (a fresh process, the runner, the course's cells): one mutant of each class
+GRADED = [("10", "def paged_decode_kernel(", "the library's answer under another name: decode_attention._kernel's "
+           "source re-executed", 1),
+          ("09", "def verify(", "never reads q: draws from p and keeps the guess only if the draw equals it", 2),
+          ("03", "def should_fire(now", "the grader's helper answers: calls grader._reference_should_fire", 1),
+          ("03", "def should_fire(now", "reads the expected answer from the grader's frame", 1)]
+
+
+@pytest.mark.notebook
+@pytest.mark.slow
+@pytest.mark.parametrize(("number", "cell", "name", "task"), GRADED, ids=[f"ex{g[0]}-{g[2][:40]}" for g in GRADED])
+def test_make_grade_fails_each_class(number: str, cell: str, name: str, task: int, tmp_path: Path) -> None:
+    import json
+
+    from minillm.grading.runner import grade
+
+    mutant = next(m for m in importlib.import_module(f"known_wrong.ex{number}").KNOWN_WRONG
+                  if m.name == name and m.task == task)
+    solution = solution_path(number)
+    notebook = json.loads(solution.read_text(encoding="utf-8"))
+    mine = [c for c in notebook["cells"] if c["cell_type"] == "code" and cell in "".join(c["source"])]
+    assert len(mine) == 1, f"{solution.name}: {len(mine)} cells define {cell}"
+    mine[0]["source"] = "".join(mine[0]["source"]) + "\n" + mutant.code  # as a learner would write it in that cell
+    learner = tmp_path / solution.name
+    learner.write_text(json.dumps(notebook), encoding="utf-8")
+    report = grade(learner, timeout_s=900)
+    verdict = next(r for r in report.results if r["task"] == task)
+    assert not verdict["passed"], report.text()
+    assert mutant.expect in " ".join(verdict["lines"]), report.text()

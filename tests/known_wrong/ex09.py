@@ -60,7 +60,7 @@ def verify(p, q, draft, rng):
 KNOWN_WRONG += [
     Mutant(2, "never reads q: draws from p and keeps the guess only if the draw equals it", code=Q_BLIND,
            expect="accepted with probability"),
-    Mutant(2, "accepts with p alone (no q): u < p(x)", edits=((ACCEPT, "if rng.uniform() < float(p[i, d]):"),)),
+    Mutant(2, "never reads q either: accepts with u < p(x)", edits=((ACCEPT, "if rng.uniform() < float(p[i, d]):"),)),
     Mutant(3, "the grader's rng handed in: TorchRng = grader.ExactRng", code="TorchRng = grader.ExactRng\n",
            expect="handed in"),
     reads_the_checks_frame(1, "def residual(p, q):\n    return _expected()\n"),
