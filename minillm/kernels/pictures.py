@@ -124,3 +124,41 @@ def plot_thread_map(num_items: int, threads_per_block: int, shape: tuple[int, in
     ax.set_title(title, fontsize="medium")
     ax.tick_params(labelsize="small")
     return ax
+
+
+def plot_touches(trace, names: list[str], title: str = "", fig=None):
+    """One panel per array of a traced launch (minillm.kernels.trace): each element colored by the
+    thread block that read it (inputs) or wrote it (the last name, the output); hatched where more
+    than one block read it (a halo, or a number re-read); blank where no thread touched it."""
+    fig = fig or plt.figure(figsize=(7.5, 0.9 + 1.0 * len(names)))
+    axes = fig.subplots(len(names), 1, squeeze=False)[:, 0]
+    blocks = sorted({block for per_array in trace.accesses.values() for block, _ in per_array})
+    index = {block: i for i, block in enumerate(blocks)}
+    for ax, name in zip(axes, names):
+        how = "w" if name == names[-1] else "r"
+        shape = trace.arrays[name].shape
+        grid = np.full(shape, -1)
+        readers: dict = {}
+        for (block, _), elements in trace.accesses[name, how].items():
+            for element in elements:
+                grid[element] = index[block]
+                readers.setdefault(element, set()).add(block)
+        grid2 = grid.reshape(1, -1) if grid.ndim == 1 else grid.reshape(shape[0], -1)
+        colors = ListedColormap([FREE, *(PALETTE[i % len(PALETTE)] for i in range(max(1, len(blocks))))])
+        ax.imshow(grid2 + 1, cmap=colors, vmin=0, vmax=max(1, len(blocks)), aspect="auto")
+        for element, who in readers.items():
+            if len(who) > 1:
+                r, c = (0, element[0]) if grid.ndim == 1 else element[:2]
+                ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, hatch="///", edgecolor="white", lw=0))
+        ax.set_xticks(np.arange(-0.5, grid2.shape[1]), minor=True)
+        ax.set_yticks(np.arange(-0.5, grid2.shape[0]), minor=True)
+        ax.grid(which="minor", color="white", lw=1)
+        ax.tick_params(which="both", length=0, labelsize="x-small")
+        ax.set_yticks([] if grid.ndim == 1 else range(grid2.shape[0]))
+        ax.set_ylabel(f"{name}\n({'written' if how == 'w' else 'read'})", fontsize="small", rotation=0, ha="right",
+                      va="center")
+    handles = [Patch(color=PALETTE[i % len(PALETTE)], label=f"block {list(b)}") for i, b in enumerate(blocks)]
+    handles.append(Patch(facecolor=PALETTE[0], hatch="///", edgecolor="white", label="read by 2+ blocks"))
+    axes[0].legend(handles=handles, fontsize="x-small", loc="lower left", bbox_to_anchor=(1.01, -0.2 * len(names)))
+    axes[0].set_title(title, fontsize="medium")
+    return fig

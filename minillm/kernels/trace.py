@@ -82,12 +82,15 @@ class KernelTrace:
     epochs: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(dict)))
     wrapped: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # negative indices seen
     barriers: dict = field(default_factory=lambda: defaultdict(int))  # thread key -> barriers passed
+    order: dict = field(default_factory=lambda: defaultdict(list))  # (name, thread key) -> elements read, in order
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record(self, name: str, kind: str, element: tuple[int, ...], how: str, wrapped: bool) -> None:
         key = _thread_key()
         with self._lock:
             self.accesses[name, how][key][element] += 1
+            if how == "r":
+                self.order[name, key].append(element)
             if wrapped:
                 self.wrapped.append((name, element))
             if kind == "shared":
