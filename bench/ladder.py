@@ -1,6 +1,7 @@
 """The batching ladder against named peers: one heavy-tailed trace, five ways to serve it.
 
-    python bench/ladder.py [--model DIR] [--num-requests 200] [--rate inf] [--repeats 1] [--quick] [--profile]
+    python bench/ladder.py [--model DIR] [--num-requests 200] [--rate inf] [--repeats 3] [--quick] [--profile]
+                           [--attention-backend auto|torch|numba_cpu]
 
 One seeded trace (log-normal prompt and output lengths, sigma 1: median ~40, p99 ~300 tokens;
 all requests at t=0 unless `--rate` is given) is served, one system after another in the same
@@ -24,8 +25,10 @@ work. For transformers CB they are its own per-token timestamps (`record_timesta
 The table gives output tok/s, mean and P99 TTFT and TPOT, each also as a ratio to HF static, and
 output tokens per CPU-second of the process (CPU %: how much of a core the run got). On a busy
 shared machine wall-clock ratios swing with the neighbours' load; the per-CPU-second ratio is
-what the wall-clock ratio becomes on an idle core. `--repeats N` runs the systems round-robin
-N times and keeps each one's fastest run.
+what the wall-clock ratio becomes on an idle core. `--repeats N` (default 3) runs the systems
+round-robin N times and keeps each one's fastest run. minillm uses `--attention-backend` (default
+"auto": the numba @njit decode kernel on a CPU, minillm/attention/select.py); the header names it
+and the machine's load average is printed before and after.
 Aims: minillm continuous ≥ 6× HF static and ≥ 2.5× transformers CB in output tok/s (stretch: 10× and 4×).
 After the table: for minillm continuous at max batch B and again at 64, the share of a step's wall
 time spent outside the model's forward pass, and decode attention's keys read ÷ keys that exist.
@@ -61,6 +64,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import describe_machine  # noqa: E402
 
+from minillm.attention.select import resolve_backend  # noqa: E402
 from minillm.llm import BUNDLED_TARGET, LLM, default_device  # noqa: E402
 from minillm.metrics import MetricsCollector, RequestMetrics, Summary, summarize  # noqa: E402
 from minillm.model.loader import read_hf_config  # noqa: E402
@@ -256,8 +260,9 @@ def cb_collect(manager, requests: list[tuple[str, float, list[int], int]], t0: f
 # --------------------------------------------------------------------------- minillm
 
 
-def make_llm(model_dir: Path, device: str, batching: str, batch_size: int) -> LLM:
-    llm = LLM(model_dir, device=device, batching=batching, max_num_seqs=batch_size, enable_prefix_caching=False)
+def make_llm(model_dir: Path, device: str, batching: str, batch_size: int, **knobs) -> LLM:
+    llm = LLM(model_dir, device=device, batching=batching, max_num_seqs=batch_size, enable_prefix_caching=False,
+              **knobs)
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     llm.generate([[7, 8, 9], [10, 11]], warm, use_tqdm=False)
     llm.engine.metrics = MetricsCollector()  # forget the warm-up
@@ -273,9 +278,9 @@ def run_minillm(llm: LLM, batching: str, trace: Trace) -> Run:
                           steps=list(llm.engine.metrics.steps), engine=llm.engine))
 
 
-def make_measured_llm(model_dir: Path, device: str, batching: str, batch_size: int) -> LLM:
+def make_measured_llm(model_dir: Path, device: str, batching: str, batch_size: int, **knobs) -> LLM:
     """`make_llm` with the runner's counters zeroed after the warm-up."""
-    llm = make_llm(model_dir, device, batching, batch_size)
+    llm = make_llm(model_dir, device, batching, batch_size, **knobs)
     runner, engine = llm.engine.executor, llm.engine
     runner.keys_read = runner.keys_exist = 0
     runner.model_time_s = engine.time_in_steps_s = 0.0
@@ -291,7 +296,15 @@ def engine_shares(run: Run) -> str:
     outside = 1 - runner.model_time_s / steps
     return (f"{len(run.steps)} steps, {1e3 * steps / len(run.steps):.2f} ms per step, of which "
             f"{1e3 * runner.model_time_s / len(run.steps):.2f} ms in the model: share outside the forward pass "
-            f"{outside:.3f}; decode attention keys read / keys that exist {runner.keys_read / runner.keys_exist:.3f}")
+            f"{outside:.3f}; decode attention keys read / keys that exist {keys_read_ratio(runner)}")
+
+
+def keys_read_ratio(runner) -> str:
+    """Keys decode attention reads per key that exists. The torch backend reads each length group's
+    longest run (the runner counts it); the numba_cpu kernel walks each row's blocks to its length."""
+    if runner.attention_backend == "numba_cpu":
+        return "1.000 (numba_cpu kernel: each key once)"
+    return f"{runner.keys_read / runner.keys_exist:.3f}"
 
 
 def profile_minillm(model_dir: Path, device: str, trace: Trace, batch_size: int, top: int = 30) -> str:
@@ -368,7 +381,8 @@ def run_system(name: str, args: argparse.Namespace, trace: Trace) -> Run:
     if name == "transformers CB":
         return run_transformers_cb(args.model, args.device, trace, b, args.cb_max_batch_tokens)
     batching = name.removeprefix("minillm ")
-    return run_minillm(make_measured_llm(args.model, args.device, batching, b), batching, trace)
+    return run_minillm(make_measured_llm(args.model, args.device, batching, b, attention_backend=args.attention_backend),
+                       batching, trace)
 
 
 def run_ladder(args: argparse.Namespace, trace: Trace) -> dict[str, Run]:
@@ -397,13 +411,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (all systems)")
     parser.add_argument("--device", default=default_device(), help="cpu or cuda (default: cuda if found)")
-    parser.add_argument("--repeats", type=int, default=1, help="rounds; each system keeps its fastest")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; each system keeps its fastest")
+    parser.add_argument("--attention-backend", default="auto", help="minillm's attention backend (default auto)")
     parser.add_argument("--check", type=int, default=8, help="requests whose greedy tokens are compared")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 40 requests")
     parser.add_argument("--profile", action="store_true", help="also profile minillm continuous")
     args = parser.parse_args()
     if args.quick:
-        args.num_requests = min(args.num_requests, 40)
+        args.num_requests, args.repeats = min(args.num_requests, 40), 1
     if not (args.model / "config.json").is_file():
         parser.error(f"no model at {args.model} (pass --model DIR)")
     return args
@@ -419,7 +434,8 @@ def main() -> None:
     trace = bench_trace(args, read_hf_config(args.model)["vocab_size"])
     print(f"machine: {describe_machine()}")
     print(f"model: {args.model}; fp32 on {args.device}; max batch {args.batch_size} for every system; transformers CB: page_size "
-          f"{CB_PAGE_SIZE}, max_batch_tokens {args.cb_max_batch_tokens}")
+          f"{CB_PAGE_SIZE}, max_batch_tokens {args.cb_max_batch_tokens}; minillm attention backend "
+          f"{resolve_backend(args.attention_backend, args.device)}; best of {args.repeats} round-robin rounds")
     print(f"trace: {describe_trace(trace)}")
     print("HF static times: one streamer timestamp per decoding step; a request finishes at its own "
           "last token (its batch runs on to the longest)\n", flush=True)
@@ -430,11 +446,13 @@ def main() -> None:
     print(greedy_agreement(runs, "minillm continuous", args.check))
     print(greedy_agreement(runs, "transformers CB", args.check))
     print(f"\nminillm continuous, max batch {args.batch_size}: {engine_shares(runs['minillm continuous'])}")
-    big = run_minillm(make_measured_llm(args.model, args.device, "continuous", 64), "continuous", trace)
+    big = run_minillm(make_measured_llm(args.model, args.device, "continuous", 64,
+                                        attention_backend=args.attention_backend), "continuous", trace)
     print(f"minillm continuous, max batch 64 (same trace; the table's systems run at {args.batch_size}): "
           f"{big.summary.output_throughput:.0f} output tok/s; {engine_shares(big)}")
     if args.profile:
         print(f"\n{profile_minillm(args.model, args.device, trace, args.batch_size)}")
+    print(f"\nload average at the end (1/5/15 min): {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
     python bench/step_profile.py [--batch-sizes 16 64] [--num-requests 200]
 
-For each batch size the trace is served twice by minillm continuous (bundled model, fp32, 1 thread):
+For each batch size the trace is served twice by minillm continuous (bundled model, fp32, 1 thread,
+attention_backend="auto"):
 once plainly, to split each step's wall time into the model (forward + lm_head) and everything
 around it (scheduling, building inputs, sampling, updating requests, metrics); once under
 torch.profiler, to split the model's time by kind of op. Prints one table per batch size.
@@ -19,12 +20,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ladder  # noqa: E402  (sets the environment before torch loads)
 import torch  # noqa: E402
 from _machine import describe_machine  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
+NUMBA_DECODE = "numba_cpu::paged_decode"  # a profiler range around each call of the @njit decode kernel
 CATEGORIES = [  # (label, op names), first match wins; the rest is "other model ops"
     ("matmuls (q|k|v, o, gate|up, down, lm_head)", ("aten::mm", "aten::addmm")),
-    ("attention (SDPA)", ("aten::_scaled_dot_product_flash_attention_for_cpu",
-                          "aten::_scaled_dot_product_attention_math")),
+    ("attention (SDPA, numba_cpu decode kernel)", ("aten::_scaled_dot_product_flash_attention_for_cpu",
+                                                   "aten::_scaled_dot_product_attention_math", NUMBA_DECODE)),
     ("KV reads/writes (block gathers, cache writes, zeroing)", ("aten::index_select", "aten::index_copy_",
                                                                "aten::index_fill_")),
 ]
@@ -38,6 +40,19 @@ def categorize(prof) -> dict[str, float]:
     return seconds
 
 
+def profiled_numba_kernel() -> None:
+    """The profiler sees torch ops only: put each call of the numba kernel in a named range."""
+    from minillm.kernels import cpu_decode_attention
+
+    kernel = cpu_decode_attention.paged_decode_kernel
+
+    def in_a_range(*args):
+        with record_function(NUMBA_DECODE):
+            kernel(*args)
+
+    cpu_decode_attention.paged_decode_kernel = in_a_range  # read by NumbaCpuAttention at each step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 64])
@@ -48,6 +63,7 @@ def main() -> None:
     torch.set_num_threads(1)
     trace = ladder.bench_trace(args, ladder.read_hf_config(args.model)["vocab_size"])
     print(f"machine: {describe_machine()}\ntrace: {ladder.describe_trace(trace)}\n")
+    print(f"attention backend: {ladder.resolve_backend('auto', 'cpu')}\n")
     for batch in cli.batch_sizes:
         plain = ladder.run_minillm(ladder.make_measured_llm(args.model, "cpu", "continuous", batch), "continuous",
                                    trace)
@@ -56,6 +72,8 @@ def main() -> None:
         step_ms = 1e3 * engine.time_in_steps_s / num_steps
         model_ms = 1e3 * engine.executor.model_time_s / num_steps
         llm = ladder.make_measured_llm(args.model, "cpu", "continuous", batch)
+        if llm.engine.executor.attention_backend == "numba_cpu" and batch == cli.batch_sizes[0]:
+            profiled_numba_kernel()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             ladder.run_minillm(llm, "continuous", trace)
         seconds = categorize(prof)
@@ -67,8 +85,8 @@ def main() -> None:
         for label, _ in [*CATEGORIES, ("other model ops (norms, RoPE, SiLU, …)", ())]:
             share = seconds.get(label, 0.0) / total
             print(f"  {label:<66} {model_ms * share:6.2f} ms  {model_ms * share / step_ms:6.1%}")
-        print(f"  decode attention: keys read / keys that exist "
-              f"{engine.executor.keys_read / engine.executor.keys_exist:.3f}\n", flush=True)
+        print(f"  decode attention: keys read / keys that exist {ladder.keys_read_ratio(engine.executor)}\n",
+              flush=True)
 
 
 if __name__ == "__main__":
