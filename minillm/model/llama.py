@@ -20,7 +20,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from minillm.attention.select import numba_installed
 from minillm.model.config import ModelConfig
+from minillm.model.fused import fused_forward
 from minillm.model.rope import RotaryTable, apply_rotary
 
 
@@ -81,6 +83,9 @@ class LlamaModel:
         c = config
         self._q_heads, self._kv_heads, self._head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self._eps = c.rms_norm_eps
+        # float32 on a CPU: the small ops between the matmuls run fused by numba (minillm/model/fused.py,
+        # measured faster there); float64 keeps the torch ops below, HF's own op for op.
+        self.fused_ops = self.dtype == torch.float32 and self.device.type == "cpu" and numba_installed()
 
     @property
     def num_params(self) -> int:
@@ -107,6 +112,8 @@ class LlamaModel:
         and its attention, but its output projection and MLP run on those rows only: nothing else
         would ever read the other rows' results. A prefill of n tokens samples from one row, so this
         skips ~90 % of the last layer's matmuls for n-1 of them (llama.cpp does the same)."""
+        if self.fused_ops:
+            return fused_forward(self, input_ids, positions, attention, output_rows)
         num_tokens = input_ids.shape[0]
         hq, hkv, d, eps = self._q_heads, self._kv_heads, self._head_dim, self._eps
         cos, sin = self.rope.lookup(positions)

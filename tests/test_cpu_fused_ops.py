@@ -1,0 +1,63 @@
+"""The fused small ops (kernels/cpu_fused_ops.py) against their torch references, and the float32
+forward that uses them (minillm/model/fused.py) against the plain torch forward."""
+
+from __future__ import annotations
+
+import torch
+
+from minillm import LLM, SamplingParams
+from minillm.kernels import cpu_fused_ops as ops
+from minillm.model.rope import RotaryTable
+from minillm.single_sequence import full_logits, incremental_logits
+
+
+def test_add_rms_norm_and_rms_norm():
+    g = torch.Generator().manual_seed(0)
+    h, delta, weight = (torch.randn(shape, generator=g) for shape in ((5, 48), (5, 48), (48,)))
+    want_h, want = ops.add_rms_norm_reference(h, delta, weight, 1e-5)
+    out = torch.empty_like(h)
+    ops.add_rms_norm(h.numpy(), delta.numpy(), weight.numpy(), 1e-5, out.numpy())
+    torch.testing.assert_close(h, want_h, rtol=1e-6, atol=1e-6)  # the residual stream, updated in place
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    ops.rms_norm(want_h.numpy(), weight.numpy(), 1e-5, out.numpy())
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_in_place_matches_rope():
+    g = torch.Generator().manual_seed(1)
+    table = RotaryTable(16, 10000.0, 64, torch.float32)
+    x = torch.randn(6, 5, 16, generator=g)  # 3 query + 1 key heads rotated, the last (a value head) not
+    positions = torch.tensor([0, 1, 7, 30, 63, 2])
+    want = x.clone()
+    ops.rotary_reference(want, 4, positions, table.cos, table.sin)
+    ops.rotary(x.numpy(), 4, positions.numpy(), table.cos.numpy(), table.sin.numpy())
+    torch.testing.assert_close(x, want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(x[:, 0], want[:, 4])  # rotation really happened on what it should
+
+
+def test_silu_mul():
+    gate_up = torch.randn(7, 2 * 40, generator=torch.Generator().manual_seed(2)) * 4
+    out = torch.empty(7, 40)
+    ops.silu_mul(gate_up.numpy(), out.numpy())
+    torch.testing.assert_close(out, ops.silu_mul_reference(gate_up), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_forward_equals_torch_forward_on_the_bundled_model():
+    llm = LLM(max_num_seqs=4)
+    model = llm.model
+    assert model.fused_ops  # float32 on a CPU with numba: what chapters and the ladder run
+    tokens = llm.tokenizer("And it came to pass, when the people heard the sound of the trumpet").input_ids
+    model.fused_ops = False
+    want_full, want_incremental = full_logits(model, tokens), incremental_logits(model, tokens, 5)
+    model.fused_ops = True
+    torch.testing.assert_close(full_logits(model, tokens), want_full, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(incremental_logits(model, tokens, 5), want_incremental, rtol=1e-4, atol=1e-4)
+    texts = ["In the beginning", "Blessed are they", "And the king said unto", "Thus saith the LORD"]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    fused = [o.outputs[0].token_ids for o in llm.generate(texts, greedy, use_tqdm=False)]
+    model.fused_ops = False
+    assert [o.outputs[0].token_ids for o in llm.generate(texts, greedy, use_tqdm=False)] == fused
+
+
+def test_float64_models_keep_the_torch_ops():
+    assert not LLM(max_num_seqs=2, dtype="float64").model.fused_ops
