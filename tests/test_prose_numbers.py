@@ -22,14 +22,9 @@ check_prose = importlib.util.module_from_spec(_spec)
 sys.modules["check_prose"] = check_prose  # dataclasses look their module up
 _spec.loader.exec_module(check_prose)
 
-# Chapters whose prose is still being fixed this session; remove a chapter once it passes.
-PENDING: set[str] = set()
-
 
 @pytest.mark.parametrize("notebook", CHAPTERS, ids=[p.stem for p in CHAPTERS])
 def test_every_prose_number_is_printed_above_it(notebook: Path) -> None:
-    if notebook.name[:2] in PENDING:
-        pytest.xfail("prose of this chapter is being fixed (issue 18)")
     findings = check_prose.check_notebook(notebook)
     assert not findings, "\n".join(str(f) for f in findings)
 
