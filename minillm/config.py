@@ -17,6 +17,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREFIX_CACHES = ("hash", "radix")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "numba", "numba_cpu")  # minillm.attention.select
+CHUNK_POLICIES = ("sarathi", "splitfuse")  # minillm.scheduler.chunk_policy
 
 
 @dataclass
@@ -26,6 +27,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # token budget per step; default max(2048, max_model_len), 2048 chunked
     enable_chunked_prefill: bool = False  # split long prefills across steps so running decodes never stall (ch. 08)
     long_prefill_token_threshold: int = 0  # chunked prefill: most tokens one request prefills per step (0: no cap)
+    # chunked prefill: how big each step is (minillm.scheduler.chunk_policy, ch. 08): "sarathi", a fixed
+    # max_num_batched_tokens budget; "splitfuse" (DeepSpeed-FastGen's Dynamic SplitFuse), max_num_batched_tokens
+    # is the target size and the queued prompt tokens are split evenly over the steps they need
+    chunk_policy: str = "sarathi"
     max_model_len: int | None = None  # prompt + output; default the model's max_position_embeddings
     max_queue_delay_ms: float = 10.0  # dynamic batching: fire when the oldest request waited this long
     static_batch_timeout_ms: float = math.inf  # static batching: fire a partial batch after this wait
@@ -98,6 +103,11 @@ class EngineConfig:
         _require_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
             raise ValueError("long_prefill_token_threshold caps prefill chunks: it needs enable_chunked_prefill=True")
+        if self.chunk_policy not in CHUNK_POLICIES:
+            raise ValueError(f"chunk_policy={self.chunk_policy!r}; choose one of {CHUNK_POLICIES}")
+        if self.chunk_policy == "splitfuse" and not self.enable_chunked_prefill:
+            raise ValueError("chunk_policy='splitfuse' sizes steps by splitting prompts across them: it needs "
+                             "enable_chunked_prefill=True (without it every prompt runs whole in one step)")
         if not self.max_queue_delay_ms >= 0:
             raise ValueError(f"max_queue_delay_ms must be >= 0, got {self.max_queue_delay_ms!r}")
         if not self.static_batch_timeout_ms >= 0:

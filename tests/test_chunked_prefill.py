@@ -112,3 +112,66 @@ def test_chunked_prefill_on_the_bundled_model_matches_unchunked():
     assert got == plain
     chunks = [c for s in chunked.engine.metrics.steps for c in s.prefill_chunk_sizes]
     assert max(chunks) <= 9 and sum(chunks) == sum(len(chunked.tokenizer(p).input_ids) for p in prompts)
+
+
+# ---- Dynamic SplitFuse (chunk_policy="splitfuse", minillm.scheduler.chunk_policy) ------------------
+
+
+@pytest.mark.parametrize("budget,variant", [(7, "plain"), (16, "preempt")])
+def test_splitfuse_greedy_equals_hf(hf_model, reference, budget, variant):
+    prompts, expected = reference
+    knobs = dict(enable_chunked_prefill=True, chunk_policy="splitfuse", max_num_batched_tokens=budget,
+                 max_num_seqs=4, block_size=4, max_model_len=128)
+    if variant == "preempt":
+        knobs.update(num_kv_blocks=16, max_model_len=64)
+    llm = LLM(hf_model, dtype="float64", **knobs)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    steps = llm.engine.metrics.steps
+    assert all(s.num_prefill_tokens + s.num_decode_tokens <= budget for s in steps)
+    assert any(len(s.prefill_chunk_sizes) > 0 and max(s.prefill_chunk_sizes) < 40 for s in steps)
+    if variant == "preempt":
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.kv.allocator.num_in_use == 0
+
+
+def _drain(policy, budget, prompts, decodes=0):
+    """Step sizes while `prompts` prefill behind `decodes` running decodes (all queued at t=0)."""
+    engine, _ = toy_engine(enable_chunked_prefill=True, chunk_policy=policy, max_num_batched_tokens=budget,
+                           block_size=4, num_kv_blocks=512, max_num_seqs=16)
+    for i in range(decodes):
+        engine.add_request([5 + i] * 2, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True),
+                           request_id=f"d{i}")
+    if decodes:
+        engine.step()  # the decodes' prompts
+    for i, n in enumerate(prompts):
+        engine.add_request([9] * n, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), request_id=f"p{i}")
+    sizes = []
+    while any(f"p{i}" in engine.requests for i in range(len(prompts))):
+        engine.step()
+        s = engine.metrics.steps[-1]
+        sizes.append((s.num_decode_tokens, sum(s.prefill_chunk_sizes)))
+    run(engine)
+    return sizes
+
+
+def test_splitfuse_splits_a_pool_evenly_where_a_fixed_budget_leaves_a_remainder():
+    # 100 prompt tokens, steps of at most 64 with 4 decodes in each: 60 + 40 under a fixed budget,
+    # two equal passes of 50 under SplitFuse (its target is 64, the decodes take 4 of it).
+    assert _drain("sarathi", 64, [100], decodes=4) == [(4, 60), (4, 40)]
+    assert _drain("splitfuse", 64, [100], decodes=4) == [(4, 50), (4, 50)]
+    # Short prompts are fused (and one split) to fill the passes: 3 x 30 = 90 tokens in 2 passes of 45.
+    assert _drain("splitfuse", 64, [30, 30, 30]) == [(0, 45), (0, 45)]
+    # A pool that fits in one pass runs in one.
+    assert _drain("splitfuse", 64, [20, 30]) == [(0, 50)]
+
+
+def test_chunk_policy_is_checked():
+    with pytest.raises(ValueError, match=r"chunk_policy='fastgen'; choose one of \('sarathi', 'splitfuse'\)"):
+        EngineConfig(enable_chunked_prefill=True, chunk_policy="fastgen")
+    with pytest.raises(ValueError, match="chunk_policy='splitfuse'.*needs enable_chunked_prefill=True"):
+        EngineConfig(chunk_policy="splitfuse")
+    with pytest.raises(ValueError, match="chunk_policy"):
+        LLM(chunk_policy="splitfuse")
+    assert EngineConfig().chunk_policy == "sarathi"

@@ -23,6 +23,7 @@ from minillm.config import EngineConfig
 from minillm.kv.base import KVManager
 from minillm.request import Request, RequestStatus
 from minillm.scheduler.base import ScheduledBatch, SchedulerBase
+from minillm.scheduler.chunk_policy import make_chunk_policy
 from minillm.scheduler.waiting_queue import WaitingQueue
 
 # Beyond this many waiting requests LPM falls back to queue order, as SGLang does: ranking costs a
@@ -37,6 +38,7 @@ class ContinuousScheduler(SchedulerBase):
         self.waiting = WaitingQueue(by_priority=config.scheduling_policy == "priority")
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
+        self.chunking = make_chunk_policy(config)  # the step's token budget: fixed, or SplitFuse's
 
     def add_request(self, request: Request) -> None:
         self.waiting.push(request)
@@ -56,7 +58,8 @@ class ContinuousScheduler(SchedulerBase):
         return None
 
     def schedule(self, now: float, more_arrivals: bool = True) -> ScheduledBatch | None:
-        budget = self.config.max_num_batched_tokens
+        budget = self.chunking.step_budget(self.running, self.waiting) if self.config.enable_chunked_prefill \
+            else self.config.max_num_batched_tokens
         planned: dict[str, tuple[Request, int]] = {}  # request id -> (request, new tokens), in planning order
         plan = ScheduledBatch([], [])
 

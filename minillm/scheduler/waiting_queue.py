@@ -76,6 +76,10 @@ class WaitingQueue:
     def __bool__(self) -> bool:
         return bool(self._entry_of)
 
+    def head(self, k: int) -> list[Request]:
+        """The first `k` requests in queue order, in O(n log k) (SplitFuse sizes each step by them)."""
+        return [e[3] for e in heapq.nsmallest(k, self._entry_of.values())]
+
     def __iter__(self) -> Iterator[Request]:
         """In queue order (sorts: for inspection and LPM ranking, not for the hot path)."""
         return iter([e[3] for e in sorted(e for e in self._entry_of.values())])
