@@ -39,6 +39,9 @@ def _rank_main(fn: Callable, rank: int, world_size: int, init_file: str, args: S
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         try:
+            # Every rank's connections are up before any rank runs fn: a rank that finishes fn at once
+            # and leaves must not break another rank still connecting.
+            dist.barrier()
             payload = ("ok", fn(rank, world_size, *args))
         finally:
             dist.destroy_process_group()

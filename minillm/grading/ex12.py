@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from minillm.distributed import linear
 from minillm.distributed.launch import RankError, run_ranks
-from minillm.grading import DelegationError, Fail, forbid, task
+from minillm.grading import DelegationError, Fail, forbid, grade_time_seeds, task
 
 LEARNER_TOOLS = ()  # nothing here is lent to the learner
 
@@ -30,6 +30,7 @@ REFERENCE = (linear.divide, linear.column_shard, linear.row_shard, linear.shard_
              linear.all_reduce_bytes_per_token, linear.ColumnParallelLinear, linear.RowParallelLinear,
              linear.VocabParallelEmbedding, (linear.ParallelState, "of"), (linear.ParallelState, "all_reduce"))
 WORLD_SIZE = 2
+FRESH_CASES = 2  # per task, weights (and inputs) from seeds drawn when the check runs: not memoisable
 RANKS_TIMEOUT_S = 60
 # The ProcessGroup methods every torch.distributed collective ends in (counted in the forked ranks
 # only): wrapping them counts a learner's `from torch.distributed import all_reduce` too.
@@ -92,8 +93,9 @@ MLP_SHAPES = [(8, 12, 2), (8, 12, 3), (8, 12, 4), (6, 8, 1), (4, 6, 2), (10, 20,
 @task(1, "shard the MLP")
 def check_task_1(shard_mlp) -> list[str]:
     checked = 0
-    for case, (hidden, intermediate, size) in enumerate(MLP_SHAPES):
-        full = _weights(hidden, intermediate, seed=case, bias=case != 3)
+    cases = [*zip(MLP_SHAPES, range(len(MLP_SHAPES))), *zip(MLP_SHAPES[:FRESH_CASES], grade_time_seeds(FRESH_CASES))]
+    for case, ((hidden, intermediate, size), seed) in enumerate(cases):
+        full = _weights(hidden, intermediate, seed=seed, bias=case != 3)
         expected = [linear.shard_mlp(full, rank, size) for rank in range(size)]
         for rank in range(size):
             where = f"H={hidden}, I={intermediate}, rank {rank} of {size}"
@@ -113,7 +115,7 @@ def check_task_1(shard_mlp) -> list[str]:
         with forbid(*REFERENCE):
             _refuses(shard_mlp, (full, 0, size), f"I=12 over {size} ranks")
     return [f"{checked} (shape, rank) cases, 1 to 6 ranks: gate and up sliced alike, down by columns, "
-            "biases as the layers need them, each shard its own memory",
+            "biases as the layers need them, each shard its own memory (some weights drawn as the check ran)",
             "I=12 over 5 or 8 ranks refused with a ValueError"]
 
 
@@ -162,9 +164,11 @@ def _rank_task_2(rank: int, world_size: int, tp_mlp, cases: list) -> list:
 @task(2, "forward on 2 ranks")
 def check_task_2(tp_mlp) -> list[str]:
     cases, expected = [], []
-    for number, (tokens, hidden, intermediate, bias) in enumerate(MLP_CASES):
-        full = _weights(hidden, intermediate, seed=200 + number, bias=bias)
-        x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(300 + number), dtype=torch.float64)
+    seeds = [200 + number for number in range(len(MLP_CASES))] + grade_time_seeds(FRESH_CASES)
+    shapes = MLP_CASES + MLP_CASES[1:1 + FRESH_CASES]
+    for (tokens, hidden, intermediate, bias), seed in zip(shapes, seeds):
+        full = _weights(hidden, intermediate, seed=seed, bias=bias)
+        x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
         cases.append((x, [linear.shard_mlp(full, rank, WORLD_SIZE) for rank in range(WORLD_SIZE)]))
         expected.append(_mlp_one_process(x, full))
     with forbid(*REFERENCE):
@@ -174,7 +178,7 @@ def check_task_2(tp_mlp) -> list[str]:
             raise Fail(f"the ranks did not finish: {str(error).splitlines()[0]}") from None
     for rank, rank_answers in enumerate(answers):
         for number, answer in enumerate(rank_answers):
-            tokens, hidden, intermediate, bias = MLP_CASES[number]
+            tokens, hidden, intermediate, bias = shapes[number]
             where = f"rank {rank}, case {number} (T={tokens}, H={hidden}, I={intermediate}, bias {bias})"
             if answer[0] == "hit":
                 raise DelegationError(answer[1])
@@ -200,8 +204,8 @@ def check_task_2(tp_mlp) -> list[str]:
                            f"group ({', '.join(log) or 'none'}); column then row parallel needs exactly one "
                            "all-reduce (dist.all_reduce), after the row-parallel layer")
     hidden, tokens = MLP_CASES[1][1], MLP_CASES[1][0]
-    return [f"{len(MLP_CASES)} cases (1 to 7 tokens, with and without biases) on {WORLD_SIZE} gloo ranks: every "
-            "rank's output equals one process's MLP in float64 (1e-12)",
+    return [f"{len(shapes)} cases (1 to 7 tokens, with and without biases) on {WORLD_SIZE} gloo ranks: every "
+            "rank's output equals one process's MLP in float64 (1e-12), some cases drawn as the check ran",
             f"collectives per forward: one all-reduce; for T={tokens}, H={hidden} it sums {tokens * hidden * 8} "
             "bytes of float64 per rank"]
 
@@ -240,8 +244,9 @@ def _rank_task_3(rank: int, world_size: int, runs: list) -> list:
 @task(3, "attention by heads")
 def check_task_3(shard_attention) -> list[str]:
     checked, runs, expected = 0, [], []
-    for number, (heads, kv_heads, size) in enumerate(HEAD_CASES):
-        weights = _attention_weights(heads, kv_heads, hidden=6, seed=400 + number)
+    seeds = [400 + number for number in range(len(HEAD_CASES))] + grade_time_seeds(FRESH_CASES)
+    for (heads, kv_heads, size), seed in zip(HEAD_CASES + HEAD_CASES[5:5 + FRESH_CASES], seeds):
+        weights = _attention_weights(heads, kv_heads, hidden=6, seed=seed)
         for rank in range(size):
             want = linear.shard_attention(*weights, heads, kv_heads, rank, size)
             where = f"{heads} query heads, {kv_heads} KV heads (head_dim {HEAD_DIM}), rank {rank} of {size}"
@@ -261,9 +266,9 @@ def check_task_3(shard_attention) -> list[str]:
         with forbid(*REFERENCE):
             _refuses(shard_attention, (*weights, heads, kv_heads, 0, size),
                      f"{heads} query heads, {kv_heads} KV heads over {size} ranks")
-    for number, (heads, kv_heads) in enumerate(RUN_CASES):
-        weights = _attention_weights(heads, kv_heads, hidden=6, seed=500 + number)
-        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(600 + number), dtype=torch.float64)
+    for (heads, kv_heads), seed in zip(RUN_CASES, grade_time_seeds(len(RUN_CASES))):
+        weights = _attention_weights(heads, kv_heads, hidden=6, seed=seed)
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
         with forbid(*REFERENCE):
             shards = [shard_attention(*weights, heads, kv_heads, rank, WORLD_SIZE) for rank in range(WORLD_SIZE)]
         runs.append((x, shards))

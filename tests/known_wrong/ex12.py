@@ -118,3 +118,44 @@ KNOWN_WRONG = [
         code=REF, expect="reference"),
     _code_object_of(3, "shard_attention", "shard_attention"),
 ]
+
+
+def _source_reexecuted(task: int, learner: str, reference: str) -> Mutant:
+    # the library's function made again from its source text, under the learner's name
+    return Mutant(task, f"the library's answer under another name: {reference}'s source re-executed, not delegating",
+                  code=(f"import inspect as _inspect\n{REF}_ns = dict(vars(_ref))\n"
+                        f"exec(_inspect.getsource(_ref.{reference}).replace('def {reference}', 'def {learner}', 1), _ns)\n"
+                        f"{learner} = _ns[{learner!r}]\n"))
+
+
+# Answers that are not the learner's: the library's source, and the check's expected output read from the
+# check's frame, which a forked rank inherits with the rest of the grading process's memory.
+KNOWN_WRONG += [
+    _source_reexecuted(1, "shard_mlp", "shard_mlp"),
+    _source_reexecuted(2, "tp_mlp", "mlp_forward"),
+    _source_reexecuted(3, "shard_attention", "shard_attention"),
+    Mutant(2, "reads the expected output from the check's frame, inherited by the forked rank", code=(
+        "import sys as _sys\n"
+        "def tp_mlp(x, shard, group=None):\n"
+        "    frame = _sys._getframe(1)\n"
+        "    while frame is not None and 'expected' not in frame.f_locals:\n"
+        "        frame = frame.f_back\n"
+        "    for want in frame.f_locals['expected']:\n"
+        "        if want.shape[0] == x.shape[0] and want.shape[1] == shard.down.shape[0]:\n"
+        "            return want.clone()\n"), expect="looked into the running program"),
+]
+
+
+# Answers memoised before the check: the reference's outputs for the grader's seeded cases, computed in the
+# learner's cell (where the reference is not disabled); the cases drawn at grade time are not in the memo.
+KNOWN_WRONG += [
+    Mutant(2, "memoises the reference's outputs for the seeded cases (delegates ahead of time)", code=(
+        REF + "_memo = {}\n"
+        "for _n, (_t, _h, _i, _b) in enumerate(grader.MLP_CASES):\n"
+        "    _w = grader._weights(_h, _i, seed=200 + _n, bias=_b)\n"
+        "    _x = torch.randn(_t, _h, generator=torch.Generator().manual_seed(201 + _n), dtype=torch.float64)\n"
+        "    _memo[_x.numpy().tobytes()] = _ref.mlp_forward(_x, _w, _ref.ParallelState())\n"
+        "def tp_mlp(x, shard, group=None):\n"
+        "    dist.all_reduce(torch.zeros(1, dtype=x.dtype), group=group)\n"
+        "    return _memo[x.numpy().tobytes()].clone()\n"), expect="KeyError"),
+]
