@@ -140,3 +140,81 @@ def test_continuous_never_runs_more_sequences_than_kv_slabs(requests, num_slabs)
     assert not engine.has_unfinished()
     assert kv.num_free_slabs == num_slabs
     assert max(len(ids) for ids, _ in executor.batches) <= num_slabs
+
+
+class QueueWatchingExecutor(StandInExecutor):
+    """Also notes, for each step, the work queued when it was planned: decode tokens and the prompt
+    tokens of running prefills and of the waiting requests that had a seat."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scheduler = None
+        self.queued: list[tuple[int, int]] = []
+
+    def execute(self, batch: ScheduledBatch):
+        s = self.scheduler
+        decodes = sum(1 for r in s.running if r.num_tokens - r.num_computed_tokens == 1 and r.num_computed_tokens)
+        prompts = sum(r.num_tokens - r.num_computed_tokens for r in s.running) - decodes
+        seats = s.config.max_num_seqs - len(s.running)
+        prompts += sum(r.num_tokens - r.num_computed_tokens for r in list(s.waiting)[:max(seats, 0)])
+        self.queued.append((decodes, prompts))
+        return super().execute(batch)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=requests_strategy, policy=st.sampled_from(["sarathi", "splitfuse"]), target=st.integers(2, 48),
+       max_num_seqs=st.integers(1, 8))
+def test_chunk_policies_lose_nothing_and_size_steps_as_they_promise(requests, policy, target, max_num_seqs):
+    """Chunked prefill under both chunk policies, a pool large enough that nobody is preempted: every
+    request finishes once with its tokens computed once each; no step holds more than the budget;
+    a step runs everything queued when it fits; otherwise a fixed budget fills the step, and SplitFuse
+    (its defining property) runs steps near its target: the queued prompt tokens split evenly over the
+    F passes they need, so at least target·(F-1)/F tokens, never below half of it."""
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=128, enable_chunked_prefill=True,
+                          max_num_batched_tokens=target, chunk_policy=policy, block_size=4, num_kv_blocks=8 * 32)
+    executor = QueueWatchingExecutor()
+    resolved = config.resolve(MODEL.max_position_embeddings)
+    kv = make_kv_manager(resolved, MODEL, allocate_pool=False)
+    engine = LLMEngine(MODEL, config, kv=kv, scheduler=make_scheduler(resolved, kv), executor=executor,
+                       clock=SimClock())
+    executor.scheduler = engine.scheduler
+    engine.expect_more_requests = False
+    submitted = {}
+    for i, (prompt_len, max_tokens, arrival) in enumerate(requests):
+        req = engine.add_request({"prompt_token_ids": [5] * prompt_len},
+                                 SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                                 request_id=f"r{i}", arrival_time=arrival)
+        submitted[req.request_id] = req
+    finished = []
+    for _ in range(10_000):
+        if not engine.has_unfinished():
+            break
+        before = engine.num_steps
+        finished += [u.request.request_id for u in engine.step() if u.finished]
+        if engine.num_steps == before:
+            engine.wait_for_work()
+    assert not engine.has_unfinished(), "the engine stalled with work left"
+    assert sorted(finished) == sorted(submitted)
+    assert engine.scheduler.num_preemptions == 0
+
+    computed = {rid: 0 for rid in submitted}
+    for (ids, counts), (decodes, prompts) in zip(executor.batches, executor.queued, strict=True):
+        assert len(set(ids)) == len(ids)
+        for rid, n in zip(ids, counts):
+            computed[rid] += n
+        step = sum(counts)
+        assert step <= target
+        if decodes + prompts <= target:
+            assert step == decodes + prompts  # everything queued fits: it all runs
+        elif policy == "sarathi":
+            assert step == target  # a fixed budget is filled
+        elif decodes >= target:
+            assert step == target  # decodes alone fill it
+        else:
+            passes = -(-prompts // (target - decodes))
+            assert step * passes >= target * (passes - 1) and 2 * step >= target, (step, decodes, prompts)
+            assert step - decodes <= -(-prompts // passes), (step, decodes, prompts)  # an equal share, no more
+    for rid, req in submitted.items():
+        assert computed[rid] == req.num_computed_tokens == req.num_tokens - 1, rid
+        assert req.output_token_ids == [7] * req.params.max_tokens
+    assert engine.kv.num_free_blocks == engine.kv.allocator.num_blocks

@@ -28,6 +28,7 @@ LEARNER_TOOLS = ("ExactRng", "SymbolicUniform")  # the rng verify draws from, an
 
 DTYPE = torch.float64
 MAX_PATHS = 200_000
+UNIFORM_BINS = 20  # task 3 tests uniform()'s law on this many equal bins
 
 
 # --- exact randomness ----------------------------------------------------------------------------
@@ -367,6 +368,16 @@ def check_task_3(verify, rng_class, num_samples: int = 20_000) -> list[str]:
     mean_u = sum(uniforms) / len(uniforms)
     if abs(mean_u - 0.5) > 0.01:
         raise Fail(f"the mean of {num_samples} uniform() draws is {mean_u:.4f}: uniform on [0, 1) has mean 0.5")
+    if not all(0.0 <= u < 1.0 for u in uniforms):
+        raise Fail(f"uniform() returned values outside [0, 1): {[u for u in uniforms if not 0.0 <= u < 1.0][:5]}")
+    # the law, not only the mean: a uniform on [0.01, 0.99) has the right mean and accepts guesses it should not
+    bins = torch.zeros(UNIFORM_BINS, dtype=DTYPE)
+    for u in uniforms:
+        bins[min(int(u * UNIFORM_BINS), UNIFORM_BINS - 1)] += 1
+    p_uniform = _chi_square_p_value(bins, torch.full((UNIFORM_BINS,), 1.0 / UNIFORM_BINS, dtype=DTYPE))
+    if p_uniform < 0.001:
+        raise Fail(f"uniform() does not follow the uniform law on [0, 1): counts per {UNIFORM_BINS}th of [0, 1) "
+                   f"{[int(c) for c in bins.tolist()]} (chi-square p = {p_uniform:.2g})")
     p_choice = _chi_square_p_value(picks, p[1])
     if p_choice < 0.001:
         raise Fail(f"choice(probs) does not follow probs: counts {picks.tolist()} against {_fmt(p[1])} "
@@ -375,6 +386,7 @@ def check_task_3(verify, rng_class, num_samples: int = 20_000) -> list[str]:
     if p_first < 0.001 or p_second < 0.001:
         raise Fail(f"with your generator, verify's tokens do not follow p: chi-square p-values {p_first:.2g} "
                    f"(first token) and {p_second:.2g} (second, after an accepted guess)")
-    return [f"same seed, same draws; seeds 5 and 6 differ; mean of {num_samples} uniforms within 0.01 of 0.5",
+    return [f"same seed, same draws; seeds 5 and 6 differ; {num_samples} uniforms in [0, 1), mean within 0.01 of "
+            f"0.5, a chi-square test against the uniform law ({UNIFORM_BINS} bins, p > 0.001)",
             f"{num_samples} seeded verify calls (k = 2): first and second tokens pass a chi-square test against p "
             f"(p > 0.001)"]

@@ -149,30 +149,36 @@ def source_roots() -> tuple[str, ...]:
     return tuple(sorted(roots))
 
 
+_CURRENT: list = []  # the index library_index() last returned: what matches use between two refreshes
+
+
 def library_index():
-    """Fingerprints of every function in minillm's source files (cached until a file changes)."""
+    """Fingerprints of every function in minillm's source files (rebuilt when a file changes; looked
+    at once per check)."""
     roots = source_roots()
     stamp = max((p.stat().st_mtime for root in roots for p in Path(root).rglob("*.py")), default=0.0)
-    return _library_index(roots, stamp)
+    index = _library_index(roots, stamp)
+    _CURRENT[:] = [index]
+    return index
 
 
-_MATCHES: dict[int, tuple[types.CodeType, str | None]] = {}
+_MATCHES: dict[int, tuple[types.CodeType, str | None, object]] = {}
 
 
 def library_match(code: types.CodeType) -> str | None:
     """'minillm's X' when `code` (or a function inside it) is a minillm function's bytecode, else None."""
     hit = _MATCHES.get(id(code))
-    if hit is not None and hit[0] is code:
+    if hit is not None and hit[0] is code and hit[2] is (_CURRENT[0] if _CURRENT else None):
         return hit[1]
     if len(_MATCHES) > 10_000:
         _MATCHES.clear()
     result = _library_match(code)
-    _MATCHES[id(code)] = (code, result)
+    _MATCHES[id(code)] = (code, result, _CURRENT[0] if _CURRENT else None)
     return result
 
 
 def _library_match(code: types.CodeType) -> str | None:
-    exact, sized = library_index()
+    exact, sized = _CURRENT[0] if _CURRENT else library_index()
     for inner in code_tree(code):
         if not _is_function_code(inner):
             continue
@@ -369,6 +375,7 @@ def provenance_problem(objects: Iterable[Any], module: types.ModuleType | None =
                        task: int | None = None) -> str | None:
     """Why the learner's objects are not the learner's code, or None (rule 1 of the module docstring)."""
     objects = list(objects)
+    library_index()  # refreshed once per check
     for obj in objects:
         inner = getattr(obj, "py_func", obj)
         if isinstance(_unwrap(inner), (types.FunctionType, type)) and _from_minillm(_unwrap(inner)) \

@@ -69,3 +69,11 @@ KNOWN_WRONG += [
         "_torch.randn = lambda *shape, **kw: _torch.zeros(*shape, dtype=kw.get('dtype'))\n"),
         expect="changed the grader or minillm"),
 ]
+
+# issue 18: a check that tests one observable — task 3 tested uniform() by its mean alone
+KNOWN_WRONG += [
+    Mutant(3, "uniform() with the right mean and the wrong law: uniform on [0.01, 0.99)", edits=(
+        ("return float(torch.rand((), generator=self.generator, dtype=torch.float64))",
+         "return 0.01 + 0.98 * float(torch.rand((), generator=self.generator, dtype=torch.float64))"),),
+        expect="uniform law"),
+]
