@@ -282,14 +282,7 @@ def run_until_done(engine: Any, max_iterations: int, stalled: str) -> None:
     After `max_iterations` with requests left, FAIL with `stalled` (its `{unfinished}` becomes their
     count): the message should say what the learner's code may have missed.
     """
-    for _ in range(max_iterations):
-        if not engine.has_unfinished():
-            return
-        before = engine.num_steps
-        engine.step()
-        if engine.num_steps == before:
-            engine.wait_for_work()
-    if engine.has_unfinished():
+    if not engine.run_until_done(max_iterations=max_iterations):  # the engine's one step-until-done loop
         raise Fail(stalled.format(unfinished=len(engine.requests)))
 
 
