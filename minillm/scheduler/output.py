@@ -123,13 +123,16 @@ class SchedulerOutputBuilder:
             finished_req_ids=finished, spec_token_ids=dict(spec),
             blocks_to_swap_out=list(batch.blocks_to_swap_out), blocks_to_swap_in=list(batch.blocks_to_swap_in),
             num_padding_tokens=batch.num_padding_tokens)
+        known, new_token_ids, is_decode, samples = self.known, plan.new_token_ids, plan.is_decode, plan.samples
         for req, n in zip(reqs, batch.num_new_tokens):
-            self._introduce(req, plan)
+            if req.request_id not in known:
+                self._introduce(req, plan)
             start = req.num_computed_tokens
-            guesses = spec.get(req.request_id, ())
-            plan.new_token_ids.append(req.all_token_ids[start : start + n - len(guesses)])
-            plan.is_decode.append(n == 1 and start > 0)
-            plan.samples.append(start + n == req.num_tokens + len(guesses))
+            tokens = req.all_token_ids
+            guesses = spec.get(req.request_id, ()) if spec else ()
+            new_token_ids.append(tokens[start : start + n - len(guesses)])
+            is_decode.append(n == 1 and start > 0)
+            samples.append(start + n == len(tokens) + len(guesses))
             if guesses:
                 plan.spec_draft_probs[req.request_id] = (
                     None if req.spec_draft_probs is None else req.spec_draft_probs[: len(guesses)])
@@ -156,11 +159,12 @@ class SchedulerOutputBuilder:
     def _diff_blocks(self, reqs: list[Request], plan: SchedulerOutput) -> None:
         """Block-table changes of the planned requests since the worker last heard of them. A
         request swapped in is planned too, so every row the worker reads this step is current."""
+        block_ids_of, sent_blocks = self.kv.block_ids_of, self.sent_blocks
         for req in reqs:
             rid = req.request_id
-            table = self.kv.block_ids_of(rid)
-            sent = self.sent_blocks.get(rid)
-            if sent is not None and len(sent) == len(table) and sent == table:
+            table = block_ids_of(rid)
+            sent = sent_blocks.get(rid)
+            if sent == table:
                 continue
             kept = 0
             if sent is not None:

@@ -54,6 +54,8 @@ class InputBatch:
         self.min_tokens = np.zeros(initial_rows, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(initial_rows, dtype=np.int64)
         self.wants_logprobs = np.zeros(initial_rows, dtype=bool)
+        # How many known requests need each non-greedy path: zero lets a step skip it without a look.
+        self.num_random = self.num_penalized = self.num_min_tokens = self.num_logprobs = 0
 
     _ROW_ARRAYS = ("num_tokens", "temperature", "greedy", "top_k", "top_p", "min_p", "repetition_penalty",
                    "frequency_penalty", "presence_penalty", "has_penalties", "min_tokens", "num_prompt_tokens",
@@ -74,12 +76,18 @@ class InputBatch:
             if update.new_block_ids:
                 table.append(update.req_id, update.new_block_ids)
         requests, spec = self.requests, plan.spec_token_ids
+        token_ids, num_tokens, width = self.token_ids, self.num_tokens, self.token_ids.shape[1]
         for rid, start, tokens in zip(plan.req_ids, plan.num_computed_tokens, plan.new_token_ids):
             row = requests[rid].row
-            guesses = spec.get(rid) if spec else None
-            if guesses:  # written where they go if accepted (the next plan's counts say); not yet known tokens
-                self._write(row, start + len(tokens), guesses)
-            self._write(row, start, tokens)
+            if spec and spec.get(rid):  # guesses go where they belong if accepted (the next plan's counts say)
+                self._write(row, start + len(tokens), spec[rid])
+                token_ids, width = self.token_ids, self.token_ids.shape[1]
+            if len(tokens) == 1 and start < width:  # a decode row: one scalar write
+                token_ids[row, start] = tokens[0]
+                num_tokens[row] = start + 1
+            else:
+                self._write(row, start, tokens)
+                token_ids, width = self.token_ids, self.token_ids.shape[1]
 
     def _write(self, row: int, start: int, tokens: list[int]) -> None:
         end = start + len(tokens)
@@ -94,6 +102,8 @@ class InputBatch:
         """A request new to this worker — or sent whole again after a failed step: then its row and
         random stream are kept, so what it samples does not depend on the failure."""
         old = self.requests.get(data.req_id)
+        if old is not None:
+            self._count(old, -1)
         row = self.block_table.row(data.req_id)
         if row >= len(self.num_tokens):
             self._grow(self.block_table.table.shape[0])
@@ -104,6 +114,7 @@ class InputBatch:
             generator.manual_seed(data.seed)
         self.requests[data.req_id] = CachedRequestState(data.req_id, row, len(data.prompt_token_ids), p,
                                                         generator, list(data.stop_token_ids))
+        self._count(self.requests[data.req_id], +1)
         if old is None:
             self._write(row, 0, data.prompt_token_ids)
         self.temperature[row] = p.temperature
@@ -120,8 +131,17 @@ class InputBatch:
         self.wants_logprobs[row] = p.logprobs is not None
 
     def remove(self, req_id: str) -> None:
-        if self.requests.pop(req_id, None) is not None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self._count(state, -1)
             self.block_table.drop(req_id)
+
+    def _count(self, state: CachedRequestState, sign: int) -> None:
+        p = state.params
+        self.num_random += sign * (not p.greedy)
+        self.num_penalized += sign * p.has_penalties
+        self.num_min_tokens += sign * bool(p.min_tokens and state.stop_token_ids)
+        self.num_logprobs += sign * (p.logprobs is not None)
 
     def _grow(self, rows: int) -> None:
         for name in self._ROW_ARRAYS:

@@ -260,7 +260,7 @@ class ModelRunner:
         for i, t in zip(sampled, tokens):
             out[i] = [t]
         logprobs = None
-        if batch.wants_logprobs[rows].any():
+        if batch.num_logprobs and batch.wants_logprobs[rows].any():
             logprobs = [None] * len(plan.req_ids)
             for i, lp in zip(sampled, sampled_logprobs(logits, states, tokens)):
                 logprobs[i] = lp

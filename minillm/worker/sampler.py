@@ -20,6 +20,8 @@ from minillm.worker.input_batch import CachedRequestState, InputBatch
 def apply_logits_processors(logits: torch.Tensor, batch: InputBatch, rows: np.ndarray,
                             states: list[CachedRequestState]) -> torch.Tensor:
     """Penalties and the min_tokens mask for the step's rows (a copy of `logits`, or itself)."""
+    if not batch.num_penalized and not batch.num_min_tokens:
+        return logits
     penalized = np.flatnonzero(batch.has_penalties[rows])
     num_out = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
     early = np.flatnonzero(num_out < batch.min_tokens[rows])
@@ -60,6 +62,8 @@ def sample(logits: torch.Tensor, batch: InputBatch, rows: np.ndarray, states: li
     """One next token per row of `logits` [N, vocab]; row i is input-batch row `rows[i]`."""
     logits = apply_logits_processors(logits, batch, rows, states)
     greedy_tokens = logits.argmax(dim=-1)
+    if not batch.num_random:
+        return greedy_tokens.tolist()
     random_rows = np.flatnonzero(~batch.greedy[rows])
     if not len(random_rows):
         return greedy_tokens.tolist()
