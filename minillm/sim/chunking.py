@@ -66,6 +66,7 @@ class PolicyRow:
     budget: int
     output_throughput: float  # output tokens/s
     itl_p99_ms: float
+    max_step_ms: float  # the longest step: the worst gap a decoding request can see
     ttft_mean_ms: float
     ttft_p99_ms: float
     num_steps: int
@@ -80,7 +81,7 @@ def compare_chunk_policies(trace: Trace | None = None, budgets: Sequence[int] = 
     """Simulate `trace` once per (policy, budget) with chunked prefill on.
 
     Defaults are the course's (`minillm.course_trace`): its trace, hardware (the practical A100),
-    model (Llama-2-7B), knobs (everything up to prefix caching) and SLO."""
+    model (Llama-2-7B), knobs (everything up to prefix caching) and SLO (goodput)."""
     from minillm import course_trace as course
 
     if trace is None:
@@ -88,9 +89,9 @@ def compare_chunk_policies(trace: Trace | None = None, budgets: Sequence[int] = 
     if engine_config is None:
         engine_config = dict(course.cumulative_configs("prefix")["prefix"][0])
         engine_config.setdefault("max_model_len", course.SIM_MAX_MODEL_LEN)
-        slo = slo if slo is not None else course.SIM_SLO
     hardware = hardware if hardware is not None else course.SIM_HARDWARE
     model = model if model is not None else course.SIM_MODEL
+    slo = slo if slo is not None else course.SIM_SLO
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"policy {p!r}; choose from {POLICIES}")
@@ -103,16 +104,18 @@ def compare_chunk_policies(trace: Trace | None = None, budgets: Sequence[int] = 
             s = res.summary
             tokens = [st.num_prefill_tokens + st.num_decode_tokens for st in res.steps]
             rows.append(PolicyRow(policy, int(budget), s.output_throughput, s.itl.percentiles_ms[99],
+                                  1e3 * max(c.time_s for c in res.costs),
                                   s.ttft.mean_ms, s.ttft.percentiles_ms[99], len(res.steps),
                                   sum(tokens) / len(tokens), s.request_goodput))
     return rows
 
 
 def print_policy_table(rows: Sequence[PolicyRow]) -> None:
-    """One line per run; ratios are SplitFuse over Sarathi at the same budget."""
-    print(f"{'policy':<10} {'budget':>6} {'out tok/s':>9} {'p99 ITL ms':>10} {'TTFT ms':>8} {'p99 TTFT':>9} "
+    """One line per run (times in ms)."""
+    print(f"{'policy':<10} {'budget':>6} {'out tok/s':>9} {'p99 ITL ms':>10} {'max step':>8} {'TTFT ms':>8} {'p99 TTFT':>9} "
           f"{'steps':>6} {'tok/step':>8} {'goodput':>8}")
     for r in rows:
         good = "" if r.goodput is None else f"{r.goodput:.2f}"
-        print(f"{r.policy:<10} {r.budget:>6} {r.output_throughput:>9.0f} {r.itl_p99_ms:>10.1f} {r.ttft_mean_ms:>8.0f} "
+        print(f"{r.policy:<10} {r.budget:>6} {r.output_throughput:>9.0f} {r.itl_p99_ms:>10.1f} {r.max_step_ms:>8.1f} "
+              f"{r.ttft_mean_ms:>8.0f} "
               f"{r.ttft_p99_ms:>9.0f} {r.num_steps:>6} {r.mean_step_tokens:>8.1f} {good:>8}")
