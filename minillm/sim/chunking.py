@@ -5,6 +5,8 @@
     rows = compare_chunk_policies(budgets=(256, 512, 2048, spot))   # the course trace, 7B on the A100
     print_policy_table(rows)
 
+    python -m minillm.sim.chunking      # both tables: chapter 08's heavy trace and the course trace
+
 Both policies are `minillm.scheduler.chunk_policy`'s, run by the engine's own scheduler (see there
 for what each does). `sweet_spot_tokens` reads DeepSpeed-FastGen's "sweet spot" off the roofline
 cost model: the throughput of one step (tokens per second) grows with its token count while the
@@ -25,7 +27,7 @@ from minillm.sim.cost_model import step_time
 from minillm.sim.hardware import Hardware, get_hardware
 from minillm.sim.model_shapes import ModelShape, get_model_shape
 from minillm.sim.simulate import simulate
-from minillm.workload import Trace
+from minillm.workload import LengthDist, Trace, make_trace
 
 POLICIES = ("sarathi", "splitfuse")
 
@@ -119,3 +121,27 @@ def print_policy_table(rows: Sequence[PolicyRow]) -> None:
         print(f"{r.policy:<10} {r.budget:>6} {r.output_throughput:>9.0f} {r.itl_p99_ms:>10.1f} {r.max_step_ms:>8.1f} "
               f"{r.ttft_mean_ms:>8.0f} "
               f"{r.ttft_p99_ms:>9.0f} {r.num_steps:>6} {r.mean_step_tokens:>8.1f} {good:>8}")
+
+
+def heavy_trace(num_requests: int = 192, rate_per_s: float = 240.0, seed: int = 0) -> Trace:
+    """Chapter 08's (and bench/chunked.py's) simulated trace: Poisson arrivals, heavy-tailed prompts
+    up to 4,000 tokens, for 7B on the A100-80GB with max_num_seqs 64."""
+    return make_trace(num_requests, seed=seed, vocab_size=32000, rate_per_s=rate_per_s,
+                      prompt_len=LengthDist.lognormal(200, 1.3), output_len=LengthDist.lognormal(128, 0.4),
+                      min_prompt_len=4, max_prompt_len=4000, min_output_len=8, max_output_len=512)
+
+
+def main() -> None:
+    from minillm.course_trace import SIM_HARDWARE
+
+    spot = sweet_spot_tokens("A100-80GB", "llama-7b")
+    print(f"chapter 08's heavy trace, 7B on the A100-80GB, max_num_seqs 64 (sweet spot {spot} tokens)")
+    print_policy_table(compare_chunk_policies(heavy_trace(), (spot, 512, 2048), hardware="A100-80GB",
+                                              engine_config={"max_num_seqs": 64}))
+    spot = sweet_spot_tokens(SIM_HARDWARE, "llama-7b")
+    print(f"\nthe course trace, 7B on the practical A100, up to prefix caching (sweet spot {spot} tokens)")
+    print_policy_table(compare_chunk_policies(budgets=(spot, 512, 2048)))
+
+
+if __name__ == "__main__":
+    main()
