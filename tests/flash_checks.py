@@ -1,4 +1,4 @@
-"""The tiled attention kernel (kernels/flash_attention.py) on numba's CUDA simulator (chapter 10).
+"""The tiled attention kernel (kernels/tiled_attention.py) on numba's CUDA simulator (chapter 10).
 
 Run by tests/test_flash_attention.py in a fresh process with NUMBA_ENABLE_CUDASIM=1. Prints one
 PASS/FAIL line per check and exits non-zero on the first FAIL:
@@ -23,7 +23,7 @@ sys.setswitchinterval(1e-4)
 import torch  # noqa: E402
 from minillm.kernels.varlen_attention import prefill_attention_reference  # noqa: E402
 
-from minillm.kernels import flash_attention as fa  # noqa: E402
+from minillm.kernels import tiled_attention as fa  # noqa: E402
 from minillm.kernels.io_measured import expected_elements, measure_attention_io  # noqa: E402
 from minillm.kernels.scenarios import paged_scenario  # noqa: E402
 from minillm.kernels.trace import trace_launch  # noqa: E402

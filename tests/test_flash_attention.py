@@ -31,7 +31,7 @@ def test_flash_attention_matches_its_reference_on_ragged_batches_in_the_simulato
 
 PTX_SCRIPT = """
 from numba import cuda, types
-from minillm.kernels import flash_attention as fa
+from minillm.kernels import tiled_attention as fa
 for dtype in ("float32", "float16"):
     t = getattr(types, dtype)
     x3, x4 = types.Array(t, 3, "C"), types.Array(t, 4, "C")
