@@ -50,3 +50,16 @@ def test_flash_attention_compiles_to_ptx_for_sm90_with_shared_tiles_and_barriers
         name, entries, target, barriers, shared = line.split()
         assert (name, entries, target, shared) == (dtype, "1", "True", "True") and int(barriers) >= 2, line
 
+
+
+def test_tile_picture_hatches_the_keys_a_band_loads_but_a_row_masks():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from minillm.kernels.pictures import plot_tile_loads
+
+    ax = plot_tile_loads(q_len=12, seq_len=16, block_m=4, block_n=4)
+    # each band of 4 rows loads keys up to its last row: its rows mask 3, 2, 1, 0 of them
+    assert len(ax.patches) == 3 * (3 + 2 + 1)
+    ax = plot_tile_loads(q_len=5, seq_len=5, block_m=8, block_n=2)  # one band, a fresh prompt
+    assert len(ax.patches) == 4 + 3 + 2 + 1
