@@ -36,6 +36,7 @@ from minillm.kv.block_manager import BlockManager  # noqa: E402
 from minillm.request import Request, SamplingParams  # noqa: E402
 from minillm.runner import ModelRunner  # noqa: E402
 from minillm.scheduler.base import ScheduledBatch  # noqa: E402
+from minillm.scheduler.output import SchedulerOutputBuilder  # noqa: E402
 
 BACKENDS = ("torch", "numba_cpu")
 
@@ -53,8 +54,6 @@ def decode_layer_call(backend: str, lens: list[int], h_q=8, h_kv=4, d=32, block_
         assert kv.allocate(req, n)
         req.num_computed_tokens = n - 1
         reqs.append(req)
-    kv.k_pool.normal_()
-    kv.v_pool.normal_()
 
     class Model:
         device, dtype = torch.device("cpu"), torch.float32
@@ -62,9 +61,13 @@ def decode_layer_call(backend: str, lens: list[int], h_q=8, h_kv=4, d=32, block_
         class config:  # noqa: N801 - stands in for a ModelConfig
             sliding_windows = (None,)
 
-    runner = ModelRunner(Model(), kv, backend)
-    _, _, meta, _ = runner.prepare(ScheduledBatch(reqs, [1] * len(reqs)))
-    attention = make_attention(runner.attention_backend, kv.k_pool, kv.v_pool, meta, (None,))
+    runner = ModelRunner(Model(), kv.cache_spec, backend)  # the worker holds the pools
+    plan = SchedulerOutputBuilder(kv).build(ScheduledBatch(reqs, [1] * len(reqs)))
+    runner.update_state(plan)
+    runner.k_pool.normal_()
+    runner.v_pool.normal_()
+    meta = runner.prepare(plan).meta
+    attention = make_attention(runner.attention_backend, runner.k_pool, runner.v_pool, meta, (None,))
     q, k, v = torch.randn(len(lens), h_q, d), torch.randn(len(lens), h_kv, d), torch.randn(len(lens), h_kv, d)
     return lambda: attention(0, q, k, v)
 

@@ -5,7 +5,8 @@
 One script for one GPU (written for an H200; about 5 minutes, `bench/gpu_smoke.py` included):
 
 1. **every kernel against its torch reference** on the GPU (small ragged GQA shapes, NaN in every
-   unowned pool slot), and its time next to the reference's at a serving-sized shape;
+   unowned pool slot), and its time next to the reference's at a serving-sized shape; the tiled
+   flash_attention also against the untiled prefill_attention on one 4k-token prompt;
 2. **paged decode bandwidth**: bytes of K/V a decode step must read ÷ its time, for both decode
    kernels (one thread per (sequence, head); one warp per (sequence, head) with shuffles) at
    contexts 1k / 4k / 16k and batch 1 / 32, as a fraction of this GPU's measured copy bandwidth;
@@ -99,7 +100,7 @@ def big_scenario(batch, context, block_size, kv_heads, q_heads, head_dim, dtype,
 
 
 def check_kernels(dtype: torch.dtype, tol: float, decode_kernels: tuple[str, ...], big_batch: int = 32,
-                  big_context: int = 4096, tokens: int = 4096) -> list[dict]:
+                  big_context: int = 4096, tokens: int = 4096, prefill_tokens: int = 4096) -> list[dict]:
     """Each kernel on the GPU against its reference; time both at a serving-sized shape."""
     from minillm.kernels.cache_write import reshape_and_cache_reference
     from minillm.kernels.decode_attention import paged_attention_decode_reference
@@ -135,6 +136,20 @@ def check_kernels(dtype: torch.dtype, tol: float, decode_kernels: tuple[str, ...
     query = torch.randn(sum(q_lens), 14, 64, device=DEVICE, dtype=dtype)
     args = (query, p.key_cache, p.value_cache, p.block_tables, qsl, p.seq_lens, p.scale)
     record("prefill_attention", kernels.prefill_attention(*args), prefill_attention_reference(*args))
+
+    # the tiled kernel (FlashAttention's way) on the same batch, then timed on one long prompt against the
+    # torch reference, and against the untiled prefill_attention: chapter 10's I/O argument, on a GPU
+    n = prefill_tokens
+    long = scenario([n], 16, 2, 14, 64, dtype, seed=2)
+    long_args = (torch.randn(n, 14, 64, device=DEVICE, dtype=dtype), long.key_cache, long.value_cache,
+                 long.block_tables, torch.tensor([0, n], dtype=torch.int32, device=DEVICE), long.seq_lens, long.scale)
+    record("flash_attention", kernels.flash_attention(*args), prefill_attention_reference(*args),
+           cuda_time_s(lambda: kernels.flash_attention(*long_args)),
+           cuda_time_s(lambda: prefill_attention_reference(*long_args), iters=3))
+    untiled_s = cuda_time_s(lambda: kernels.prefill_attention(*long_args), iters=3)
+    rows[-1]["untiled_prefill_ms"] = 1e3 * untiled_s
+    print(f"      one prompt of {n} tokens: prefill_attention (untiled) {1e3 * untiled_s:.3f} ms = "
+          f"{untiled_s / (rows[-1]['kernel_ms'] / 1e3):.1f}x flash_attention's time", flush=True)
 
     t = tokens
     key, value = (torch.randn(t, 2, 64, device=DEVICE, dtype=dtype) for _ in range(2))
@@ -360,9 +375,10 @@ def dry_run() -> int:
         print("--dry-run needs NUMBA_ENABLE_CUDASIM=1 (set before numba is imported)")
         return 2
     DEVICE = "cpu"
-    rows = check_kernels(torch.float32, 1e-4, ("paged_attention_decode",), big_batch=2, big_context=20, tokens=8)
+    rows = check_kernels(torch.float32, 1e-4, ("paged_attention_decode",), big_batch=2, big_context=20, tokens=8,
+                         prefill_tokens=12)
     bandwidth = decode_bandwidth(torch.float32, 25e9, [20], [2], ("paged_attention_decode",))
-    ok = all(r["ok"] for r in rows) and len(rows) == 5 and len(bandwidth) == 1
+    ok = all(r["ok"] for r in rows) and len(rows) == 6 and len(bandwidth) == 1
     print(f"dry run: {'ok' if ok else 'FAILED'} (the GPU-only parts, the warp kernel, end-to-end and CUDA graphs, "
           "were not run)")
     return 0 if ok else 1

@@ -1,4 +1,4 @@
-"""The tiled attention kernel (kernels/flash_attention.py) on numba's CUDA simulator (chapter 10).
+"""The tiled attention kernel (kernels/tiled_attention.py) on numba's CUDA simulator (chapter 10).
 
 Run by tests/test_flash_attention.py in a fresh process with NUMBA_ENABLE_CUDASIM=1. Prints one
 PASS/FAIL line per check and exits non-zero on the first FAIL:
@@ -23,7 +23,7 @@ sys.setswitchinterval(1e-4)
 import torch  # noqa: E402
 from minillm.kernels.varlen_attention import prefill_attention_reference  # noqa: E402
 
-from minillm.kernels import flash_attention as fa  # noqa: E402
+from minillm.kernels import tiled_attention as fa  # noqa: E402
 from minillm.kernels.io_measured import expected_elements, measure_attention_io  # noqa: E402
 from minillm.kernels.scenarios import paged_scenario  # noqa: E402
 from minillm.kernels.trace import trace_launch  # noqa: E402
@@ -104,3 +104,12 @@ for label, call in (
 verdict(shape == ((2, 4, 2), 8) and refused == [True, True, True],
         f"launch shape {shape} (2 query tiles x 4 sequences x 2 KV heads, 4 rows x 2 heads per block); "
         f"bad shapes refused with a message: {refused}")
+
+# the table chapter 10 prints: both kernels' rows and the K/V ratio, from the same measurement
+from minillm.kernels.io_measured import io_report  # noqa: E402
+
+lines = io_report(seq_len=12, q_heads=2, kv_heads=1, head_dim=4, block_m=4, block_n=4)
+rows = {line.split()[0]: line for line in lines[2:4]}
+ratio = float(lines[4].split("untiled / tiled: ")[1].split("x")[0])
+verdict(set(rows) == {"prefill_attention", "flash_attention"} and 1 < ratio <= 8,
+        f"io_report: {lines[4][:60]}")

@@ -175,3 +175,21 @@ def test_chunk_policy_is_checked():
     with pytest.raises(ValueError, match="chunk_policy"):
         LLM(chunk_policy="splitfuse")
     assert EngineConfig().chunk_policy == "sarathi"
+
+
+def test_splitfuse_on_the_simulator_and_its_sweet_spot():
+    from minillm.course_trace import SIM_HARDWARE, sim_trace
+    from minillm.sim.chunking import compare_chunk_policies, step_throughput, sweet_spot_tokens
+
+    spot = sweet_spot_tokens(SIM_HARDWARE, "llama-7b")
+    rate = {n: step_throughput(SIM_HARDWARE, "llama-7b", n, num_decodes=16) for n in (spot - 16, spot, 4096)}
+    assert spot % 16 == 0 and rate[spot - 16] < 0.9 * rate[4096] <= rate[spot]
+    with pytest.raises(ValueError, match="fraction"):
+        sweet_spot_tokens(SIM_HARDWARE, "llama-7b", fraction=1.5)
+    trace = sim_trace(24, rate_per_s=40.0)
+    rows = compare_chunk_policies(trace, budgets=(64,))
+    assert [(r.policy, r.budget) for r in rows] == [("sarathi", 64), ("splitfuse", 64)]
+    assert all(r.mean_step_tokens <= 64 and r.output_throughput > 0 for r in rows)
+    assert rows[0].num_steps != rows[1].num_steps or rows[0].ttft_mean_ms != rows[1].ttft_mean_ms  # not one schedule
+    with pytest.raises(ValueError, match="choose from"):
+        compare_chunk_policies(trace, budgets=(64,), policies=("fastgen",))

@@ -35,13 +35,6 @@ def test_rotary_in_place_matches_rope():
     assert not torch.equal(x[:, 0], want[:, 4])  # rotation really happened on what it should
 
 
-def test_silu_mul():
-    gate_up = torch.randn(7, 2 * 40, generator=torch.Generator().manual_seed(2)) * 4
-    out = torch.empty(7, 40)
-    ops.silu_mul(gate_up.numpy(), out.numpy())
-    torch.testing.assert_close(out, ops.silu_mul_reference(gate_up), rtol=1e-5, atol=1e-5)
-
-
 def test_fused_forward_equals_torch_forward_on_the_bundled_model():
     llm = LLM(max_num_seqs=4)
     model = llm.model

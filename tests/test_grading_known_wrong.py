@@ -72,7 +72,7 @@ def test_issue_18s_classes_are_covered() -> None:
 
 # make grade itself (a fresh process, the runner, the course's cells): one mutant of each class
 GRADED = [("10", "def paged_decode_kernel(", "the library's answer under another name: decode_attention._kernel's "
-           "source re-executed", 1),
+           "source re-executed", 5),
           ("09", "def verify(", "never reads q: draws from p and keeps the guess only if the draw equals it", 2),
           ("03", "def should_fire(now", "the grader's helper answers: calls grader._reference_should_fire", 1),
           ("03", "def should_fire(now", "reads the expected answer from the grader's frame", 1)]

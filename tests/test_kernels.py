@@ -153,4 +153,4 @@ def test_the_gpu_benchmark_script_runs_its_kernel_checks_in_a_dry_run():
     proc = run([str(REPO_ROOT / "bench" / "gpu.py"), "--dry-run"], simulator=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    assert sum(line.startswith("PASS") for line in lines) == 5 and lines[-1].startswith("dry run: ok")
+    assert sum(line.startswith("PASS") for line in lines) == 6 and lines[-1].startswith("dry run: ok")

@@ -32,6 +32,9 @@ class NumbaCpuAttention(FlatPoolAttention):
         self.decode_tables = meta.block_tables[:nd].contiguous().numpy()
         self.decode_lens = meta.seq_lens[:nd].contiguous().numpy()
         self.scale = 1.0 / math.sqrt(k_pool.shape[-1])
+        bs = meta.block_size  # the pools as numpy [L, num_blocks, block_size, H_kv, D], one view per step
+        self.k_blocks = k_pool.numpy().reshape(k_pool.shape[0], -1, bs, *k_pool.shape[2:])
+        self.v_blocks = v_pool.numpy().reshape(v_pool.shape[0], -1, bs, *v_pool.shape[2:])
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         window = self.windows[layer]
@@ -39,7 +42,7 @@ class NumbaCpuAttention(FlatPoolAttention):
         nd = self.meta.num_decode
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if nd:
-            self.kernel(q[:nd].contiguous().numpy(), k_blocks.numpy(), v_blocks.numpy(), self.decode_tables,
+            self.kernel(q[:nd].contiguous().numpy(), self.k_blocks[layer], self.v_blocks[layer], self.decode_tables,
                         self.decode_lens, self.scale, window or 0, out[:nd].numpy())
         if self.meta.prefill_groups:
             self.multi_token(out, q, k, v, k_blocks, v_blocks, window)

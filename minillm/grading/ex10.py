@@ -1,26 +1,34 @@
-"""Grader of exercise 10 (chapter 10): the learner's paged decode attention kernel, in numba.cuda.
+"""Grader of exercise 10 (chapter 10): chapter 10's ladder of GPU patterns, then a paged decode
+attention kernel, all written by the learner in numba.cuda.
 
-The learner writes a kernel with the signature of minillm's own,
+Tasks 1-4, the ladder (minillm.kernels.ladder: spec, cases, checks, pictures): map, shared memory,
+reduction, online softmax. Each kernel runs at once on the simulator with every access traced, and
+must match the rung's numpy spec and show the pattern's properties (one thread per output; a block's
+numbers loaded into shared memory once with no race between barriers; a tree reduction; one
+in-order pass reading nothing past a row's end). The specs are disabled while the kernel runs.
+
+Tasks 5-7, the paged decode kernel. The learner writes a kernel with the signature of minillm's own,
 
     def paged_decode_kernel(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
 
 launched with one thread per (sequence, query head): thread i = cuda.grid(1) serves sequence
 i // H_q and query head i % H_q. The checks:
 
-- task 1: in numba's CUDA simulator (on the GPU where there is one), on ragged GQA batches from
+- task 5: in numba's CUDA simulator (on the GPU where there is one), on ragged GQA batches from
   `minillm.kernels.scenarios.paged_scenario` (scattered blocks, partial last blocks, lengths 1 and
   block_size ± 1, -1 padded tables, NaN in every slot no sequence owns, one batch with logits
   beyond exp()'s range), against the torch reference;
-- task 2: the same function compiles to PTX for sm_90, in a subprocess without the simulator
+- task 6: the same function compiles to PTX for sm_90, in a subprocess without the simulator
   (which has no compiler): a kernel that only works as Python (lists, torch, numpy) fails here.
   The function travels as its code object (`marshal`), so a kernel defined by `exec` works too;
-- task 3: plugged into the engine (`attention_backend="numba"`), it serves every decode row of the
+- task 7: plugged into the engine (`attention_backend="numba"`), it serves every decode row of the
   bundled model; each of its calls is compared with the reference afterwards, and the greedy tokens
   with the torch backend's.
 
 While the learner's kernel runs, minillm's own kernel function and the torch reference are
 disabled (`forbid`). `KNOWN_WRONG` holds minillm's kernel with one bug each, the bug classes the
 exercise is about (chapter 10, section 6, runs them; tests/known_wrong/ex10.py grades them).
+The ladder's tasks need the simulator (they trace its threads); on a GPU they say so and fail.
 
 numba reads NUMBA_ENABLE_CUDASIM when it is first imported and numba.cuda picks the simulator when it
 is; the exercise's runner imports this module before any notebook cell, so it sets the variable here
@@ -55,7 +63,7 @@ if "numba.cuda" not in sys.modules and not torch.cuda.is_available():
 from numba import cuda, float32  # noqa: E402
 
 from minillm.grading import Fail, forbid, task  # noqa: E402
-from minillm.kernels import decode_attention  # noqa: E402
+from minillm.kernels import decode_attention, ladder  # noqa: E402
 from minillm.kernels._launch import device_array, launch, simulator  # noqa: E402
 from minillm.kernels.scenarios import PagedScenario, paged_scenario  # noqa: E402
 
@@ -123,7 +131,7 @@ def compare_decode(got: torch.Tensor, want: torch.Tensor) -> str | None:
 
 
 def decode_problems(python_function: Callable) -> list[tuple[str, str | None]]:
-    """(case, problem or None) for every case of task 1; the reference is disabled while the kernel runs."""
+    """(case, problem or None) for every case of task 5; the reference is disabled while the kernel runs."""
     expected = [(name, case, decode_attention.paged_attention_decode_reference(*case.to("cpu").args()))
                 for name, case in scenarios()]
     results = []
@@ -142,8 +150,43 @@ def decode_problems(python_function: Callable) -> list[tuple[str, str | None]]:
     return results
 
 
-@task(1, "paged decode kernel", check_time_limit_s=120)
-def check_task_1(paged_decode_kernel) -> list[str]:
+# ---- tasks 1-4: the ladder -----------------------------------------------------------------------
+
+def _rung(rung: str, kernel) -> list[str]:
+    _numba_ready()
+    try:
+        problem, lines, _ = ladder.problems(rung, kernel, guard=lambda: forbid(*ladder.SPECS))
+    except NotImplementedError as error:  # the stub: say so, without which simulated thread hit it first
+        raise NotImplementedError(_THREAD_ID.sub("", str(error))) from None
+    if problem is not None:
+        raise Fail(problem)
+    return lines
+
+
+@task(1, "map", check_time_limit_s=60)
+def check_task_1(broadcast_add) -> list[str]:
+    return _rung("map", broadcast_add)
+
+
+@task(2, "shared memory", check_time_limit_s=60)
+def check_task_2(window_sum) -> list[str]:
+    return _rung("shared memory", window_sum)
+
+
+@task(3, "reduction", check_time_limit_s=60)
+def check_task_3(block_max) -> list[str]:
+    return _rung("reduction", block_max)
+
+
+@task(4, "online softmax", check_time_limit_s=60)
+def check_task_4(softmax_weighted_sum) -> list[str]:
+    return _rung("online softmax", softmax_weighted_sum)
+
+
+# ---- task 5: the paged decode kernel in the simulator ---------------------------------------------
+
+@task(5, "paged decode kernel", check_time_limit_s=120)
+def check_task_5(paged_decode_kernel) -> list[str]:
     _numba_ready()
     results = decode_problems(paged_decode_kernel)
     bad = [(name, problem) for name, problem in results if problem is not None]
@@ -154,7 +197,7 @@ def check_task_1(paged_decode_kernel) -> list[str]:
             *(f"  {name}" for name, _ in results)]
 
 
-# ---- task 2: the same function compiled for a real GPU --------------------------------------------
+# ---- task 6: the same function compiled for a real GPU --------------------------------------------
 
 def _code_names(code: types.CodeType) -> set[str]:
     names = set(code.co_names)
@@ -220,14 +263,14 @@ def compile_to_ptx(python_function: Callable, cc: int = 90, timeout_s: float = 1
     return entries == 1, f"compiles for sm_{cc}: {entries} kernel entry, {proc.stdout.split()[1]} lines of PTX"
 
 
-@task(2, "compiles for the GPU", check_time_limit_s=150)
-def check_task_2(paged_decode_kernel) -> str:
+@task(6, "compiles for the GPU", check_time_limit_s=150)
+def check_task_6(paged_decode_kernel) -> str:
     if not isinstance(paged_decode_kernel, types.FunctionType):
         raise Fail(f"expected the kernel's Python function (a def), got {type(paged_decode_kernel).__name__}")
     _numba_ready()
     wrong = [name for name, problem in decode_problems(paged_decode_kernel) if problem is not None]
     if wrong:  # compiling a kernel that is wrong (or a stub) would prove nothing
-        raise Fail(f"task 1 does not pass yet ({wrong[0]}): make the kernel right in the simulator first")
+        raise Fail(f"task 5 does not pass yet ({wrong[0]}): make the kernel right in the simulator first")
     ok, message = compile_to_ptx(paged_decode_kernel, cc=90)
     if not ok:
         raise Fail(message + " (the simulator runs any Python; a GPU kernel may use only its arguments, "
@@ -235,7 +278,7 @@ def check_task_2(paged_decode_kernel) -> str:
     return message.split(":")[0] + " (PTX, numba-cuda via NVRTC; no GPU needed)"
 
 
-# ---- task 3: in the engine ------------------------------------------------------------------------
+# ---- task 7: in the engine ------------------------------------------------------------------------
 
 class RecordingKernel:
     """Stands in for minillm's decode kernel: launches the learner's and keeps a copy of each call."""
@@ -270,8 +313,8 @@ PROMPTS = ("In the beginning", "And God said", "Blessed")
 ENGINE_KNOBS = dict(max_num_seqs=3, block_size=4, num_kv_blocks=24, max_model_len=32)
 
 
-@task(3, "in the engine", check_time_limit_s=150)
-def check_task_3(paged_decode_kernel) -> list[str]:
+@task(7, "in the engine", check_time_limit_s=150)
+def check_task_7(paged_decode_kernel) -> list[str]:
     from minillm import LLM, SamplingParams
 
     _numba_ready()
@@ -301,7 +344,7 @@ def check_task_3(paged_decode_kernel) -> list[str]:
             "each equal to the reference", f"greedy tokens equal the torch backend's: {got}"]
 
 
-# ---- known-wrong kernels: minillm's kernel with one bug each (all compile; task 1 must catch them) ----
+# ---- known-wrong kernels: minillm's kernel with one bug each (all compile; task 5 must catch them) ----
 
 def _no_partial_block_mask(query, key_cache, value_cache, block_tables, seq_lens, scale, out):
     i = cuda.grid(1)

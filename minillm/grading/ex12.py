@@ -6,7 +6,9 @@ Task 2 runs the learner's forward where it belongs: on 2 processes joined by tor
 (gloo on loopback, `minillm.distributed.launch.run_ranks`: forked, bounded in time, every process
 stopped), each rank with its shard, and compares every rank's output with one process computing
 the whole MLP in float64. It also counts the collectives the forward makes. Task 3 then runs the
-attention block on the learner's shards on 2 ranks and compares it with one process.
+attention block on the learner's shards on 2 ranks and compares it with one process. Every task
+adds cases whose weights are drawn when the check runs (`grade_time_seeds`), so answers memoised
+from the reference beforehand fail.
 
 The reference (`minillm.distributed.linear`) is disabled while learner code runs (`forbid`), in
 the forked ranks too (they inherit it); a rank reports a call to it back to this process.

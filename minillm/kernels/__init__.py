@@ -30,7 +30,7 @@ if not (_HERE / "decode_attention.py").is_file() and (_CHECKOUT_KERNELS / "decod
 KERNELS = {"reshape_and_cache": "cache_write", "paged_attention_decode": "decode_attention",
            "paged_attention_decode_warp": "decode_attention_warp",
            "prefill_attention": "varlen_attention", "rms_norm": "rmsnorm", "rotary_embedding": "rope",
-           "flash_attention": "flash_attention"}
+           "flash_attention": "tiled_attention"}
 CPU_KERNELS = {"paged_attention_decode_cpu": "cpu_decode_attention"}  # @njit, not CUDA: no PTX
 __all__ = [*KERNELS, *CPU_KERNELS]
 

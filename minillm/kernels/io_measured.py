@@ -5,7 +5,7 @@ with every array access traced (minillm.kernels.trace), on one fresh prompt of `
 
 - prefill_attention (kernels/varlen_attention.py): one thread per (query, head), each reading its
   own keys and values: K and V come from HBM once per query and per query head;
-- flash_attention (kernels/flash_attention.py): one thread block per tile of `block_m` queries and
+- flash_attention (kernels/tiled_attention.py): one thread block per tile of `block_m` queries and
   the query heads of one KV head; K and V come from HBM once per tile, through shared memory.
 
 What is counted: for every global array, the distinct elements each simulated thread read or wrote,
@@ -48,7 +48,7 @@ def measure_attention_io(seq_len: int = 32, q_heads: int = 4, kv_heads: int = 2,
     """{kernel: {array: {"read": bytes, "written": bytes}}} for a prompt of `seq_len` tokens, measured
     on the simulator; both outputs are checked against the reference first (a kernel that reads
     less by being wrong proves nothing)."""
-    from minillm.kernels import flash_attention as fa
+    from minillm.kernels import tiled_attention as fa
     from minillm.kernels import varlen_attention as va
     from minillm.kernels._launch import THREADS
     from minillm.kernels.trace import trace_launch

@@ -24,6 +24,7 @@ Needs NUMBA_ENABLE_CUDASIM=1 (set before numba is imported).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import warnings
@@ -101,7 +102,8 @@ def shared_cases() -> list[Case]:
     for n, seed in ((21, 2), (TPB, 3)):
         a = _rng(seed).integers(-9, 10, n).astype(np.float32)
         blocks = -(-n // TPB)
-        out.append(Case(f"{n} numbers, {blocks} blocks of {TPB}", {"a": a}, (n,), blocks, TPB, window_sum_spec))
+        out.append(Case(f"{n} numbers, {blocks} block{'s' * (blocks > 1)} of {TPB}", {"a": a}, (n,), blocks, TPB,
+                        window_sum_spec))
     return out
 
 
@@ -145,6 +147,8 @@ class RungResult:
         """What the threads of one case touched: one panel per array, colored by thread block."""
         from minillm.kernels.pictures import plot_touches
 
+        if not self.traces:
+            raise ValueError(f"{self.rung}: no case ran, so there is nothing to draw ({self.lines[0]})")
         c, trace, _ = self.traces[case]
         return plot_touches(trace, [*c.inputs, "out"], title=f"{self.rung}: {c.label}")
 
@@ -254,17 +258,26 @@ RUNGS: dict[str, tuple[Callable, Callable]] = {
 }
 
 
-def problems(rung: str, kernel) -> tuple[str | None, list[str], list]:
-    """(the first problem or None, one line per case that passed, the traces) of `kernel` on `rung`."""
+def problems(rung: str, kernel, guard: Callable = contextlib.nullcontext) -> tuple[str | None, list[str], list]:
+    """(the first problem or None, one line per case that passed, the traces) of `kernel` on `rung`.
+
+    The specs' answers are computed first; the kernel runs inside `guard()` (a grader passes
+    `lambda: forbid(*SPECS)`, so a kernel that calls a spec fails)."""
     if rung not in RUNGS:
         raise ValueError(f"rung must be one of {list(RUNGS)}, got {rung!r}")
     if not callable(kernel):
         return f"expected the kernel's Python function, got {type(kernel).__name__}", [], []
+    from numba.core import config
+
+    if not config.ENABLE_CUDASIM:
+        return ("the ladder's checks watch every simulated thread: run with NUMBA_ENABLE_CUDASIM=1, set before "
+                "numba is imported", [], [])
     make_cases, properties = RUNGS[rung]
     lines, traces = [], []
-    for case in make_cases():
+    for case, want in [(c, c.want()) for c in make_cases()]:
         try:
-            trace, out = _run(kernel, case)
+            with guard():
+                trace, out = _run(kernel, case)
         except NotImplementedError:
             raise
         except Exception as error:  # the simulator raises what a GPU would silently get wrong
@@ -278,7 +291,7 @@ def problems(rung: str, kernel) -> tuple[str | None, list[str], list]:
             name, element = trace.wrapped[0]
             problem = f"{name} read at a negative index (wrapped around to {list(element)}; on a GPU: out of bounds)"
         if problem is None:
-            problem = _compare(out, case.want())
+            problem = _compare(out, want)
         if problem is None:
             problem = properties(trace, case)
         if problem is not None:

@@ -162,3 +162,37 @@ def plot_touches(trace, names: list[str], title: str = "", fig=None):
     axes[0].legend(handles=handles, fontsize="x-small", loc="lower left", bbox_to_anchor=(1.01, -0.2 * len(names)))
     axes[0].set_title(title, fontsize="medium")
     return fig
+
+
+def plot_tile_loads(q_len: int, seq_len: int, block_m: int, block_n: int, ax=None, title: str | None = None):
+    """One sequence in flash_attention (kernels/tiled_attention.py): query rows × key positions.
+
+    Each band of `block_m` query rows is one thread block; it loads key tiles of `block_n` positions
+    into shared memory up to its last row's position (causal) and never the tiles beyond. Colored:
+    the scores a row uses; hatched: keys its block loaded that this row masks (the diagonal tile);
+    blank: tiles the block never loads. Drawn from the kernel's loop bounds."""
+    ax = ax or plt.subplots(figsize=(1.5 + 0.32 * seq_len, 1.0 + 0.32 * q_len))[1]
+    first = seq_len - q_len
+    grid = np.zeros((q_len, seq_len))
+    hatched = []
+    for start in range(0, q_len, block_m):
+        tile = start // block_m
+        last = first + min(start + block_m, q_len) - 1  # the block's last query position
+        loaded = -(-(last + 1) // block_n) * block_n  # whole key tiles up to it
+        for row in range(start, min(start + block_m, q_len)):
+            grid[row, : first + row + 1] = 1 + tile % len(PALETTE)
+            hatched += [(row, k) for k in range(first + row + 1, min(loaded, last + 1))]
+    ax.imshow(grid, cmap=ListedColormap([FREE, *PALETTE]), vmin=0, vmax=len(PALETTE), aspect="auto",
+              interpolation="nearest")
+    for row, k in hatched:
+        ax.add_patch(Rectangle((k - 0.5, row - 0.5), 1, 1, fill=False, hatch="///", edgecolor="#888888", lw=0))
+    for edge in range(block_n, seq_len, block_n):
+        ax.axvline(edge - 0.5, color="#333333", lw=1)
+    for edge in range(block_m, q_len, block_m):
+        ax.axhline(edge - 0.5, color="#333333", lw=1)
+    ax.set_xlabel(f"key position (vertical lines: key tiles of {block_n}, loaded into shared memory together)")
+    ax.set_ylabel(f"query row (bands: thread blocks of {block_m} rows)")
+    ax.set_title(title or f"flash_attention: {q_len} queries after {first} cached keys; each band loads each "
+                 "key tile once", fontsize="medium")
+    ax.tick_params(labelsize="small")
+    return ax

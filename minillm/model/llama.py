@@ -86,6 +86,7 @@ class LlamaModel:
         # float32 on a CPU: the small ops between the matmuls run fused by numba (minillm/model/fused.py,
         # measured faster there); float64 keeps the torch ops below, HF's own op for op.
         self.fused_ops = self.dtype == torch.float32 and self.device.type == "cpu" and numba_installed()
+        self._fused_views = None  # numpy views of the norm weights and RoPE table, made on first use
 
     @property
     def num_params(self) -> int:

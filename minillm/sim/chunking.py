@@ -5,6 +5,8 @@
     rows = compare_chunk_policies(budgets=(256, 512, 2048, spot))   # the course trace, 7B on the A100
     print_policy_table(rows)
 
+    python -m minillm.sim.chunking      # both tables: chapter 08's heavy trace and the course trace
+
 Both policies are `minillm.scheduler.chunk_policy`'s, run by the engine's own scheduler (see there
 for what each does). `sweet_spot_tokens` reads DeepSpeed-FastGen's "sweet spot" off the roofline
 cost model: the throughput of one step (tokens per second) grows with its token count while the
@@ -25,7 +27,7 @@ from minillm.sim.cost_model import step_time
 from minillm.sim.hardware import Hardware, get_hardware
 from minillm.sim.model_shapes import ModelShape, get_model_shape
 from minillm.sim.simulate import simulate
-from minillm.workload import Trace
+from minillm.workload import LengthDist, Trace, make_trace
 
 POLICIES = ("sarathi", "splitfuse")
 
@@ -66,6 +68,7 @@ class PolicyRow:
     budget: int
     output_throughput: float  # output tokens/s
     itl_p99_ms: float
+    max_step_ms: float  # the longest step: the worst gap a decoding request can see
     ttft_mean_ms: float
     ttft_p99_ms: float
     num_steps: int
@@ -80,7 +83,7 @@ def compare_chunk_policies(trace: Trace | None = None, budgets: Sequence[int] = 
     """Simulate `trace` once per (policy, budget) with chunked prefill on.
 
     Defaults are the course's (`minillm.course_trace`): its trace, hardware (the practical A100),
-    model (Llama-2-7B), knobs (everything up to prefix caching) and SLO."""
+    model (Llama-2-7B), knobs (everything up to prefix caching) and SLO (goodput)."""
     from minillm import course_trace as course
 
     if trace is None:
@@ -88,9 +91,9 @@ def compare_chunk_policies(trace: Trace | None = None, budgets: Sequence[int] = 
     if engine_config is None:
         engine_config = dict(course.cumulative_configs("prefix")["prefix"][0])
         engine_config.setdefault("max_model_len", course.SIM_MAX_MODEL_LEN)
-        slo = slo if slo is not None else course.SIM_SLO
     hardware = hardware if hardware is not None else course.SIM_HARDWARE
     model = model if model is not None else course.SIM_MODEL
+    slo = slo if slo is not None else course.SIM_SLO
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"policy {p!r}; choose from {POLICIES}")
@@ -103,16 +106,42 @@ def compare_chunk_policies(trace: Trace | None = None, budgets: Sequence[int] = 
             s = res.summary
             tokens = [st.num_prefill_tokens + st.num_decode_tokens for st in res.steps]
             rows.append(PolicyRow(policy, int(budget), s.output_throughput, s.itl.percentiles_ms[99],
+                                  1e3 * max(c.time_s for c in res.costs),
                                   s.ttft.mean_ms, s.ttft.percentiles_ms[99], len(res.steps),
                                   sum(tokens) / len(tokens), s.request_goodput))
     return rows
 
 
 def print_policy_table(rows: Sequence[PolicyRow]) -> None:
-    """One line per run; ratios are SplitFuse over Sarathi at the same budget."""
-    print(f"{'policy':<10} {'budget':>6} {'out tok/s':>9} {'p99 ITL ms':>10} {'TTFT ms':>8} {'p99 TTFT':>9} "
+    """One line per run (times in ms)."""
+    print(f"{'policy':<10} {'budget':>6} {'out tok/s':>9} {'p99 ITL ms':>10} {'max step':>8} {'TTFT ms':>8} {'p99 TTFT':>9} "
           f"{'steps':>6} {'tok/step':>8} {'goodput':>8}")
     for r in rows:
         good = "" if r.goodput is None else f"{r.goodput:.2f}"
-        print(f"{r.policy:<10} {r.budget:>6} {r.output_throughput:>9.0f} {r.itl_p99_ms:>10.1f} {r.ttft_mean_ms:>8.0f} "
+        print(f"{r.policy:<10} {r.budget:>6} {r.output_throughput:>9.0f} {r.itl_p99_ms:>10.1f} {r.max_step_ms:>8.1f} "
+              f"{r.ttft_mean_ms:>8.0f} "
               f"{r.ttft_p99_ms:>9.0f} {r.num_steps:>6} {r.mean_step_tokens:>8.1f} {good:>8}")
+
+
+def heavy_trace(num_requests: int = 192, rate_per_s: float = 240.0, seed: int = 0) -> Trace:
+    """Chapter 08's (and bench/chunked.py's) simulated trace: Poisson arrivals, heavy-tailed prompts
+    up to 4,000 tokens, for 7B on the A100-80GB with max_num_seqs 64."""
+    return make_trace(num_requests, seed=seed, vocab_size=32000, rate_per_s=rate_per_s,
+                      prompt_len=LengthDist.lognormal(200, 1.3), output_len=LengthDist.lognormal(128, 0.4),
+                      min_prompt_len=4, max_prompt_len=4000, min_output_len=8, max_output_len=512)
+
+
+def main() -> None:
+    from minillm.course_trace import SIM_HARDWARE
+
+    spot = sweet_spot_tokens("A100-80GB", "llama-7b")
+    print(f"chapter 08's heavy trace, 7B on the A100-80GB, max_num_seqs 64 (sweet spot {spot} tokens)")
+    print_policy_table(compare_chunk_policies(heavy_trace(), (spot, 512, 2048), hardware="A100-80GB",
+                                              engine_config={"max_num_seqs": 64}))
+    spot = sweet_spot_tokens(SIM_HARDWARE, "llama-7b")
+    print(f"\nthe course trace, 7B on the practical A100, up to prefix caching (sweet spot {spot} tokens)")
+    print_policy_table(compare_chunk_policies(budgets=(spot, 512, 2048)))
+
+
+if __name__ == "__main__":
+    main()

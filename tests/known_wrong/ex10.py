@@ -1,8 +1,12 @@
-"""Known-wrong answers to exercise 10 (paged decode kernel): see tests/known_wrong/__init__.py.
+"""Known-wrong answers to exercise 10 (the ladder, then the paged decode kernel): see
+tests/known_wrong/__init__.py.
 
-Task 1's mutants are the bug classes of chapter 10, section 6 (they are also
-minillm.grading.ex10.KNOWN_WRONG, written as kernels of their own); task 2's run fine as Python in
-the simulator but are not GPU code; task 3's break the kernel inside the engine.
+Tasks 1-4 (the ladder): the bug each rung is about: a missing guard, a missing barrier (a race,
+caught by the trace on every run), no shared memory, no halo, a serial "reduction", a max padded
+with 0, no running max, two passes, reading past a row's end, calling the spec. Task 5's mutants
+are the bug classes of chapter 10, section 6 (they are also minillm.grading.ex10.KNOWN_WRONG,
+written as kernels of their own); task 6's run fine as Python in the simulator but are not GPU
+code; task 7's break the kernel inside the engine.
 """
 
 from known_wrong import Mutant
@@ -13,34 +17,34 @@ DELEGATE = "from minillm.kernels.decode_attention import python_function as page
 
 KNOWN_WRONG = [
     # task 1: the kernel in the simulator
-    Mutant(1, "no partial-block mask", edits=NO_PARTIAL_MASK, expect="NaN in"),
-    Mutant(1, "wrong GQA head mapping", edits=WRONG_GQA, expect="max |error|"),
-    Mutant(1, "softmax without the running max", edits=(("new_max = max(running_max, score)", "new_max = 0.0"),),
+    Mutant(5, "no partial-block mask", edits=NO_PARTIAL_MASK, expect="NaN in"),
+    Mutant(5, "wrong GQA head mapping", edits=WRONG_GQA, expect="max |error|"),
+    Mutant(5, "softmax without the running max", edits=(("new_max = max(running_max, score)", "new_max = 0.0"),),
            expect="OverflowError"),
-    Mutant(1, "max kept, sums never rescaled", edits=(("rescale = math.exp(running_max - new_max)", "rescale = 1.0"),),
+    Mutant(5, "max kept, sums never rescaled", edits=(("rescale = math.exp(running_max - new_max)", "rescale = 1.0"),),
            expect="max |error|"),
-    Mutant(1, "reads the -1 padding, masks after the read", edits=(
+    Mutant(5, "reads the -1 padding, masks after the read", edits=(
         ("for j in range((n + block_size - 1) // block_size):", "for j in range(block_tables.shape[1]):"),
         ("for slot in range(min(block_size, n - j * block_size)):", "for slot in range(block_size):"),
         ("            score *= scale\n", "            score *= scale\n            if j * block_size + slot >= n:\n"
                                        "                score = -math.inf\n"),
     ), expect="NaN in"),
-    Mutant(1, "no guard for the spare threads", edits=(("    if i >= num_seqs * q_heads:\n        return\n", ""),),
+    Mutant(5, "no guard for the spare threads", edits=(("    if i >= num_seqs * q_heads:\n        return\n", ""),),
            expect="IndexError"),
-    Mutant(1, "delegates to minillm's kernel", code=DELEGATE, expect="reference"),
+    Mutant(5, "delegates to minillm's kernel", code=DELEGATE, expect="reference"),
     # task 2: Python the simulator runs but a GPU cannot
-    Mutant(2, "a Python list as the accumulator", edits=(("acc = cuda.local.array(MAX_HEAD_DIM, float32)",
+    Mutant(6, "a Python list as the accumulator", edits=(("acc = cuda.local.array(MAX_HEAD_DIM, float32)",
                                                           "acc = [0.0] * MAX_HEAD_DIM"),), expect="does not compile"),
-    Mutant(2, "a generator expression for the dot product", edits=((
+    Mutant(6, "a generator expression for the dot product", edits=((
         "            score = 0.0\n            for d in range(head_dim):\n"
         "                score += query[seq, head, d] * key_cache[block, slot, kv_head, d]\n",
         "            score = sum(query[seq, head, d] * key_cache[block, slot, kv_head, d] for d in range(head_dim))\n"),),
         expect="does not compile"),
-    Mutant(2, "delegates to minillm's kernel", code=DELEGATE, expect="reference"),
+    Mutant(6, "delegates to minillm's kernel", code=DELEGATE, expect="reference"),
     # task 3: in the engine
-    Mutant(3, "no partial-block mask", edits=NO_PARTIAL_MASK, expect="decode call"),
-    Mutant(3, "wrong GQA head mapping", edits=WRONG_GQA, expect="decode call"),
-    Mutant(3, "delegates to minillm's kernel", code=DELEGATE, expect="reference"),
+    Mutant(7, "no partial-block mask", edits=NO_PARTIAL_MASK, expect="decode call"),
+    Mutant(7, "wrong GQA head mapping", edits=WRONG_GQA, expect="decode call"),
+    Mutant(7, "delegates to minillm's kernel", code=DELEGATE, expect="reference"),
 ]
 
 # issue 18: minillm's kernel under another name (code object reused, source re-executed, __code__ swapped)
@@ -50,20 +54,68 @@ SOURCE_REEXEC = (
     "exec(_inspect.getsource(_lib._kernel).replace('def _kernel(', 'def paged_decode_kernel(', 1))\n")
 
 KNOWN_WRONG += [
-    Mutant(1, "the library's answer under another name: decode_attention._kernel's code object reused", code=(
+    Mutant(5, "the library's answer under another name: decode_attention._kernel's code object reused", code=(
         "import types as _types\n"
         "from minillm.kernels import decode_attention as _lib\n"
         "paged_decode_kernel = _types.FunctionType(_lib._kernel.__code__, globals(), 'paged_decode_kernel')\n"),
         expect="bytecode"),
-    Mutant(1, "the library's answer under another name: decode_attention._kernel's source re-executed",
+    Mutant(5, "the library's answer under another name: decode_attention._kernel's source re-executed",
            code=SOURCE_REEXEC, expect="bytecode"),
-    Mutant(1, "the library's answer under another name: __code__ swapped in",
+    Mutant(5, "the library's answer under another name: __code__ swapped in",
            code="from minillm.kernels import decode_attention as _lib\n"
                 "paged_decode_kernel.__code__ = _lib._kernel.__code__\n", expect="bytecode"),
-    Mutant(2, "the library's answer under another name: decode_attention._kernel's source re-executed",
+    Mutant(6, "the library's answer under another name: decode_attention._kernel's source re-executed",
            code=SOURCE_REEXEC, expect="bytecode"),
-    Mutant(3, "the library's answer under another name: decode_attention._kernel's source re-executed",
+    Mutant(7, "the library's answer under another name: decode_attention._kernel's source re-executed",
            code=SOURCE_REEXEC, expect="bytecode"),
-    Mutant(1, "a grader's kernel handed in (one of its known-wrong kernels)",
+    Mutant(5, "a grader's kernel handed in (one of its known-wrong kernels)",
            code="paged_decode_kernel = grader.KNOWN_WRONG['wrong GQA head mapping']\n", expect="handed in"),
+]
+
+# the ladder (tasks 1-4)
+KNOWN_WRONG += [
+    Mutant(1, "no guard: the spare threads index past the end", edits=((
+        "    if row < out.shape[0] and col < out.shape[1]:  # the grid is larger than out in both directions\n"
+        "        out[row, col] = a[row] + b[col]\n", "    out[row, col] = a[row] + b[col]\n"),), expect="IndexError"),
+    Mutant(1, "guards the rows only", edits=(("if row < out.shape[0] and col < out.shape[1]:", "if row < out.shape[0]:"),),
+           expect="IndexError"),
+    Mutant(1, "rows and columns swapped", edits=(("out[row, col] = a[row] + b[col]", "out[row, col] = a[col] + b[row]"),),
+           expect="IndexError"),
+    Mutant(1, "delegates to the rung's spec", edits=(("out[row, col] = a[row] + b[col]",
+                                                      "out[row, col] = ladder.broadcast_add_spec(a, b)[row, col]"),),
+           expect="reference"),
+    Mutant(2, "no barrier between the loads and the reads", edits=((
+        "    cuda.syncthreads()  # every slot of the tile is loaded before anyone reads a neighbour's\n", ""),),
+        expect="a race"),
+    Mutant(2, "reads the window from global memory, no shared tile", edits=((
+        "out[i] = tile[local] + tile[local + 1] + tile[local + 2]",
+        "out[i] = a[i] + (a[i - 1] if i >= 1 else 0.0) + (a[i - 2] if i >= 2 else 0.0)"),),
+        expect="global memory"),
+    Mutant(2, "no halo: the two numbers before the block are never loaded", edits=((
+        "    if local < HALO:  # the halo: the numbers just before this block's first\n"
+        "        before = i - HALO\n        tile[local] = a[before] if before >= 0 else 0.0\n", ""),),
+        expect="the spec says"),
+    Mutant(3, "thread 0 reads the whole tile: not a tree", edits=((
+        "    stride = TPB // 2\n    while stride > 0:\n        if local < stride:\n"
+        "            tile[local] = max(tile[local], tile[local + stride])\n"
+        "        cuda.syncthreads()  # this round's maxima are written before the next round reads them\n"
+        "        stride //= 2\n    if local == 0:\n        out[cuda.blockIdx.x] = tile[0]\n",
+        "    if local == 0:\n        best = tile[0]\n        for k in range(1, TPB):\n"
+        "            best = max(best, tile[k])\n        out[cuda.blockIdx.x] = best\n"),), expect="a tree reads at most 2 per round"),
+    Mutant(3, "pads the last block with 0, which wins over negative numbers", edits=((
+        "tile[local] = a[i] if i < a.size else -math.inf", "tile[local] = a[i] if i < a.size else 0.0"),),
+        expect="the spec says"),
+    Mutant(3, "no barrier between rounds", edits=((
+        "        cuda.syncthreads()  # this round's maxima are written before the next round reads them\n", ""),),
+        expect="a race"),
+    Mutant(4, "no running max: exp overflows on row 2", edits=((
+        "larger = max(best, score)", "larger = 0.0"),), expect="OverflowError"),
+    Mutant(4, "max kept, sums never rescaled", edits=((
+        "shrink = math.exp(best - larger)", "shrink = 1.0"),), expect="the spec says"),
+    Mutant(4, "two passes: the max first, then the sums", edits=((
+        "    best, total, weighted = -math.inf, 0.0, 0.0\n",
+        "    best, total, weighted = -math.inf, 0.0, 0.0\n    for j in range(lengths[r]):\n"
+        "        best = max(best, scores[r, j])\n"),), expect="passes (column"),
+    Mutant(4, "reads the whole row width, past the row's end", edits=((
+        "for j in range(lengths[r]):", "for j in range(scores.shape[1]):"),), expect="NaN"),
 ]
