@@ -13,7 +13,7 @@ import random
 import torch
 
 from minillm import LLM, SamplingParams
-from minillm.grading import Fail, forbid, refuse_subclass, run_until_done, task
+from minillm.grading import Fail, forbid, grade_time_seeds, refuse_subclass, run_until_done, task
 from minillm.kv.block_allocator import BlockAllocator
 from minillm.kv.block_manager import BlockManager
 from minillm.kv.block_table import BlockTableBuffer
@@ -22,6 +22,7 @@ from minillm.request import Request
 
 # Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
 # module raises when learner code calls it while a check runs.
+FRESH_CASES = 20  # cases drawn at grade time, besides the seeded ones (memoised answers fail)
 LEARNER_TOOLS = ("NoLoops",)  # task 4 hands the tensors in as NoLoops
 
 # What the learner writes in task 1: disabled while learner code runs (the engine still builds a
@@ -45,7 +46,7 @@ def _allocator_state(allocator):
 def check_task_1(make_allocator, num_sequences: int = 200) -> str:
     if isinstance(make_allocator, type):
         refuse_subclass(make_allocator, BlockAllocator)
-    for seed in range(num_sequences):
+    for seed in [*range(num_sequences), *grade_time_seeds(FRESH_CASES)]:  # fresh ones cannot be memoised
         rng = random.Random(seed)
         num_blocks = rng.randint(1, 12)
         ref = BlockAllocator(num_blocks)
@@ -227,6 +228,7 @@ def check_task_4(slot_mapping, num_cases: int = 300) -> str:
     cases = [([[3, 7, -1]], [0], [6], 4), ([[5, -1], [2, 9]], [3, 1], [1, 4], 4), ([[0, 1], [4, -1]], [0, 1], [0, 1], 2),
              ([[9, 8, 7, 6]], [1], [3], 1)]  # a row with nothing new; block_size 1
     cases += [_slots_case(rng) for _ in range(num_cases)]
+    cases += [_slots_case(random.Random(seed)) for seed in grade_time_seeds(FRESH_CASES)]  # cannot be memoised
     for number, (tables, starts, counts, block_size) in enumerate(cases):
         want = _expected_slots(tables, starts, counts, block_size)
         args = [torch.tensor(x, dtype=torch.long).as_subclass(NoLoops) for x in (tables, starts, counts)]
@@ -240,4 +242,5 @@ def check_task_4(slot_mapping, num_cases: int = 300) -> str:
         if got.tolist() != want:
             raise Fail(f"case {number}: block_size {block_size}, tables {tables}, starts {starts}, counts {counts}: "
                        f"you returned {got.tolist()}, expected {want}")
-    return f"{len(cases)} ragged batches (padded tables, empty rows, block_size 1..16), whole-tensor operations only"
+    seeded = len(cases) - FRESH_CASES  # the PASS line counts the seeded cases (the fresh ones differ per run)
+    return f"{seeded} ragged batches (padded tables, empty rows, block_size 1..16), whole-tensor operations only"
