@@ -18,8 +18,9 @@ i // H_q and query head i % H_q. The checks:
   `minillm.kernels.scenarios.paged_scenario` (scattered blocks, partial last blocks, lengths 1 and
   block_size ± 1, -1 padded tables, NaN in every slot no sequence owns, one batch with logits
   beyond exp()'s range), against the torch reference;
-- task 6: the same function compiles to PTX for sm_90, in a subprocess without the simulator
-  (which has no compiler): a kernel that only works as Python (lists, torch, numpy) fails here.
+- task 6: the same function, and the four ladder kernels, compile to PTX for sm_90, in one subprocess
+  without the simulator (which has no compiler): a kernel that only works as Python (lists, torch,
+  numpy) fails here.
   The function travels as its code object (`marshal`), so a kernel defined by `exec` works too;
 - task 7: plugged into the engine (`attention_backend="numba"`), it serves every decode row of the
   bundled model; each of its calls is compared with the reference afterwards, and the greedy tokens
@@ -230,52 +231,83 @@ COMPILE_SCRIPT = """
 import json, marshal, math, sys, types
 from numba import cuda, types as nt
 import numba
-code_path, globals_path, cc = sys.argv[1], sys.argv[2], int(sys.argv[3])
-spec = json.load(open(globals_path))
-namespace = dict(spec["numbers"])
-for name, what in spec["named"].items():
-    namespace[name] = {"math": math, "cuda": cuda}.get(what) or getattr(numba, what)
-code = marshal.loads(open(code_path, "rb").read())
-function = types.FunctionType(code, namespace, code.co_name)
-f32_3, f32_4 = nt.Array(nt.float32, 3, "C"), nt.Array(nt.float32, 4, "C")
-sig = (f32_3, f32_4, f32_4, nt.Array(nt.int32, 2, "C"), nt.Array(nt.int32, 1, "C"), nt.float32, f32_3)
-ptx, _ = cuda.compile_ptx(function, sig, cc=(cc // 10, cc % 10))
-print(ptx.count(".entry"), len(ptx.splitlines()))
+folder, cc = sys.argv[1], int(sys.argv[2])
+f32 = {n: nt.Array(nt.float32, n, "C") for n in (1, 2, 3, 4)}
+i32 = {n: nt.Array(nt.int32, n, "C") for n in (1, 2)}
+SIGNATURES = {
+    "paged decode": (f32[3], f32[4], f32[4], i32[2], i32[1], nt.float32, f32[3]),
+    "map": (f32[1], f32[1], f32[2]),
+    "shared memory": (f32[1], f32[1]),
+    "reduction": (f32[1], f32[1]),
+    "online softmax": (f32[2], f32[2], i32[1], f32[1]),
+}
+for k, spec in enumerate(json.load(open(folder + "/kernels.json"))):
+    namespace = dict(spec["numbers"])
+    for name, what in spec["named"].items():
+        namespace[name] = {"math": math, "cuda": cuda}.get(what) or getattr(numba, what)
+    code = marshal.loads(open(f"{folder}/kernel{k}.marshal", "rb").read())
+    function = types.FunctionType(code, namespace, code.co_name)
+    print("compiling", spec["label"], file=sys.stderr, flush=True)
+    ptx, _ = cuda.compile_ptx(function, SIGNATURES[spec["label"]], cc=(cc // 10, cc % 10))
+    print(spec["label"], ptx.count(".entry"), len(ptx.splitlines()), flush=True)
 """
 
 
-def compile_to_ptx(python_function: Callable, cc: int = 90, timeout_s: float = 120) -> tuple[bool, str]:
-    """Compile the kernel for sm_<cc> in a fresh process without the simulator: (ok, what happened)."""
-    numbers, named = portable_globals(python_function)
+def compile_to_ptx(python_function: Callable, cc: int = 90, timeout_s: float = 120,
+                   more: tuple[tuple[str, Callable], ...] = ()) -> tuple[bool, str]:
+    """Compile the paged decode kernel (and the ladder's kernels in `more`, (rung, function) pairs) for
+    sm_<cc> in one fresh process without the simulator: (ok, what happened)."""
+    kernels = [("paged decode", python_function), *more]
     with tempfile.TemporaryDirectory() as tmp:
-        code_path, globals_path = Path(tmp) / "kernel.marshal", Path(tmp) / "globals.json"
-        code_path.write_bytes(marshal.dumps(python_function.__code__))
-        globals_path.write_text(json.dumps({"numbers": numbers, "named": named}))
+        specs = []
+        for k, (label, function) in enumerate(kernels):
+            numbers, named = portable_globals(function)
+            (Path(tmp) / f"kernel{k}.marshal").write_bytes(marshal.dumps(function.__code__))
+            specs.append({"label": label, "numbers": numbers, "named": named})
+        (Path(tmp) / "kernels.json").write_text(json.dumps(specs))
         env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-        proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, str(code_path), str(globals_path), str(cc)],
+        proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, tmp, str(cc)],
                               env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+        which = [line.split(" ", 1)[1] for line in lines if line.startswith("compiling ")]
         errors = [k for k, line in enumerate(lines) if re.match(r"^[\w.]+(Error|Exception): ", line)]
         why = " ".join(lines[errors[0]: errors[0] + 2]) if errors else (lines[-1] if lines else "(no message)")
-        return False, f"does not compile for sm_{cc}: {why[:300]}"
-    entries = int(proc.stdout.split()[0])
-    return entries == 1, f"compiles for sm_{cc}: {entries} kernel entry, {proc.stdout.split()[1]} lines of PTX"
+        kernel = f"your {which[-1]} kernel " if which and more else ""
+        return False, f"{kernel}does not compile for sm_{cc}: {why[:300]}"
+    rows = [line.rsplit(" ", 2) for line in proc.stdout.splitlines()]
+    entries = [int(row[1]) for row in rows]
+    if not more:
+        return entries == [1], f"compiles for sm_{cc}: {entries[0]} kernel entry, {rows[0][2]} lines of PTX"
+    return (entries == [1] * len(kernels),
+            f"compiles for sm_{cc}: {len(rows)} kernels ({', '.join(row[0] for row in rows)}), one entry each")
+
+
+LADDER = (("map", 1), ("shared memory", 2), ("reduction", 3), ("online softmax", 4))
 
 
 @task(6, "compiles for the GPU", check_time_limit_s=150)
-def check_task_6(paged_decode_kernel) -> str:
-    if not isinstance(paged_decode_kernel, types.FunctionType):
-        raise Fail(f"expected the kernel's Python function (a def), got {type(paged_decode_kernel).__name__}")
+def check_task_6(paged_decode_kernel, broadcast_add, window_sum, block_max, softmax_weighted_sum) -> str:
+    rungs = (broadcast_add, window_sum, block_max, softmax_weighted_sum)
+    for kernel in (paged_decode_kernel, *rungs):
+        if not isinstance(kernel, types.FunctionType):
+            raise Fail(f"expected each kernel's Python function (a def), got {type(kernel).__name__}")
     _numba_ready()
     wrong = [name for name, problem in decode_problems(paged_decode_kernel) if problem is not None]
     if wrong:  # compiling a kernel that is wrong (or a stub) would prove nothing
         raise Fail(f"task 5 does not pass yet ({wrong[0]}): make the kernel right in the simulator first")
-    ok, message = compile_to_ptx(paged_decode_kernel, cc=90)
+    for (rung, number), kernel in zip(LADDER, rungs):
+        try:
+            problem = ladder.problems(rung, kernel, guard=lambda: forbid(*ladder.SPECS))[0]
+        except NotImplementedError:
+            problem = "not written yet"
+        if problem is not None:
+            raise Fail(f"task {number} does not pass yet ({problem[:80]}): make it right in the simulator first")
+    ok, message = compile_to_ptx(paged_decode_kernel, cc=90, more=tuple(zip((r for r, _ in LADDER), rungs)))
     if not ok:
         raise Fail(message + " (the simulator runs any Python; a GPU kernel may use only its arguments, "
-                   "numbers, math, cuda.local.array and numba types)")
-    return message.split(":")[0] + " (PTX, numba-cuda via NVRTC; no GPU needed)"
+                   "numbers, math, cuda.local.array, cuda.shared.array and numba types)")
+    return message + " (PTX, numba-cuda via NVRTC; no GPU needed)"
 
 
 # ---- task 7: in the engine ------------------------------------------------------------------------

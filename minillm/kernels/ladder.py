@@ -35,6 +35,9 @@ import numpy as np
 
 TPB = 8  # threads per block of rungs 2 and 3 (a shared array's size must be a constant: TPB + 2, TPB)
 HALO = 2  # rung 2's window reaches this many numbers before a block's first
+# rung 2's shared array: TPB + HALO slots. A shared array's shape must be a constant the compiler sees:
+# a module-level number, not an expression of two of them (the simulator accepts either; PTX does not)
+WINDOW_SLOTS = TPB + HALO
 
 
 # --- specs: plain numpy -------------------------------------------------------------------------

@@ -116,6 +116,12 @@ KNOWN_WRONG += [
         "    best, total, weighted = -math.inf, 0.0, 0.0\n",
         "    best, total, weighted = -math.inf, 0.0, 0.0\n    for j in range(lengths[r]):\n"
         "        best = max(best, scores[r, j])\n"),), expect="passes (column"),
+    Mutant(6, "a ladder kernel that only runs as Python: a list in the map", edits=((
+        "out[row, col] = a[row] + b[col]", "pair = [a[row], b[col]]\n        out[row, col] = pair[0] + pair[1]"),),
+        expect="your map kernel does not compile"),
+    Mutant(6, "a ladder kernel that only runs as Python: a list as the reduction's scratch", edits=((
+        "tile[local] = a[i] if i < a.size else -math.inf",
+        "tile[local] = [a[i] if i < a.size else -math.inf][0]"),), expect="your reduction kernel does not compile"),
     Mutant(4, "reads the whole row width, past the row's end", edits=((
         "for j in range(lengths[r]):", "for j in range(scores.shape[1]):"),), expect="NaN"),
 ]
