@@ -122,12 +122,23 @@ class Scheduler(Protocol):
 
 
 class SchedulerBase:
-    """`update_from_output`, shared by every scheduler: advance, append, stop, finish.
+    """What every scheduler shares: `update_from_output` (advance, append, stop, finish), and the
+    defaults of a scheduler with a `waiting` queue and no timers.
 
-    Subclasses provide `schedule`, `finish` and `rollback`; `self.config` and `self.kv` are theirs."""
+    Subclasses provide `schedule`, `finish` and `rollback`; `self.config`, `self.kv` and
+    `self.waiting` are theirs."""
 
     config: Any
     kv: Any
+    waiting: Any
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def next_wakeup(self, now: float) -> float | None:
+        """No timers: an idle scheduler wakes only for new arrivals."""
+        return None
 
     def update_from_output(self, plan: ScheduledBatch, output: ModelRunnerOutput) -> list[RequestUpdate]:
         self.kv.commit_step()

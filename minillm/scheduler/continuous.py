@@ -44,18 +44,11 @@ class ContinuousScheduler(SchedulerBase):
         self.waiting.push(request)
 
     @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
     def num_running(self) -> int:
         return len(self.running)
 
     def has_request(self, request_id: str) -> bool:
         return self.waiting.get(request_id) is not None or any(r.request_id == request_id for r in self.running)
-
-    def next_wakeup(self, now: float) -> float | None:
-        return None
 
     def schedule(self, now: float, more_arrivals: bool = True) -> ScheduledBatch | None:
         budget = self.chunking.step_budget(self.running, self.waiting) if self.config.enable_chunked_prefill \

@@ -45,10 +45,6 @@ class StaticScheduler(SchedulerBase):
         self.waiting.append(request)
 
     @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
     def num_running(self) -> int:
         return sum(1 for r in self.rows if not r.status.finished)
 
