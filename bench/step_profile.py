@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,17 +41,29 @@ def categorize(prof) -> dict[str, float]:
     return seconds
 
 
-def profiled_numba_kernel() -> None:
-    """The profiler sees torch ops only: put each call of the numba kernel in a named range."""
-    from minillm.kernels import cpu_decode_attention
+@contextmanager
+def numba_calls_in_ranges():
+    """The profiler sees torch ops only: while profiling, each call of a numba function runs in a
+    named range (the functions are looked up on their module at each call: cpu_paged, model/fused)."""
+    from minillm.kernels import cpu_decode_attention, cpu_fused_ops
 
-    kernel = cpu_decode_attention.paged_decode_kernel
+    targets = [(cpu_decode_attention, "paged_decode_kernel", NUMBA_DECODE)] + [
+        (cpu_fused_ops, name, f"numba_cpu::{name}") for name in ("add_rms_norm", "rms_norm", "rotary")]
+    originals = [getattr(module, name) for module, name, _ in targets]
 
-    def in_a_range(*args):
-        with record_function(NUMBA_DECODE):
-            kernel(*args)
+    def in_a_range(function, label):
+        def wrapped(*args):
+            with record_function(label):
+                function(*args)
+        return wrapped
 
-    cpu_decode_attention.paged_decode_kernel = in_a_range  # read by NumbaCpuAttention at each step
+    for (module, name, label), function in zip(targets, originals):
+        setattr(module, name, in_a_range(function, label))
+    try:
+        yield
+    finally:
+        for (module, name, _), function in zip(targets, originals):
+            setattr(module, name, function)
 
 
 def main() -> None:
@@ -72,9 +85,7 @@ def main() -> None:
         step_ms = 1e3 * engine.time_in_steps_s / num_steps
         model_ms = 1e3 * engine.executor.model_time_s / num_steps
         llm = ladder.make_measured_llm(args.model, "cpu", "continuous", batch)
-        if llm.engine.executor.attention_backend == "numba_cpu" and batch == cli.batch_sizes[0]:
-            profiled_numba_kernel()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with numba_calls_in_ranges(), profile(activities=[ProfilerActivity.CPU]) as prof:
             ladder.run_minillm(llm, "continuous", trace)
         seconds = categorize(prof)
         total = sum(seconds.values())
