@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minillm.workload import Trace, TraceRequest
+from minillm.trace import Trace, TraceRequest
 
 TRACES_DIR = Path(__file__).resolve().parent.parent / "data" / "traces"
 AZURE_TRACES = {"code": "AzureLLMInferenceTrace_code.csv.gz", "conv": "AzureLLMInferenceTrace_conv.csv.gz"}

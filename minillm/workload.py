@@ -14,68 +14,20 @@ Real lengths and arrivals: `azure_trace("conv" | "code", ...)`, Azure's 2023 pro
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 
 import numpy as np
+
+# Re-exported: `from minillm.workload import Trace, azure_trace` keeps working. Trace and TraceRequest live in
+# minillm.trace so that minillm.azure_traces builds its Trace without importing this module.
+from minillm.azure_traces import AZURE_CITATION, AZURE_TRACES, AzureRows, azure_rows, azure_trace  # noqa: F401
+from minillm.trace import Trace, TraceRequest
 
 # Mean prompt / output lengths of ShareGPT as reported in the vLLM paper (Kwon et al., 2023, Fig. 11).
 SHAREGPT_MEAN_PROMPT_TOKENS = 161
 SHAREGPT_MEAN_OUTPUT_TOKENS = 338
-
-
-@dataclass
-class TraceRequest:
-    request_id: str
-    arrival_time_s: float  # offset from the start of the trace
-    prompt_token_ids: list[int]
-    max_tokens: int  # exact output length: the engine runs traces with ignore_eos
-    prefix_id: int | None = None  # which shared prefix the prompt starts with, if any
-    priority: int = 0
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_token_ids)
-
-
-@dataclass
-class Trace:
-    requests: list[TraceRequest]
-    meta: dict = field(default_factory=dict)  # the parameters that generated it (JSON-able)
-
-    def __len__(self) -> int:
-        return len(self.requests)
-
-    def __iter__(self) -> Iterator[TraceRequest]:
-        return iter(self.requests)
-
-    def __getitem__(self, i: int) -> TraceRequest:
-        return self.requests[i]
-
-    @property
-    def total_prompt_tokens(self) -> int:
-        return sum(r.prompt_len for r in self.requests)
-
-    @property
-    def total_output_tokens(self) -> int:
-        return sum(r.max_tokens for r in self.requests)
-
-    def save_jsonl(self, path: str | Path) -> None:
-        """One `{"meta": ...}` header line, then one request per line."""
-        with open(path, "w") as f:
-            f.write(json.dumps({"meta": self.meta}) + "\n")
-            for r in self.requests:
-                f.write(json.dumps(asdict(r)) + "\n")
-
-    @classmethod
-    def load_jsonl(cls, path: str | Path) -> Trace:
-        with open(path) as f:
-            lines = [line for line in f if line.strip()]
-        meta = json.loads(lines[0])["meta"]
-        return cls([TraceRequest(**json.loads(line)) for line in lines[1:]], meta)
 
 
 # --------------------------------------------------------------------------- arrivals
@@ -384,17 +336,3 @@ def make_chat_trace(
                 user_len=asdict(user_dist), reply_len=asdict(reply_dist), think_time_s=think_time_s,
                 rate_per_s=rate_per_s, token_id_range=[lo, hi])
     return Trace(requests, meta)
-
-
-# --------------------------------------------------------------------------- real traces
-
-_AZURE_NAMES = ("azure_trace", "azure_rows", "AzureRows", "AZURE_TRACES", "AZURE_CITATION")
-
-
-def __getattr__(name: str):
-    """`from minillm.workload import azure_trace`: the real Azure traces live in minillm.azure_traces
-    (which imports this module, hence the lazy lookup)."""
-    if name in _AZURE_NAMES:
-        from minillm import azure_traces
-        return getattr(azure_traces, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
