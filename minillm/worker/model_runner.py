@@ -133,49 +133,60 @@ class ModelRunner:
         self.v_pool[:, slots] = v[:, skip:].to(self.v_pool.device)
 
     # ---- inputs ------------------------------------------------------------------------------------
-    def prepare(self, plan: SchedulerOutput) -> StepInputs:
+    def prepare(self, plan: SchedulerOutput, decode_groups: bool = True) -> StepInputs:
         """Model inputs for a (ragged) step whose diffs `update_state` applied.
 
         Rows are reordered for attention — decode rows longest first, then the rest longest first;
-        the logits rows come in plan order (`StepInputs.sampled` holds their plan rows)."""
+        the logits rows come in plan order (`StepInputs.sampled` holds their plan rows). The
+        per-row work is vectorized (numpy over the rows), so it stays small beside the forward at
+        batch 64. `decode_groups=False` skips the torch backend's length groups of decode rows
+        (the numba_cpu kernel reads each row's blocks itself and never looks at them)."""
         device, bs = self.model.device, self.block_size
-        counts, starts = plan.num_scheduled_tokens, plan.num_computed_tokens
-        num_rows = len(counts)
-        lens = [s + n for s, n in zip(starts, counts)]
-        decode = sorted((i for i in range(num_rows) if plan.is_decode[i]), key=lambda i: -lens[i])
-        multi = sorted((i for i in range(num_rows) if not plan.is_decode[i]), key=lambda i: -lens[i])
-        order = decode + multi
-        spec = plan.spec_token_ids
-        token_ids: list[int] = []
-        positions: list[int] = []
-        query_start = [0]
-        row_of_plan = [0] * num_rows
-        for j, i in enumerate(order):
-            s, n = starts[i], counts[i]
-            row_of_plan[i] = j
-            token_ids.extend(plan.new_token_ids[i])
-            if n == 1:
-                positions.append(s)
-            else:
+        num_rows = len(plan.num_scheduled_tokens)
+        counts = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
+        starts = np.asarray(plan.num_computed_tokens, dtype=np.int64)
+        lens = starts + counts
+        is_decode = np.asarray(plan.is_decode, dtype=bool)
+        decode_rows, multi_rows = np.flatnonzero(is_decode), np.flatnonzero(~is_decode)
+        # longest first; a stable sort keeps plan order among equal lengths
+        order_np = np.concatenate((decode_rows[np.argsort(-lens[decode_rows], kind="stable")],
+                                   multi_rows[np.argsort(-lens[multi_rows], kind="stable")]))
+        order = order_np.tolist()
+        nd = len(decode_rows)
+        seq_lens, q_lens = lens[order_np], counts[order_np]
+        query_start_np = np.zeros(num_rows + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=query_start_np[1:])
+        num_tokens = int(query_start_np[-1])
+        spec, new_token_ids = plan.spec_token_ids, plan.new_token_ids
+        token_ids = [new_token_ids[i][0] for i in order[:nd]]  # a decode row brings one known token
+        for i in order[nd:]:
+            token_ids.extend(new_token_ids[i])
+            if spec:
                 token_ids.extend(spec.get(plan.req_ids[i], ()))  # the pending token, then k unverified guesses
-                positions.extend(range(s, s + n))
-            query_start.append(query_start[-1] + n)
+        # position of each flattened token: its row's first new position + its offset in the row
+        pos = np.repeat(starts[order_np] - query_start_np[:-1], q_lens) + np.arange(num_tokens, dtype=np.int64)
         # Rows that need logits: the last of each sampling row, all 1+k of a speculative row.
-        sampled = [i for i in range(num_rows) if plan.samples[i]]
-        logits_rows: list[int] = []
-        spans: list[tuple[int, int]] = []
-        for i in sampled:
-            end = query_start[row_of_plan[i] + 1]
-            width = 1 + len(spec.get(plan.req_ids[i], ()))
-            spans.append((len(logits_rows), width))
-            logits_rows.extend(range(end - width, end))
+        sampled_np = np.flatnonzero(np.asarray(plan.samples, dtype=bool))
+        sampled = sampled_np.tolist()
+        row_of_plan = np.empty(num_rows, dtype=np.int64)
+        row_of_plan[order_np] = np.arange(num_rows)
+        ends = query_start_np[row_of_plan[sampled_np] + 1]
+        if spec:
+            widths = np.fromiter((1 + len(spec.get(plan.req_ids[i], ())) for i in sampled), np.int64, len(sampled))
+            firsts = np.zeros(len(sampled), dtype=np.int64)
+            np.cumsum(widths[:-1], out=firsts[1:])
+            logits_rows = (np.repeat(ends - widths - firsts, widths)
+                           + np.arange(int(widths.sum()), dtype=np.int64)).tolist()
+            spans = list(zip(firsts.tolist(), widths.tolist()))
+        else:
+            logits_rows = (ends - 1).tolist()
+            spans = [(j, 1) for j in range(len(sampled))]
+        query_start = query_start_np.tolist()
 
-        row_ids = self.input_batch.rows_of([plan.req_ids[i] for i in order])
-        seq_lens = np.fromiter((lens[i] for i in order), np.int64, num_rows)
-        q_lens = np.fromiter((counts[i] for i in order), np.int64, num_rows)
+        req_ids = plan.req_ids
+        row_ids = self.input_batch.rows_of([req_ids[i] for i in order])
         width = int(-(-seq_lens.max() // bs))
         tables = self.input_batch.block_table.gather(row_ids, width)
-        pos = np.asarray(positions, dtype=np.int64)
         token_row = np.repeat(np.arange(num_rows), q_lens)
         slot_mapping = tables[token_row, pos // bs].astype(np.int64) * bs + pos % bs
         safe_tables = np.where(tables < 0, self.null_block, tables).astype(np.int64)
@@ -185,13 +196,16 @@ class ModelRunner:
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
             block_tables=torch.from_numpy(tables).to(device),
-            num_decode=len(decode), block_size=bs, num_tokens=len(token_ids))
+            num_decode=nd, block_size=bs, num_tokens=num_tokens)
         blocks_of = -(-seq_lens // bs)
-        nd = len(decode)
-        for start, end in group_by_length(blocks_of[:nd].tolist()):
-            meta.decode_groups.append(self._group(start, end, seq_lens, blocks_of, safe_tables, device))
-        self.keys_read += sum(g.num_rows * g.key_len for g in meta.decode_groups)
-        self.keys_exist += int(seq_lens[:nd].sum())
+        keys_exist = int(seq_lens[:nd].sum())
+        self.keys_exist += keys_exist
+        if decode_groups:
+            for start, end in group_by_length(blocks_of[:nd].tolist()):
+                meta.decode_groups.append(self._group(start, end, seq_lens, blocks_of, safe_tables, device))
+            self.keys_read += sum(g.num_rows * g.key_len for g in meta.decode_groups)
+        else:  # the numba_cpu kernel reads each key once
+            self.keys_read += keys_exist
         fresh = [j for j in range(nd, num_rows) if seq_lens[j] == q_lens[j]]
         cached = [j for j in range(nd, num_rows) if seq_lens[j] != q_lens[j]]
         windowed = any(w is not None for w in self.model.config.sliding_windows)
@@ -212,7 +226,7 @@ class ModelRunner:
             g.query_index, g.valid = self._query_rows(rows, query_start, q_lens, device, g.q_max)
             g.out_index = g.query_index[g.valid]
             meta.prefill_groups.append(g)
-        return StepInputs(torch.tensor(token_ids, device=device), torch.tensor(positions, device=device), meta,
+        return StepInputs(torch.tensor(token_ids, device=device), torch.from_numpy(pos).to(device), meta,
                           logits_rows, order, sampled, spans)
 
     def _group(self, start: int, end: int, seq_lens: np.ndarray, blocks_of: np.ndarray, tables: np.ndarray,
@@ -331,7 +345,7 @@ class ModelRunner:
     def compute_logits(self, plan: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
         """Run the model on a step whose diffs were applied; logits [N, vocab] of the sampled rows
         (plan order, 1+k per speculative row) and the step's inputs."""
-        inputs = self.prepare(plan)
+        inputs = self.prepare(plan, decode_groups=self.attention_backend != "numba_cpu")
         attention = make_attention(self.attention_backend, self.k_pool, self.v_pool, inputs.meta,
                                    self.model.config.sliding_windows)
         rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=inputs.input_ids.device)
