@@ -215,7 +215,8 @@ class Request:
 
         A stop string is looked for only in the text this token added (plus the tail a string
         could straddle), so the cost per token does not grow with the output."""
-        early = self.num_output_tokens < self.params.min_tokens  # no stop before min_tokens (vLLM's)
+        params, num_output = self.params, len(self.output_token_ids)  # (per token: no property calls)
+        early = num_output < params.min_tokens  # no stop before min_tokens (vLLM's)
         if token_id in self.stop_token_ids and not early:
             # EOS is reported as stop_reason None; a user's stop token id by its id (vLLM's convention).
             if token_id in (self.params.stop_token_ids or ()):
@@ -228,7 +229,7 @@ class Request:
             if cut is not None:  # the detokenizer's text ends at the stop string now
                 self.stop_reason = self.detokenizer.matched_stop
                 return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
+        if num_output >= params.max_tokens or len(self.all_token_ids) >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

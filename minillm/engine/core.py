@@ -186,8 +186,8 @@ class LLMEngine(ThreadedEngine):
         if plan is None:
             return StepUpdates()
         prefill_tokens, decode_tokens = plan.num_prefill_and_decode_tokens()
-        chunks = tuple(n for r, n in zip(plan.requests, plan.num_new_tokens)
-                       if r.num_computed_tokens < r.num_tokens - 1 or not r.num_output_tokens)
+        chunks = tuple(n for r, n in zip(plan.requests, plan.num_new_tokens)  # (attributes, not properties: per row)
+                       if r.num_computed_tokens < len(r.all_token_ids) - 1 or not r.output_token_ids)
         self._in_step = True
         try:
             try:

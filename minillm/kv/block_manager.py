@@ -309,6 +309,24 @@ class BlockManager:
         speculative ones, whose blocks are never offered to the prefix cache); attach a looked-up
         cached prefix first. False, and nothing changed, if the pool cannot hold it all."""
         rid = request.request_id
+        table = self.block_tables.get(rid)
+        if table is not None:  # a running request grows (every decode row, every step): the short path
+            total = request.num_computed_tokens + num_new_tokens
+            end = total + num_lookahead_tokens
+            need = -(-end // self.block_size) - len(table)
+            if need > 0:
+                if need > self.allocator.num_free:
+                    return False
+                new = [self.allocator.allocate() for _ in range(need)]
+                self.fresh_blocks.extend(new)
+                table.extend(new)
+            if self._pending_prefix:
+                self._pending_prefix.pop(rid, None)
+            self._used_tokens += end - self._tokens_of[rid]
+            self._tokens_of[rid] = end
+            if self.enable_prefix_caching:
+                self._offer_full_blocks(request, total)
+            return True
         if cached is None:
             cached = self._pending_prefix.get(rid)
         fresh = rid not in self.block_tables

@@ -51,9 +51,13 @@ class ScheduledBatch:
         """Tokens that fill in a prompt (prefill) vs tokens that follow a sampled token (decode)."""
         prefill = decode = 0
         for req, n in zip(self.requests, self.num_new_tokens):
-            in_prompt = max(0, min(req.num_prompt_tokens - req.num_computed_tokens, n))
-            prefill += in_prompt
-            decode += n - in_prompt
+            in_prompt = len(req.prompt_token_ids) - req.num_computed_tokens  # (an attribute: once per row)
+            if in_prompt <= 0:
+                decode += n
+            else:
+                in_prompt = min(in_prompt, n)
+                prefill += in_prompt
+                decode += n - in_prompt
         return prefill, decode
 
 
