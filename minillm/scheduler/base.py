@@ -149,8 +149,9 @@ class SchedulerBase:
         max_model_len = self.config.max_model_len
         logprobs = output.logprobs or [None] * len(plan.requests)
         updates: list[RequestUpdate] = []
+        spec_ids = plan.spec_token_ids
         for req, n, tokens, lps in zip(plan.requests, plan.num_new_tokens, output.sampled_token_ids, logprobs):
-            spec = plan.spec_token_ids.get(req.request_id)
+            spec = spec_ids.get(req.request_id) if spec_ids else None
             if spec:
                 # 1 + k tokens ran (the pending one, k guesses); len(tokens) - 1 guesses were accepted.
                 # Their K/V and the pending token's are kept; the rejected guesses' are rolled back.
@@ -158,7 +159,8 @@ class SchedulerBase:
                 self.kv.trim(req, req.num_computed_tokens)
             else:
                 req.num_computed_tokens += n
-            req.spec_token_ids, req.spec_draft_probs = [], None
+            if req.spec_token_ids or req.spec_draft_probs is not None:  # (no new list per row and step)
+                req.spec_token_ids, req.spec_draft_probs = [], None
             if not tokens:
                 continue  # a prefill chunk that has not reached the end of the prompt
             status = None

@@ -65,6 +65,7 @@ class StepInputs:
     order: list[int]  # order[j]: the plan row of flattened sequence j (decode rows first, longest first)
     sampled: list[int] = field(default_factory=list)  # plan rows that sample, in plan order
     spans: list[tuple[int, int]] = field(default_factory=list)  # per sampled row: (first logits row, width)
+    sampled_rows: np.ndarray | None = None  # per sampled row: its input-batch row
 
     def __iter__(self):
         """Unpacks as (input_ids, positions, meta, logits_rows), as chapter 04 prints them."""
@@ -227,7 +228,7 @@ class ModelRunner:
             g.out_index = g.query_index[g.valid]
             meta.prefill_groups.append(g)
         return StepInputs(torch.tensor(token_ids, device=device), torch.from_numpy(pos).to(device), meta,
-                          logits_rows, order, sampled, spans)
+                          logits_rows, order, sampled, spans, row_ids[row_of_plan[sampled_np]])
 
     def _group(self, start: int, end: int, seq_lens: np.ndarray, blocks_of: np.ndarray, tables: np.ndarray,
                device: torch.device, rows: list[int] | None = None) -> RowGroup:
@@ -257,17 +258,17 @@ class ModelRunner:
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; per plan row, the token ids it sampled (and their logprobs)."""
         self.update_state(plan)
+        batch = self.input_batch
         if plan.padded is not None:
             logits = self.compute_padded_logits(plan)
             sampled = [i for i in range(len(plan.req_ids))]
+            rows = batch.rows_of(plan.req_ids)
         else:
             logits, inputs = self.compute_logits(plan)
-            sampled = inputs.sampled
+            sampled, rows = inputs.sampled, inputs.sampled_rows  # (prepare looked the rows up)
             if plan.spec_token_ids:
                 return self._verify(plan, logits, inputs)
-        batch = self.input_batch
         req_ids = [plan.req_ids[i] for i in sampled]
-        rows = batch.rows_of(req_ids)
         states = [batch.requests[rid] for rid in req_ids]
         tokens = sample(logits, batch, rows, states)
         out: list[list[int]] = [[] for _ in plan.req_ids]
