@@ -208,10 +208,11 @@ class LLMEngine(ThreadedEngine):
                         self.metrics.on_cached(req.request_id, req.num_computed_tokens)
                         num_cached += req.num_computed_tokens
             updates = self.scheduler.update_from_output(plan, output)
-            for req, tokens in zip(plan.requests, output.sampled_token_ids):
-                guesses = plan.spec_token_ids.get(req.request_id)
-                if guesses:
-                    self.metrics.spec_decode.record(len(guesses), len(tokens) - 1)
+            if plan.spec_token_ids:  # (a loop over the rows only when some row speculated)
+                for req, tokens in zip(plan.requests, output.sampled_token_ids):
+                    guesses = plan.spec_token_ids.get(req.request_id)
+                    if guesses:
+                        self.metrics.spec_decode.record(len(guesses), len(tokens) - 1)
             for update in updates:
                 self._on_update(update, done_time)
             if self.proposer is not None:
