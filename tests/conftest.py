@@ -8,6 +8,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see minillm/__init__.py
+# numba.cuda picks the simulator only if this is set before numba is first imported; the CPU @njit
+# kernels import numba early, so set it here, before any test module loads (a PTX compile runs in a
+# child process without it: tests/test_kernels.py, minillm/grading/ex10.py).
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 import importlib.util  # noqa: E402
 import sys  # noqa: E402
