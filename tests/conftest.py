@@ -14,6 +14,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see m
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 import importlib.util  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from types import ModuleType  # noqa: E402
@@ -94,3 +95,13 @@ def varied_prompts(n: int, vocab: int, seed: int = 1, lo: int = 1, hi: int = 60)
     g = torch.Generator().manual_seed(seed)
     lengths = torch.linspace(lo, hi, n).round().int().tolist()
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths]
+
+
+def run_numba_script(args: list[str], simulator: bool) -> subprocess.CompletedProcess:
+    """Run `python args...` from the repository root in a child process, on numba's CUDA simulator
+    (NUMBA_ENABLE_CUDASIM=1) or without it (what a PTX compile needs: the simulator has no compiler)."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    if simulator:
+        env["NUMBA_ENABLE_CUDASIM"] = "1"
+    return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)

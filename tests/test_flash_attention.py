@@ -5,20 +5,10 @@ where its shared-memory tiles and barriers must be real. Cost on this CPU: ~10-1
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, run_numba_script
 
-
-def run(args: list[str], simulator: bool) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    if simulator:
-        env["NUMBA_ENABLE_CUDASIM"] = "1"
-    return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+run = run_numba_script  # conftest: a child process on the simulator, or without it for PTX
 
 
 @pytest.mark.slow

@@ -5,25 +5,15 @@ and float16 (a process without the simulator: it has no compiler), and the CUDA-
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, run_numba_script
 
 from minillm.kernels import KERNELS, io_model
 from minillm.kernels.cuda_graphs import DecodeGraphs, DecodeInputs, pad_decode_inputs, pick_bucket
 from minillm.kernels.scenarios import paged_scenario
 
-
-def run(args: list[str], simulator: bool) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    if simulator:
-        env["NUMBA_ENABLE_CUDASIM"] = "1"
-    return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+run = run_numba_script  # conftest: a child process on the simulator, or without it for PTX
 
 
 @pytest.mark.slow
