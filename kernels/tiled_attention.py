@@ -33,6 +33,7 @@ import math
 
 import torch
 from minillm.kernels._launch import device_array, simulator
+from minillm.kernels.varlen_attention import prefill_attention_reference
 from numba import cuda, float32
 
 MAX_HEAD_DIM = 128
@@ -42,20 +43,10 @@ BLOCK_N = 16  # keys per shared-memory tile
 
 def flash_attention_reference(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
                               scale) -> torch.Tensor:
-    """The plain way: gather each sequence's keys, softmax over the causal scores, weight the values."""
-    bs = key_cache.shape[1]
-    out = torch.empty_like(query)
-    group = query.shape[1] // key_cache.shape[2]
-    for b in range(len(seq_lens)):
-        start, end, n = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
-        blocks = block_tables[b, : -(-n // bs)].long()
-        keys = key_cache[blocks].reshape(-1, *key_cache.shape[2:])[:n].repeat_interleave(group, 1).double()
-        values = value_cache[blocks].reshape(-1, *value_cache.shape[2:])[:n].repeat_interleave(group, 1).double()
-        scores = torch.einsum("qhd,nhd->hqn", query[start:end].double(), keys) * scale
-        q_pos = torch.arange(n - (end - start), n)[:, None]
-        scores = scores.masked_fill(torch.arange(n)[None, :] > q_pos, float("-inf"))
-        out[start:end] = torch.einsum("hqn,nhd->qhd", scores.softmax(-1), values).to(query.dtype)
-    return out
+    """The same function as `prefill_attention` (the tiled kernel only reads its inputs differently),
+    so its reference is that kernel's, computed in float64 to measure the error against the exact answer."""
+    return prefill_attention_reference(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+                                       scale, compute_dtype=torch.float64)
 
 
 def build(block_m: int, block_n: int):

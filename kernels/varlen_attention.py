@@ -27,16 +27,16 @@ MAX_HEAD_DIM = 256
 
 
 def prefill_attention_reference(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                                scale) -> torch.Tensor:
+                                scale, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     bs = key_cache.shape[1]
     out = torch.empty_like(query)
     group = query.shape[1] // key_cache.shape[2]
     for b in range(len(seq_lens)):
         start, end, n = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
         blocks = block_tables[b, : -(-n // bs)].long()
-        keys = key_cache[blocks].reshape(-1, *key_cache.shape[2:])[:n].repeat_interleave(group, 1).float()
-        values = value_cache[blocks].reshape(-1, *value_cache.shape[2:])[:n].repeat_interleave(group, 1).float()
-        q = query[start:end].float()
+        keys = key_cache[blocks].reshape(-1, *key_cache.shape[2:])[:n].repeat_interleave(group, 1).to(compute_dtype)
+        values = value_cache[blocks].reshape(-1, *value_cache.shape[2:])[:n].repeat_interleave(group, 1).to(compute_dtype)
+        q = query[start:end].to(compute_dtype)
         scores = torch.einsum("qhd,nhd->hqn", q, keys) * scale
         q_pos = torch.arange(n - (end - start), n)[:, None]
         scores = scores.masked_fill(torch.arange(n)[None, :] > q_pos, float("-inf"))
