@@ -18,6 +18,7 @@ PREFIX_CACHES = ("hash", "radix")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "numba", "numba_cpu")  # minillm.attention.select
 CHUNK_POLICIES = ("sarathi", "splitfuse")  # minillm.scheduler.chunk_policy
+EXECUTOR_BACKENDS = ("uni", "mp")  # minillm.executor: in this process, or one spawned process per rank
 
 
 @dataclass
@@ -52,8 +53,16 @@ class EngineConfig:
     attention_backend: str = "auto"
     # Speculative decoding (chapter 09), vLLM's dict: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
     speculative_config: Any = None
+    # Several processes, one model (chapter 12; minillm.distributed): TP ranks per stage × PP stages, each rank a
+    # spawned process ("mp"); None picks "uni" for one rank, "mp" for more. A step that takes longer than
+    # execute_model_timeout_s on the workers fails with an error naming the rank (a hung or dead worker).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    execute_model_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
+        self._check_parallel()
         if self.speculative_config is not None:
             from minillm.spec.config import SpeculativeConfig
 
@@ -117,6 +126,41 @@ class EngineConfig:
         if self.static_hold_finished and self.batching == "continuous":
             raise ValueError("static_hold_finished=True holds results until a batch ends: it needs batching='static' "
                              "or 'dynamic' (continuous batching has no batch end)")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_parallel(self) -> None:
+        """The parallel knobs on their own; what the model can split is checked against it
+        (`minillm.distributed.layout.check_parallel_config`)."""
+        _require_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _require_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend={backend!r}; choose one of {EXECUTOR_BACKENDS} (or None)")
+        if backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one process, but tensor_parallel_size × "
+                             f"pipeline_parallel_size = {self.world_size}: use 'mp'")
+        if isinstance(self.execute_model_timeout_s, bool) or not isinstance(self.execute_model_timeout_s, (int, float)) \
+                or not self.execute_model_timeout_s > 0:
+            raise ValueError(f"execute_model_timeout_s must be a number of seconds > 0, got {self.execute_model_timeout_s!r}")
+        if self.executor_backend == "mp":
+            unsupported = [(self.batching != "continuous", f"batching={self.batching!r} (use 'continuous')"),
+                           (self.kv_layout != "paged", f"kv_layout={self.kv_layout!r} (use 'paged')"),
+                           (self.speculative_config is not None, "speculative_config (speculative decoding)")]
+            refused = [what for bad, what in unsupported if bad]
+            if refused:
+                raise ValueError(f"distributed_executor_backend='mp' (tensor_parallel_size={self.tensor_parallel_size}, "
+                                 f"pipeline_parallel_size={self.pipeline_parallel_size}) does not support "
+                                 f"{', '.join(refused)} in minillm")
+
+    @property
+    def executor_backend(self) -> str:
+        """"uni" or "mp": the backend asked for, or the one the world size implies."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "mp" if self.world_size > 1 else "uni"
 
     def resolve(self, model_max_len: int) -> EngineConfig:
         """A copy with the defaults that depend on the model filled in, the knobs checked together."""

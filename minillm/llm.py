@@ -89,6 +89,20 @@ class LLM:
         device = device or default_device()
         if device == "cpu" and torch_dtype is torch.float16:
             raise ValueError("dtype=float16 matmuls run at ~1-3 GFLOP/s on this CPU; use float32 or bfloat16 on CPU")
+        if config.executor_backend == "mp":  # the weights live in the ranks' processes (chapter 12)
+            if model is not None and not isinstance(model, (str, Path)):
+                raise ValueError("distributed_executor_backend='mp' loads each rank's shard from a model directory: "
+                                 "pass a path, not an in-memory model")
+            from minillm.distributed.launch_engine import build_distributed_engine
+
+            model_dir = Path(model) if model is not None else BUNDLED_TARGET
+            self.model = None
+            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
+            self.engine = build_distributed_engine(config, model_dir, torch_dtype, device, self.tokenizer,
+                                                   scheduler_factory)
+            self._model_config = self.engine.model_config
+            self.prometheus = PrometheusMetrics(self.engine, "minillm")
+            return
         if model is None or isinstance(model, (str, Path)):
             model_dir = Path(model) if model is not None else BUNDLED_TARGET
             if not model_dir.is_dir():
@@ -103,6 +117,7 @@ class LLM:
             self.model = load_hf_model(model, torch_dtype, device, config.max_model_len)
             self.tokenizer = tokenizer
         proposer = self._draft_proposer(config, torch_dtype, device)
+        self._model_config = self.model.config
         self.engine = build_engine(config, self.model.config, model=self.model, tokenizer=self.tokenizer,
                                    scheduler_factory=scheduler_factory, proposer=proposer)
         self.prometheus = PrometheusMetrics(self.engine, "minillm")
@@ -141,7 +156,12 @@ class LLM:
 
     @property
     def model_config(self) -> ModelConfig:
-        return self.model.config
+        return self._model_config
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes, if it has any (distributed_executor_backend='mp');
+        garbage collection and interpreter exit do it too."""
+        self.engine.shutdown()
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  arrival_times: list[float] | None = None, priority: list[int] | None = None,

@@ -240,6 +240,19 @@ class LLMEngine(ThreadedEngine):
         for req, g, q in zip(requests, guesses, dists):
             req.spec_token_ids, req.spec_draft_probs = list(g), q
 
+    def check_health(self) -> None:
+        """Raise (`EngineDeadError`) if the executor can run no more steps: a worker process died or
+        hung (vLLM's `check_health`). In-process executors and stand-ins have nothing to check."""
+        check = getattr(self.executor, "check_health", None)
+        if check is not None:
+            check()
+
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes, if it has any."""
+        stop = getattr(self.executor, "shutdown", None)
+        if stop is not None:
+            stop()
+
     def load_snapshot(self) -> EngineLoad:
         return EngineLoad(self.scheduler.num_running, self.scheduler.num_waiting, len(self._pending), self.kv.usage())
 

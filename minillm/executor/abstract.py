@@ -7,6 +7,10 @@ from typing import Protocol
 from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch
 
 
+class EngineDeadError(RuntimeError):
+    """The executor can run no more steps (a worker process died, hung or failed): vLLM's name."""
+
+
 class Executor(Protocol):
     def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
         """Run the scheduler's plan for one step; per planned request, the tokens it sampled.

@@ -1,0 +1,55 @@
+"""An engine whose model runs on tp × pp worker processes (chapter 12): what `LLM(...,
+tensor_parallel_size=..., pipeline_parallel_size=...)` builds.
+
+The driver reads only the model's config.json: it checks that the model splits over the world
+(`check_parallel_config`, naming the number that does not), keeps the scheduler and a KV manager that
+accounts but allocates nothing (the pools live on the ranks, each with its heads and layers), and
+hands steps to a `MultiprocExecutor`. Everything else — tokenizer, scheduler, prefix cache,
+preemption, chunked prefill — is the one-process engine's, unchanged: the plan is the same data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minillm.config import EngineConfig
+from minillm.distributed.layout import check_parallel_config
+from minillm.engine.build import build_engine
+from minillm.engine.parts import make_kv_manager
+from minillm.model.config import ModelConfig
+from minillm.model.loader import read_hf_config
+from minillm.model.tokenizer import generation_eos_ids
+
+
+def build_distributed_engine(config: EngineConfig, model_dir: Path, dtype: torch.dtype, device: str,
+                             tokenizer: Any, scheduler_factory=None):
+    from minillm.executor.multiproc import MultiprocExecutor
+
+    if not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"model directory {model_dir} does not exist")
+    model_config = ModelConfig.from_hf_dict(read_hf_config(model_dir))
+    eos = generation_eos_ids(model_dir)
+    if eos:
+        model_config = dataclasses.replace(
+            model_config, eos_token_ids=tuple(dict.fromkeys(model_config.eos_token_ids + eos)))
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    check_parallel_config(model_config, tp, pp)
+    if device.startswith("cuda") and torch.cuda.device_count() < tp * pp:
+        raise ValueError(f"tensor_parallel_size × pipeline_parallel_size = {tp * pp} ranks, but this machine has "
+                         f"{torch.cuda.device_count()} CUDA device(s)")
+    resolved = config.resolve(model_config.max_position_embeddings)
+    kv = make_kv_manager(resolved, model_config, dtype, "cpu", allocate_pool=False)
+    spec = dict(model_dir=str(model_dir), model_config=model_config, dtype=dtype, device=device,
+                max_positions=config.max_model_len or model_config.max_position_embeddings,
+                cache_spec=kv.cache_spec, attention_backend=resolved.attention_backend)
+    executor = MultiprocExecutor(kv, spec, tp, pp, resolved.execute_model_timeout_s)
+    try:
+        return build_engine(config, model_config, tokenizer=tokenizer, kv=kv, executor=executor,
+                            scheduler_factory=scheduler_factory)
+    except BaseException:
+        executor.shutdown()
+        raise

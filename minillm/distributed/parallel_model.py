@@ -1,0 +1,153 @@
+"""The Llama decoder on one rank of tensor × pipeline parallelism (chapter 12).
+
+The same computation as `minillm.model.llama.LlamaModel.forward` (read that first), on this rank's
+shard (`minillm.distributed.shard_loader`), with the communication Megatron-LM and vLLM put in it:
+
+    embedding   vocab-parallel: each rank looks up the tokens of its vocabulary slice, zeros for the
+                others; one all-reduce puts every row together            (first stage only)
+    per layer   q|k|v column-parallel by heads → attention on this rank's heads and KV pool →
+                o_proj row-parallel → all-reduce → residual, norm → gate|up column-parallel →
+                SiLU·mul → down_proj row-parallel → all-reduce → residual: 2 all-reduces of
+                [tokens, hidden] per layer, biases of o and down added once, after them
+    stages      a stage that is not the first receives the residual stream [tokens, hidden] from
+                its peer rank of the previous stage (`recv`); one that is not the last sends it on
+                (`send`) and returns None
+    lm_head     column-parallel over the vocabulary: each rank's [rows, vocab/tp] logits are
+                gathered on TP rank 0 of the last stage, which alone samples
+
+It runs the torch ops (not `minillm.model.fused`): the fused CPU path of one process is left as it
+is, and on one rank this class is never used. Float64 gives the single process's greedy tokens;
+in float32 the all-reduce adds the ranks' partial sums in another order than one matmul does, so
+logits differ in the last bits (a near-tie can flip: the tests report the margin).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from minillm.distributed.layout import RankLayout
+from minillm.distributed.linear import ParallelState
+from minillm.distributed.shard_loader import vocab_shard
+from minillm.model.config import ModelConfig
+from minillm.model.llama import LayerWeights, rms_norm
+from minillm.model.rope import RotaryTable, apply_rotary
+
+
+def _column_major(w: torch.Tensor) -> torch.Tensor:
+    return w.t().contiguous().t()
+
+
+class CommCounter:
+    """Collectives this rank called, and the bytes it handed them, over its life (chapter 12 reads them)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+
+    def add(self, kind: str, tensor: torch.Tensor) -> None:
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.bytes[kind] = self.bytes.get(kind, 0) + tensor.numel() * tensor.element_size()
+
+
+class ParallelLlamaModel:
+    """One rank's share of a Llama-family decoder. Exposes what `ModelRunner` uses: `config` (this
+    rank's heads and layers), `dtype`, `device`, `forward`, `compute_logits`."""
+
+    def __init__(self, full_config: ModelConfig, layout: RankLayout, weights: dict, tp: ParallelState,
+                 max_positions: int, device: str = "cpu") -> None:
+        c = full_config
+        self.full_config, self.layout, self.tp = c, layout, tp
+        layers: list[LayerWeights] = weights["layers"]
+        for lw in layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                setattr(lw, name, _column_major(getattr(lw, name)))
+        self.layers = layers
+        own = layout.layers(c.num_layers)
+        self.config = dataclasses.replace(
+            c, num_heads=len(layout.q_heads(c)), num_kv_heads=len(layout.kv_heads(c)), num_layers=len(own),
+            sliding_windows=tuple(c.sliding_windows[own.start:own.stop]) if c.sliding_windows else ())
+        self.embed, self.final_norm = weights["embed"], weights["final_norm"]
+        self.lm_head = None if weights["lm_head"] is None else _column_major(weights["lm_head"])
+        self.vocab_start = weights["vocab_start"]
+        self.vocab_rows = vocab_shard(c.vocab_size, layout.tp, layout.tp_rank)[2]  # (padded) rows per rank
+        self.dtype = layers[0].qkv.dtype
+        self.device = torch.device(device)
+        self.rope = RotaryTable(c.head_dim, c.rope_theta, max_positions, self.dtype, self.device, c.rope_scaling)
+        self.comm = CommCounter()
+        self.fused_ops = False  # see the module docstring
+
+    @property
+    def weight_bytes(self) -> int:
+        tensors = [t for lw in self.layers for t in vars(lw).values() if t is not None]
+        tensors += [t for t in (self.lm_head, self.final_norm) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size > 1:
+            self.comm.add("all_reduce", x)
+            dist.all_reduce(x, group=self.tp.group)
+        return x
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.embed)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.vocab_rows)
+        rows = F.embedding(torch.where(mine, local, 0), self.embed)
+        return self._all_reduce(rows * mine.unsqueeze(-1).to(rows.dtype))
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """This stage's part of `LlamaModel.forward`: final hidden states on the last stage, None elsewhere."""
+        layout, c = self.layout, self.config
+        num_tokens = input_ids.shape[0]
+        hq, hkv, d, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+        if layout.is_first_stage:
+            h = self._embed(input_ids)
+        else:
+            h = torch.empty(num_tokens, c.hidden_size, dtype=self.dtype, device=self.device)
+            self.comm.add("recv", h)
+            dist.recv(h, src=layout.prev_rank)
+        cos, sin = self.rope.lookup(positions)
+        last = len(self.layers) - 1 if layout.is_last_stage else -1
+        for i, lw in enumerate(self.layers):
+            x = rms_norm(h, lw.input_norm, eps)
+            qkv = F.linear(x, lw.qkv, lw.qkv_bias).view(num_tokens, hq + 2 * hkv, d)
+            qk = apply_rotary(qkv[:, : hq + hkv], cos, sin)
+            out = attention(i, qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :])
+            if i == last and output_rows is not None:  # as LlamaModel.forward: only the rows sampled
+                out, h = out.index_select(0, output_rows), h.index_select(0, output_rows)
+            o = self._all_reduce(F.linear(out.reshape(h.shape[0], hq * d), lw.o))
+            h = h + (o if lw.o_bias is None else o + lw.o_bias)
+            x = rms_norm(h, lw.post_attention_norm, eps)
+            gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
+            down = self._all_reduce(F.linear(F.silu(gate) * up, lw.down))
+            h = h + (down if lw.down_bias is None else down + lw.down_bias)
+        if not layout.is_last_stage:
+            self.comm.add("send", h)
+            dist.send(h.contiguous(), dst=layout.next_rank)
+            return None
+        return rms_norm(h, self.final_norm, eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor | None) -> torch.Tensor | None:
+        """Logits [N, vocab] on the rank that samples; None on the others (after their part)."""
+        if hidden is None:
+            return None
+        part = F.linear(hidden, self.lm_head)  # [N, vocab rows of this rank]
+        vocab = self.full_config.vocab_size
+        if self.tp.size == 1:
+            return part[:, :vocab]
+        self.comm.add("gather", part)
+        dst = self.layout.tp_group_ranks()[0]
+        if self.layout.tp_rank == 0:
+            pieces = [torch.empty_like(part) for _ in range(self.tp.size)]
+            dist.gather(part, pieces, dst=dst, group=self.tp.group)
+            return torch.cat(pieces, dim=1)[:, :vocab]
+        dist.gather(part, None, dst=dst, group=self.tp.group)
+        return None

@@ -1,0 +1,140 @@
+"""One rank's process: join the group, load the shard, then run every plan the driver sends (chapter 12).
+
+`rank_main` is what `minillm.executor.multiproc` spawns, once per rank. It joins the
+torch.distributed group (gloo on a CPU, NCCL on CUDA), creates every stage's tensor-parallel group
+(every rank must create every group, in the same order), loads this rank's shard, and answers
+"ready". Then, per step, it receives the pickled `SchedulerOutput` from its pipe, applies it to
+its own input batch and KV pool (the same plan on every rank: block tables are the same, only the
+heads and layers in the pool differ), runs its part of the forward, and answers: the rank that
+samples with the `ModelRunnerOutput`, the others with None. An exception is answered, never
+swallowed; the driver decides (it treats it as fatal: the ranks' collectives may be out of step).
+When the driver's end of the pipe closes (it exited, or was killed) the rank leaves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import pickle
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from minillm.distributed.layout import RankLayout
+from minillm.kv.base import KVCacheSpec
+from minillm.model.config import ModelConfig
+from minillm.scheduler.base import ModelRunnerOutput
+from minillm.scheduler.output import SchedulerOutput
+from minillm.worker.model_runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every rank needs to build itself: plain values, pickled once per rank at start-up."""
+
+    model_dir: str
+    model_config: ModelConfig
+    dtype: torch.dtype
+    device: str  # "cpu" or "cuda" (rank r uses cuda:r)
+    max_positions: int
+    cache_spec: KVCacheSpec  # the whole model's pool; each rank allocates its layers and heads of it
+    attention_backend: str
+    tp: int
+    pp: int
+    init_file: str  # torch.distributed's FileStore rendezvous
+    timeout_s: float  # collectives time out after this
+    num_threads: int = 1
+
+
+class ParallelWorker(ModelRunner):
+    """A `ModelRunner` on one rank: every rank runs the forward; only the sampling rank samples."""
+
+    def __init__(self, model, cache_spec: KVCacheSpec, attention_backend: str, layout: RankLayout) -> None:
+        super().__init__(model, cache_spec, attention_backend)
+        self.layout = layout
+
+    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
+        if self.layout.samples:
+            return super().execute_model(plan)
+        self.update_state(plan)
+        self.compute_logits(plan)  # this rank's part of the forward and the logits gather
+        return None
+
+
+def rank_cache_spec(spec: KVCacheSpec, model) -> KVCacheSpec:
+    """The pool this rank holds: its stage's layers, the KV heads its query heads read."""
+    return dataclasses.replace(spec, num_layers=model.config.num_layers, num_kv_heads=model.config.num_kv_heads,
+                               device=str(model.device), allocate=True)
+
+
+def build_rank(spec: WorkerSpec, rank: int) -> ParallelWorker:
+    import torch.distributed as dist
+
+    from minillm.distributed.linear import ParallelState
+    from minillm.distributed.parallel_model import ParallelLlamaModel
+    from minillm.distributed.shard_loader import load_rank_weights
+
+    world = spec.tp * spec.pp
+    on_cuda = spec.device.startswith("cuda")
+    device = f"cuda:{rank % max(1, torch.cuda.device_count())}" if on_cuda else "cpu"
+    if on_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if on_cuda else "gloo", init_method=f"file://{spec.init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=spec.timeout_s))
+    layout = RankLayout(rank, spec.tp, spec.pp)
+    groups = [dist.new_group(layout.tp_group_ranks(s)) if 1 < spec.tp < world else None for s in range(spec.pp)]
+    tp_state = ParallelState(layout.tp_rank, spec.tp, groups[layout.stage])
+    weights = load_rank_weights(spec.model_dir, spec.model_config, layout, spec.dtype, device)
+    model = ParallelLlamaModel(spec.model_config, layout, weights, tp_state, spec.max_positions, device)
+    return ParallelWorker(model, rank_cache_spec(spec.cache_spec, model), spec.attention_backend, layout)
+
+
+def rank_main(rank: int, spec: WorkerSpec, conn) -> None:
+    """The spawned process's body (see the module docstring)."""
+    torch.set_num_threads(spec.num_threads)
+    try:
+        worker = build_rank(spec, rank)
+        conn.send_bytes(pickle.dumps(("ready", {"pid": os.getpid(), "weight_bytes": worker.model.weight_bytes,
+                                                "kv_pool_shape": worker.cache_spec.shape})))
+    except BaseException as error:  # noqa: BLE001 - reported to the driver, which refuses to start
+        conn.send_bytes(pickle.dumps(("error", f"{type(error).__name__}: {error}", traceback.format_exc())))
+        return
+    try:
+        serve(worker, conn)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def serve(worker: ParallelWorker, conn) -> None:
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the driver is gone: nobody will read an answer
+            return
+        kind = message[0]
+        if kind == "stop":
+            conn.send_bytes(pickle.dumps(("ok", None)))
+            return
+        try:
+            if kind == "plan":
+                reply = worker.execute_model(message[1])
+            elif kind == "stats":
+                comm = worker.model.comm
+                reply = {"calls": dict(comm.calls), "bytes": dict(comm.bytes), "model_time_s": worker.model_time_s}
+            else:
+                raise ValueError(f"unknown message {kind!r}")
+            payload = ("ok", reply)
+        except Exception as error:  # noqa: BLE001 - the driver decides
+            payload = ("error", f"{type(error).__name__}: {error}", traceback.format_exc())
+        try:
+            conn.send_bytes(pickle.dumps(payload))
+        except (BrokenPipeError, OSError):
+            return
+
+
+__all__ = ["ParallelWorker", "WorkerSpec", "rank_main"]

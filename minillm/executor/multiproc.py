@@ -1,0 +1,199 @@
+"""One spawned process per rank, joined by torch.distributed (vLLM's `MultiprocExecutor`; chapter 12).
+
+    LLM(tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="mp")
+
+The driver (the engine's process) holds the scheduler and the KV *accounting*, never a weight nor
+a KV pool. It starts tp × pp processes with the "spawn" method (a fresh interpreter each: no
+forked copy of the driver's threads, locks or CUDA state), each running
+`minillm.distributed.worker.rank_main`: join one torch.distributed group (gloo on a CPU, NCCL on
+CUDA; a FileStore in a temporary folder as the rendezvous, so no port to pick), load only its
+shard, allocate only its KV heads and layers.
+
+Transport of the plan: one `multiprocessing` pipe per rank. Each step the driver pickles the
+`SchedulerOutput` once and writes those bytes to every pipe; every rank answers on its pipe — the
+sampling rank (TP rank 0 of the last stage) with the `ModelRunnerOutput`, the others with None.
+Why a pipe and not nano-vllm's shared-memory broadcast (one pickle written into shared memory,
+ranks woken by events): a steady decode plan is ~100 bytes per row, so the copy is not what costs;
+a pipe needs no size limit or polling, and it tells the driver at once when a rank is gone (its end
+closes, its process sentinel fires) — which is what the fault handling below needs. vLLM's
+`MultiprocExecutor` does use a shared-memory ring buffer (`MessageQueue`): at thousands of steps a
+second on a GPU, the syscall and wake-up per rank start to show.
+
+Faults. The driver waits for every rank's answer, watching the pipes and the process sentinels
+together, up to `execute_model_timeout_s`. A rank that died (sentinel), answered an exception, or
+did not answer in time makes the executor dead: every process is killed and joined at once, and
+this and every later step raise `EngineDeadError` naming the rank, its pid and what happened
+(after a failure the ranks' collectives may be out of step, so no step can be trusted again;
+vLLM does the same). `shutdown()` (also run by `LLM.shutdown()`, by garbage collection and at
+interpreter exit, through `weakref.finalize`) asks every rank to stop, joins it, kills stragglers.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import weakref
+from multiprocessing.connection import wait
+
+from minillm.distributed.layout import output_rank
+from minillm.distributed.worker import WorkerSpec, rank_main
+from minillm.executor.abstract import EngineDeadError
+from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch
+from minillm.scheduler.output import SchedulerOutput, SchedulerOutputBuilder
+
+STARTUP_TIMEOUT_S = 180.0  # spawn, import torch, join the group, load the shard (on 2 shared cores)
+STOP_TIMEOUT_S = 10.0
+
+
+def _stop_processes(processes: list, conns: list, folder: str, polite: bool) -> None:
+    """Ask each rank to stop (if `polite`), join it, kill what is still alive; close pipes, remove the folder.
+    A module-level function: `weakref.finalize` must not hold the executor itself."""
+    if polite:
+        for conn in conns:
+            try:
+                conn.send_bytes(pickle.dumps(("stop",)))
+            except (BrokenPipeError, OSError):
+                pass
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for process in processes:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+        process.join(timeout=STOP_TIMEOUT_S)
+    for conn in conns:
+        conn.close()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+class MultiprocExecutor:
+    def __init__(self, kv, spec_kwargs: dict, tp: int, pp: int, timeout_s: float) -> None:
+        """`kv`: the driver's KV manager (its block tables are what plans describe); `spec_kwargs`: the
+        `WorkerSpec` fields but tp, pp, init_file and timeout_s."""
+        self.tp, self.pp, self.world_size = tp, pp, tp * pp
+        self.timeout_s = timeout_s
+        self.plans = SchedulerOutputBuilder(kv)
+        self.output_rank = output_rank(tp, pp)
+        self.dead: str | None = None  # why, once a rank failed
+        self.num_steps = 0
+        ctx = mp.get_context("spawn")
+        self._folder = tempfile.mkdtemp(prefix="minillm-mp-")
+        spec = WorkerSpec(tp=tp, pp=pp, init_file=os.path.join(self._folder, "store"), timeout_s=timeout_s,
+                          **spec_kwargs)
+        self.processes, self.conns = [], []
+        self._finalizer = weakref.finalize(self, _stop_processes, self.processes, self.conns, self._folder, True)
+        try:
+            for rank in range(self.world_size):
+                driver_end, rank_end = ctx.Pipe(duplex=True)
+                process = ctx.Process(target=rank_main, args=(rank, spec, rank_end), daemon=True,
+                                      name=f"minillm-rank-{rank}")
+                process.start()
+                rank_end.close()
+                self.processes.append(process)
+                self.conns.append(driver_end)
+            self.rank_info = self._gather("start-up", STARTUP_TIMEOUT_S)
+        except BaseException:
+            self._finalizer.detach()
+            _stop_processes(self.processes, self.conns, self._folder, polite=False)
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    # ---- one step --------------------------------------------------------------------------------
+    def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+        plan = self.plans.build(batch)
+        try:
+            return self.execute_model(plan)
+        except BaseException:
+            self.plans.invalidate(plan)
+            raise
+
+    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        self.check_health()
+        self._broadcast(("plan", plan))
+        self.num_steps += 1
+        return self._gather(f"step {self.num_steps}", self.timeout_s)[self.output_rank]
+
+    def step_duration_s(self) -> float:
+        return 0.0
+
+    def collective_stats(self) -> list[dict]:
+        """Per rank: collectives called and bytes handed to them (`{"calls": {...}, "bytes": {...}}`)."""
+        self.check_health()
+        self._broadcast(("stats",))
+        return self._gather("stats", self.timeout_s)
+
+    def _broadcast(self, message: tuple) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # pickled once, written to every rank
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(data)
+            except (BrokenPipeError, OSError) as error:
+                self._fail(f"rank {rank} (pid {self.processes[rank].pid}) cannot be reached: {error}")
+
+    def _gather(self, what: str, timeout_s: float) -> list:
+        """Every rank's answer, or EngineDeadError (all processes stopped) naming the first rank that failed."""
+        answers: dict[int, object] = {}
+        closed: set[int] = set()  # ranks whose pipe reached its end
+        rank_of = {conn: rank for rank, conn in enumerate(self.conns)}
+        sentinel_of = {p.sentinel: rank for rank, p in enumerate(self.processes)}
+        deadline = time.monotonic() + timeout_s
+        while len(answers) < self.world_size:
+            pending = [r for r in range(self.world_size) if r not in answers]
+            watched = [self.conns[r] for r in pending if r not in closed] + [self.processes[r].sentinel for r in pending]
+            ready = wait(watched, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                pids = [self.processes[r].pid for r in pending]
+                self._fail(f"rank(s) {pending} (pid {pids}) did not answer {what} within {timeout_s:g} s "
+                           "(execute_model_timeout_s): a hung worker")
+            conns_first = sorted(ready, key=lambda obj: obj not in rank_of)  # read answers before deaths
+            for obj in conns_first:
+                if obj in rank_of:
+                    rank = rank_of[obj]
+                    try:
+                        payload = pickle.loads(obj.recv_bytes())
+                    except (EOFError, OSError):
+                        closed.add(rank)  # its end closed: the sentinel says how it ended
+                        continue
+                    if payload[0] == "error":
+                        self._fail(f"rank {rank} (pid {self.processes[rank].pid}) failed in {what}: {payload[1]}\n"
+                                   f"{payload[2]}")
+                    answers[rank] = payload[1]
+                else:
+                    rank = sentinel_of[obj]
+                    if rank in answers:
+                        continue
+                    if rank not in closed and self.conns[rank].poll():  # an answer still to read first
+                        continue
+                    self.processes[rank].join(timeout=1.0)  # (for its exit code)
+                    self._fail(f"rank {rank} (pid {self.processes[rank].pid}) died during {what} "
+                               f"(exit code {self.processes[rank].exitcode})")
+        return [answers[r] for r in range(self.world_size)]
+
+    def _fail(self, why: str) -> None:
+        self.dead = why
+        self.shutdown(polite=False)
+        raise EngineDeadError(f"a distributed worker failed, the engine cannot continue: {why}")
+
+    # ---- health and shutdown -------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Raise EngineDeadError if a rank failed earlier or is no longer alive."""
+        if self.dead is None:
+            for rank, process in enumerate(self.processes):
+                if not process.is_alive():
+                    self._fail(f"rank {rank} (pid {process.pid}) is no longer running (exit code {process.exitcode})")
+        if self.dead is not None:
+            raise EngineDeadError(f"a distributed worker failed, the engine cannot continue: {self.dead}")
+
+    def shutdown(self, polite: bool = True) -> None:
+        """Stop and join every rank (idempotent)."""
+        if self._finalizer.detach() is not None:
+            _stop_processes(self.processes, self.conns, self._folder, polite and self.dead is None)
+        if self.dead is None:
+            self.dead = "the executor was shut down"
