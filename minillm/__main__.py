@@ -4,4 +4,5 @@ import sys
 
 from minillm.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # a spawned worker process re-imports this module as __mp_main__
+    sys.exit(main())

@@ -115,7 +115,12 @@ class MultiprocExecutor:
             raise
 
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        self.check_health()
+        try:
+            self.check_health()
+        except EngineDeadError as err:
+            if self.dead is None:  # a rank died between steps: stop the others now
+                self._fail(str(err).split(": ", 1)[1])
+            raise
         self._broadcast(("plan", plan))
         self.num_steps += 1
         return self._gather(f"step {self.num_steps}", self.timeout_s)[self.output_rank]
@@ -124,7 +129,8 @@ class MultiprocExecutor:
         return 0.0
 
     def collective_stats(self) -> list[dict]:
-        """Per rank: collectives called and bytes handed to them (`{"calls": {...}, "bytes": {...}}`)."""
+        """Per rank: collectives called and bytes handed to them (`{"calls": {...}, "bytes": {...}}`),
+        and the rank's time in the forward (`model_time_s`)."""
         self.check_health()
         self._broadcast(("stats",))
         return self._gather("stats", self.timeout_s)
@@ -183,13 +189,15 @@ class MultiprocExecutor:
 
     # ---- health and shutdown -------------------------------------------------------------------
     def check_health(self) -> None:
-        """Raise EngineDeadError if a rank failed earlier or is no longer alive."""
-        if self.dead is None:
-            for rank, process in enumerate(self.processes):
-                if not process.is_alive():
-                    self._fail(f"rank {rank} (pid {process.pid}) is no longer running (exit code {process.exitcode})")
+        """Raise EngineDeadError if a rank failed or is no longer alive. Only reads (any thread may call
+        it, the server's /health does); the engine's thread stops the processes at its next step."""
         if self.dead is not None:
             raise EngineDeadError(f"a distributed worker failed, the engine cannot continue: {self.dead}")
+        exited = wait([p.sentinel for p in self.processes], timeout=0)  # a sentinel is ready once its process ended
+        for rank, process in enumerate(self.processes):
+            if process.sentinel in exited:
+                raise EngineDeadError(f"a distributed worker failed: rank {rank} (pid {process.pid}) is no "
+                                      f"longer running (exit code {process.exitcode})")
 
     def shutdown(self, polite: bool = True) -> None:
         """Stop and join every rank (idempotent)."""

@@ -3,7 +3,7 @@
     POST /v1/completions        text or token-id prompts (one, or a batch), n samples each
     POST /v1/chat/completions   messages rendered with the tokenizer's chat template
     GET  /v1/models             the one model served
-    GET  /health                200 while the engine thread is alive
+    GET  /health                200 while the engine thread (and its worker processes) are alive, else 503
     GET  /metrics               Prometheus text format, vLLM V1's metric names
 
 Streaming is server-sent events: one `data: {json}` chunk per engine step that produced text for
@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from minillm.engine import SERVER_FAULTS
+from minillm.executor.abstract import EngineDeadError
 from minillm.llm import chat_prompt_ids
 from minillm.request import RequestOutput
 from minillm.server.engine_client import EngineClient, EngineOverloaded, RequestTooLarge, Stream
@@ -74,6 +75,10 @@ def create_app(llm, *, served_model_name: str = "minillm", api_key: str | None =
     async def health():
         if not client.is_alive:
             return error_response(503, "the engine thread is not running")
+        try:
+            llm.engine.check_health()  # worker processes (tensor/pipeline parallel): alive and answering
+        except EngineDeadError as err:
+            return error_response(503, f"the engine cannot run: {err}")
         return Response(status_code=200)
 
     @app.get("/metrics")

@@ -3,6 +3,7 @@
     minillm serve                                  # the bundled model on http://127.0.0.1:8000
     minillm serve models/minillm-target --port 8001 --max-num-seqs 16 --enable-prefix-caching
     minillm serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+    minillm serve --tensor-parallel-size 2 --pipeline-parallel-size 2   # 4 worker processes (chapter 12)
     MINILLM_API_KEY=secret minillm serve           # or --api-key secret: /v1/* then needs the key
 
 It binds 127.0.0.1 unless `--host` says otherwise (a toy server should not face a network by
@@ -31,6 +32,9 @@ ENGINE_FLAGS = [
     ("--batching", "batching", str, "continuous (default), dynamic or static (minillm's teaching knob)"),
     ("--kv-layout", "kv_layout", str, "paged (default) or slab"),
     ("--prefix-cache", "prefix_cache", str, "hash (vLLM) or radix (SGLang), with --enable-prefix-caching"),
+    ("--tensor-parallel-size", "tensor_parallel_size", int, "ranks that split each layer (Megatron TP), one process each"),
+    ("--pipeline-parallel-size", "pipeline_parallel_size", int, "stages that split the layers (PP), tp processes each"),
+    ("--distributed-executor-backend", "distributed_executor_backend", str, "uni (one process) or mp (one per rank)"),
 ]
 
 
@@ -85,5 +89,8 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(args)
     print(f"minillm serve: http://{args.host}:{args.port}/v1 (model {app.state.server.model_name}, "
           f"max_model_len={app.state.server.max_model_len})", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    finally:
+        app.state.server.llm.shutdown()  # join the worker processes, if any
     return 0
