@@ -57,6 +57,8 @@ class EngineLoad:
 
 
 class LLMEngine(ThreadedEngine):
+    kv_connector = None  # a prefill/decode pair's KV connector (minillm.kv_transfer), set by attach_kv_connector
+
     def __init__(self, model_config: ModelConfig, config: EngineConfig, *, model: LlamaModel | None = None,
                  tokenizer: Any = None, kv=None, scheduler: Scheduler | None = None, executor=None,
                  clock=None, proposer=None) -> None:
@@ -137,6 +139,8 @@ class LLMEngine(ThreadedEngine):
 
     def _arrive(self, req: Request) -> None:
         self.metrics.on_arrival(req.request_id, req.arrival_time, req.num_prompt_tokens)
+        if self.kv_connector is not None and self.kv_connector.on_arrival(req):
+            return  # held by the KV connector until its remote K/V are here (minillm.kv_transfer)
         self.scheduler.add_request(req)
 
     def abort_request(self, request_id: str) -> None:
