@@ -228,7 +228,7 @@ class LLMEngine(ThreadedEngine):
             aborts, self._deferred_aborts = self._deferred_aborts, []
             for request_id in aborts:
                 self.abort_request(request_id)
-        self._record(plan, prefill_tokens, decode_tokens, num_cached, now, done_time, chunks)
+        self._record(plan, prefill_tokens, decode_tokens, num_cached, now, done_time, chunks, output.expert_load)
         self.time_in_steps_s += time.perf_counter() - step_start
         result = StepUpdates(updates)
         result.model_ran = True
@@ -295,7 +295,7 @@ class LLMEngine(ThreadedEngine):
             self.outputs.emit(req, update.new_token_ids, update.new_logprobs, record)
 
     def _record(self, batch: ScheduledBatch, prefill: int, decode: int, num_cached: int, start: float,
-                end: float, chunks: tuple[int, ...] = ()) -> None:
+                end: float, chunks: tuple[int, ...] = (), expert_load: list[list[int]] | None = None) -> None:
         usage = self.kv.usage()
         prefix = self.kv.make_prefix_cache_stats()  # this step's lookups, returned (not diffed)
         for req in batch.preempted:
@@ -309,5 +309,5 @@ class LLMEngine(ThreadedEngine):
             num_prefix_queried_tokens=prefix.queries, num_prefix_hit_tokens=prefix.hits,
             kv_swapped_tokens=usage.swapped_tokens,
             num_swapped_blocks=sum(len(b) for _, b in batch.blocks_to_swap_out) + sum(
-                len(b) for _, b in batch.blocks_to_swap_in), prefill_chunk_sizes=chunks))
+                len(b) for _, b in batch.blocks_to_swap_in), prefill_chunk_sizes=chunks, expert_load=expert_load))
         self.num_steps += 1

@@ -283,7 +283,7 @@ class ModelRunner:
             logprobs = [None] * len(plan.req_ids)
             for i, lp in zip(sampled, sampled_logprobs(logits, states, tokens)):
                 logprobs[i] = lp
-        return ModelRunnerOutput(out, logprobs)
+        return ModelRunnerOutput(out, logprobs, self.model.expert_load)
 
     def _verify(self, plan: SchedulerOutput, logits: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
         """A step with speculative rows: plain rows sample as usual, speculative rows go through the
@@ -316,7 +316,7 @@ class ModelRunner:
                     # the target's logprobs at each emitted position (before temperature, as for plain rows)
                     m = len(out[i])
                     logprobs[i] = [e[0] for e in sampled_logprobs(logits[start : start + m], [state] * m, out[i])]
-        return ModelRunnerOutput(out, logprobs)
+        return ModelRunnerOutput(out, logprobs, self.model.expert_load)
 
     def compute_padded_logits(self, plan: SchedulerOutput) -> torch.Tensor:
         """A static/dynamic step: every row of the rectangle is computed, pads and finished rows too.
