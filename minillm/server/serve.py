@@ -31,6 +31,8 @@ ENGINE_FLAGS = [
     ("--preemption-mode", "preemption_mode", str, "recompute or swap"),
     ("--scheduling-policy", "scheduling_policy", str, "fcfs, priority or lpm"),
     ("--long-prefill-token-threshold", "long_prefill_token_threshold", int, "cap on one request's prefill chunk"),
+    ("--chunk-policy", "chunk_policy", str, "with --enable-chunked-prefill: sarathi (a fixed budget, default) or "
+     "splitfuse (Dynamic SplitFuse: --max-num-batched-tokens is the target step size)"),
     ("--seed", "seed", int, "seed of requests that give none"),
     ("--batching", "batching", str, "continuous (default), dynamic or static (minillm's teaching knob)"),
     ("--kv-layout", "kv_layout", str, "paged (default) or slab"),
