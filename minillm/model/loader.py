@@ -66,9 +66,10 @@ def load_hf_model(hf_model: Any, dtype: torch.dtype | None = None, device: str |
 
 
 def build_model(config: ModelConfig, state: Mapping[str, torch.Tensor], dtype: torch.dtype, device: str,
-                max_positions: int | None = None) -> LlamaModel:
+                max_positions: int | None = None, moe_shards: list | None = None) -> LlamaModel:
     """Check every tensor's shape against the config, fuse q|k|v and gate|up (per expert for a
-    Mixtral), and build the model."""
+    Mixtral), and build the model. `moe_shards` (expert parallelism: one `ExpertShard` per layer, from
+    `minillm.distributed.moe.read_expert_shards`) stand in for the experts, which `state` may then omit."""
     c = config
     q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     used: set[str] = set()
@@ -91,7 +92,7 @@ def build_model(config: ModelConfig, state: Mapping[str, torch.Tensor], dtype: t
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
-        moe = _take_moe(c, state, i, dtype, device, used) if c.is_moe else None
+        moe = _take_moe(c, state, i, dtype, device, used, moe_shards) if c.is_moe else None
         dense = moe is None
         layers.append(LayerWeights(
             input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
@@ -126,8 +127,12 @@ def build_model(config: ModelConfig, state: Mapping[str, torch.Tensor], dtype: t
 
 
 def _take_moe(c: ModelConfig, state: Mapping[str, torch.Tensor], layer: int, dtype: torch.dtype, device: str,
-              used: set[str]) -> MoEWeights:
-    """Layer `layer`'s router and experts (each expert's gate|up fused, gate rows first), shapes checked."""
+              used: set[str], moe_shards: list | None) -> MoEWeights:
+    """Layer `layer`'s router and experts (each expert's gate|up fused, gate rows first), shapes checked;
+    or, under expert parallelism, the rank's shard (then any expert tensor in `state` counts as used)."""
+    if moe_shards is not None:
+        used.update(moe_tensor_names(state, layer, c.num_experts))
+        return moe_shards[layer]
     weights = moe_weights_from_state(state, layer, c.num_experts, c.num_experts_per_tok, dtype=dtype, device=device)
     e, i, h = c.num_experts, c.intermediate_size, c.hidden_size
     for name, tensor, shape in (("router", weights.router, (e, h)), ("experts' gate|up", weights.gate_up, (e, 2 * i, h)),
