@@ -4,6 +4,7 @@
     minillm generate "What is a KV cache?" --chat --temperature 0.8 --seed 1
     minillm serve --port 8000 --max-num-seqs 16          # also: python -m minillm serve
     minillm serve --data-parallel-size 2 --port 8000     # 2 engine processes behind a router
+    minillm serve --pd-disaggregation --port 8000        # a prefill and a decode instance behind a PD router
     minillm router --worker http://127.0.0.1:8001 --worker http://127.0.0.1:8002 --policy cache_aware
     minillm simulate --hardware A100-80GB --model llama-7b --batching continuous --num-requests 200
 """
@@ -52,6 +53,10 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.pd_disaggregation:
+        from minillm.router.pd_launch import run_pd_disaggregation
+
+        return run_pd_disaggregation(args)
     if args.data_parallel_size != 1:
         from minillm.router.launch import run_data_parallel
 

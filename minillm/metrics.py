@@ -97,6 +97,7 @@ class StepRecord:
     kv_swapped_tokens: int = 0  # tokens held in host memory after the step
     num_swapped_blocks: int = 0  # blocks copied between device and host this step
     prefill_chunk_sizes: tuple[int, ...] = ()  # new tokens of each row that is (re)filling a prompt
+    expert_load: list[list[int]] | None = None  # MoE models: rows each expert computed, [layer][expert]
 
     @property
     def num_computed_tokens(self) -> int:

@@ -71,6 +71,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: the sampled token's; N: also the N most likely (vLLM's)
     prompt_logprobs: int | None = None  # not supported: the last layer computes logits for sampled rows only
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    extra_args: dict | None = None  # vLLM's: for extensions (kv_transfer_params, minillm.kv_transfer)
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:

@@ -75,3 +75,16 @@ def test_bad_flag_value_is_a_clear_error(capsys):
 
     assert main(["serve", "--max-num-queued-reqs", "0"]) == 2
     assert "--max-num-queued-reqs must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_chunk_policy_flag(capsys):
+    from minillm.cli import main
+
+    args = parse("--enable-chunked-prefill", "--chunk-policy", "splitfuse", "--max-num-batched-tokens", "256")
+    assert engine_knobs(args) == {"enable_chunked_prefill": True, "chunk_policy": "splitfuse",
+                                  "max_num_batched_tokens": 256}
+    # checked before the model loads: a name not known, and SplitFuse without chunked prefill
+    assert main(["serve", "--chunk-policy", "fastgen"]) == 2
+    assert "chunk_policy='fastgen'; choose one of ('sarathi', 'splitfuse')" in capsys.readouterr().err
+    assert main(["serve", "--chunk-policy", "splitfuse"]) == 2
+    assert "needs enable_chunked_prefill=True" in capsys.readouterr().err

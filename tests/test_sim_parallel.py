@@ -11,10 +11,12 @@ from minillm.sim import A100_80GB, H100_SXM, H200, LLAMA_7B, LLAMA_70B, decode_s
 from minillm.sim.cost_model import weight_bytes_read_per_step
 from minillm.sim.expert_parallel import (
     MIXTRAL_8X7B,
+    MIXTRAL_8X22B,
     ep_all_to_all_per_layer_s,
     ep_expert_bytes_per_device,
     load_imbalance,
     moe_shape_from_hf_config,
+    moe_weight_bytes_per_device,
     rank_loads,
 )
 from minillm.sim.network import (
@@ -41,6 +43,7 @@ from minillm.sim.parallel import (
     memory_per_device,
     min_tp_to_fit,
     pipeline_bubble_fraction,
+    pipeline_timeline,
     pp_decode,
     scaling_stops_at,
     stage_layers,
@@ -211,6 +214,21 @@ def test_bubble_formula():
         pipeline_bubble_fraction(2, 0)
 
 
+def test_pipeline_timeline_is_fill_and_drain():
+    # 3 stages, 2 micro-batches: stage s runs micro-batch j in beat s + j; 4 beats, each stage busy 2.
+    assert pipeline_timeline(3, 2) == [(0, 0, 0), (0, 1, 1), (1, 0, 1), (1, 1, 2), (2, 0, 2), (2, 1, 3)]
+    for p, m in ((4, 1), (4, 4), (2, 8)):
+        cells = pipeline_timeline(p, m)
+        beats = max(beat for _, _, beat in cells) + 1
+        assert beats == m + p - 1
+        assert len({(s, beat) for s, _, beat in cells}) == p * m  # a stage does one thing per beat
+        assert 1 - p * m / (p * beats) == pytest.approx(pipeline_bubble_fraction(p, m))
+        # a micro-batch visits the stages in order, one beat apart
+        assert all(beat == s + j for s, j, beat in cells)
+    with pytest.raises(ValueError, match="num_microbatches must be >= 1"):
+        pipeline_timeline(2, 0)
+
+
 def test_pp_does_not_cut_latency_but_micro_batches_fill_the_pipe():
     single = decode_step_time(H100_SXM, LLAMA_70B, 64, 1024).time_s
     one_stage = pp_decode(H100_SXM, LLAMA_70B, 1, NVLINK4_H100, batch=64, context_len=1024)
@@ -263,6 +281,29 @@ def test_ep_all_to_all_and_expert_memory_by_hand():
         ep_expert_bytes_per_device(MIXTRAL_8X7B, 3)
 
 
+def test_mixtral_8x22b_and_moe_memory_per_device():
+    # Mistral AI: 141 B parameters, 39 B active.
+    assert MIXTRAL_8X22B.num_params == pytest.approx(141e9, rel=5e-3)
+    assert MIXTRAL_8X22B.active_params == pytest.approx(39e9, rel=5e-3)
+    # One device holds everything.
+    assert moe_weight_bytes_per_device(MIXTRAL_8X7B, 1) == MIXTRAL_8X7B.num_params * 2
+    # 8x7B on 4 devices with EP: per layer q/o 4096 x 1024 each, k/v 4096 x 256 each (2 of the 8 KV
+    # heads), 2 norms, the router 8 x 4096; 2 whole experts of 3 x 4096 x 14336; a quarter of the
+    # embedding and of the lm_head; the final norm.
+    layer = 2 * 4096 * 1024 + 2 * 4096 * 256 + 2 * 4096 + 8 * 4096 + 2 * 3 * 4096 * 14336
+    params = 32 * layer + 2 * 8000 * 4096 + 4096
+    assert moe_weight_bytes_per_device(MIXTRAL_8X7B, 4) == 2 * params
+    # Which fits where (fp16, 90 % of 80 GB = 72 GB for weights and KV): 8x7B needs 2 H100s,
+    # 8x22B 4 (70.3 GB each: fits, with 1.7 GB left for KV), and 8 to leave room for a real cache.
+    fits = {m.shape.name: [n for n in (1, 2, 4, 8) if moe_weight_bytes_per_device(m, n) < 0.9 * H100_SXM.mem_capacity_bytes]
+            for m in (MIXTRAL_8X7B, MIXTRAL_8X22B)}
+    assert fits == {"mixtral-8x7b": [2, 4, 8], "mixtral-8x22b": [4, 8]}
+    with pytest.raises(ValueError, match="48 query heads cannot be split over tensor parallel size 32"):
+        moe_weight_bytes_per_device(MIXTRAL_8X22B, 32)
+    with pytest.raises(ValueError, match="8 experts cannot be split evenly over expert parallel size 16"):
+        moe_weight_bytes_per_device(MIXTRAL_8X7B, 16)
+
+
 def test_rank_loads_and_imbalance():
     # The bundled MoE's layer-0 histogram (models/README.md) on 2 ranks: experts 0-1 and 2-3.
     assert rank_loads([18, 11, 5, 12], 2) == [29, 17]
@@ -303,3 +344,17 @@ def test_layout_summary_ttft_and_tpot_per_kind_of_parallelism():
     assert eight.inter_token_s == pytest.approx(one.inter_token_s)
     assert eight.throughput_tokens_per_s == pytest.approx(8 * one.throughput_tokens_per_s)
     assert memory_per_device(H100_SXM, LLAMA_70B, pp=8).kv_tokens > 8 * 64 * 1024  # and their KV fits
+
+
+def test_layout_summary_data_parallel_multiplies_throughput_only():
+    one = layout_summary(H100_SXM, LLAMA_7B, tp=1, tp_link=NVLINK4_H100, batch=32)
+    four = layout_summary(H100_SXM, LLAMA_7B, tp=1, tp_link=NVLINK4_H100, batch=32, dp=4)
+    assert (four.num_devices, four.dp) == (4, 4)
+    assert four.throughput_tokens_per_s == pytest.approx(4 * one.throughput_tokens_per_s)
+    assert (four.ttft_s, four.tpot_s, four.weight_bytes_per_device, four.kv_tokens_per_device) == (
+        one.ttft_s, one.tpot_s, one.weight_bytes_per_device, one.kv_tokens_per_device)
+    # TP 4 on the same 4 devices: lower latency, and here less throughput than 4 replicas.
+    tp4 = layout_summary(H100_SXM, LLAMA_7B, tp=4, tp_link=NVLINK4_H100, batch=32)
+    assert tp4.tpot_s < one.tpot_s and tp4.throughput_tokens_per_s < four.throughput_tokens_per_s
+    with pytest.raises(ValueError, match="data parallel size must be >= 1, got 0"):
+        layout_summary(H100_SXM, LLAMA_7B, tp_link=NVLINK4_H100, dp=0)

@@ -14,14 +14,27 @@ full router (it is tiny), then:
 
 The result on each rank equals `moe.sparse_moe` on that rank's tokens in one process. The step's
 load per local expert comes back with it: the busiest rank sets the layer's pace.
+
+In the engine (vLLM's `tensor_parallel_size=2, enable_expert_parallel=True`) attention is tensor-
+parallel, so after it every rank holds the SAME hidden states for all T tokens. `ep_moe_layer` is
+the per-layer call for that case: rank r takes its contiguous slice of the T tokens, runs the four
+steps above on it, and an all-gather puts the T rows back together on every rank; the per-expert
+counts are summed over ranks (all-reduce), so every rank reports the whole layer's histogram.
+`ExpertParallelMoE` plugs it into `LlamaModel.moe_forward`; `shard_model_experts` swaps a loaded
+model's experts for the rank's own, `read_expert_shards` reads only those from the safetensors file.
+How the multi-process executor calls them: /work/notes/ep-hook.md (copied into the chapter 12 issue).
 """
 
 from __future__ import annotations
 
+import json
+from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from minillm.model.moe import MoEWeights, dispatch, expert_mlp, expert_ranges, route
 
@@ -92,3 +105,112 @@ def expert_parallel_moe(hidden: torch.Tensor, shard: ExpertShard, group: dist.Pr
     out.index_add_(0, d.token_index, returned * d.weights[:, None].to(returned.dtype))
     return ExpertParallelOutput(hidden=out, tokens_per_expert=d.tokens_per_expert,
                                 local_expert_rows=recv_counts.sum(dim=0))
+
+
+# ---- the engine's per-layer call (tokens replicated by tensor-parallel attention) -----------------
+def check_expert_parallel(config, ep_size: int) -> None:
+    """Refuse, before any process starts, what expert parallelism cannot split (a `ModelConfig`)."""
+    if not getattr(config, "num_experts", 0):
+        raise ValueError(f"enable_expert_parallel=True needs a mixture-of-experts model (Mixtral); "
+                         f"model_type {config.model_type!r} has no experts")
+    expert_ranges(config.num_experts, ep_size)  # raises, naming both numbers, unless ep_size divides them
+
+
+def token_slices(num_tokens: int, ep_size: int) -> list[range]:
+    """Rank r's share of T replicated tokens: contiguous, the first ranks one longer when uneven."""
+    base, extra = divmod(num_tokens, ep_size)
+    starts = [r * base + min(r, extra) for r in range(ep_size + 1)]
+    return [range(starts[r], starts[r + 1]) for r in range(ep_size)]
+
+
+def ep_moe_layer(hidden: torch.Tensor, shard: ExpertShard, group: dist.ProcessGroup | None = None) -> ExpertParallelOutput:
+    """One MoE layer under expert parallelism, for hidden states [T, hidden] that are the same on every
+    rank of `group`. Returns, on every rank, the layer's output for all T tokens (equal to
+    `moe.sparse_moe(hidden, full_weights)`) and the layer's per-expert histogram over all T tokens.
+
+    Collectives, all on `group` and called by every rank in the same order: 3 all_to_all_single
+    (counts, dispatch, combine), 1 all_gather (the token slices back), 1 all_reduce (the histogram).
+    """
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    slices = token_slices(hidden.shape[0], ep)
+    own = slices[rank]
+    part = expert_parallel_moe(hidden[own.start:own.stop], shard, group)
+    width = len(slices[0])  # the longest slice: all_gather wants equal shapes, so shorter ones are padded
+    padded = part.hidden.new_zeros((width, hidden.shape[1]))
+    padded[: len(own)] = part.hidden
+    gathered = [torch.empty_like(padded) for _ in range(ep)]
+    dist.all_gather(gathered, padded, group=group)
+    out = torch.cat([g[: len(sl)] for g, sl in zip(gathered, slices)])
+    counts = part.tokens_per_expert.clone()
+    dist.all_reduce(counts, group=group)
+    return ExpertParallelOutput(hidden=out, tokens_per_expert=counts, local_expert_rows=part.local_expert_rows)
+
+
+class ExpertParallelMoE:
+    """`LlamaModel.moe_forward` under expert parallelism: (layer, x, the layer's ExpertShard) → output.
+    Keeps the last call's rows per local expert, per layer (`local_expert_rows`), for the chapter."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.local_expert_rows: dict[int, list[int]] = {}
+
+    def __call__(self, layer: int, x: torch.Tensor, shard: ExpertShard) -> ExpertParallelOutput:
+        out = ep_moe_layer(x, shard, self.group)
+        self.local_expert_rows[layer] = out.local_expert_rows.tolist()
+        return out
+
+
+def shard_model_experts(model, group: dist.ProcessGroup | None = None,
+                        shards: list[ExpertShard] | None = None) -> ExpertParallelMoE:
+    """Make a loaded MoE `LlamaModel` expert-parallel on `group`: each layer keeps only this rank's
+    experts (`shards`, e.g. from `read_expert_shards`, or sliced from the weights it holds), and its
+    forward calls `ep_moe_layer`. Every rank of the group must do the same, then run the same forwards."""
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    moe_layers = [lw for lw in model.layers if lw.moe is not None]
+    if not moe_layers:
+        raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model; {model.config.model_type!r} has none")
+    if shards is not None and len(shards) != len(moe_layers):
+        raise ValueError(f"{len(shards)} expert shards for {len(moe_layers)} MoE layers")
+    for i, lw in enumerate(moe_layers):
+        if shards is not None:
+            lw.moe = shards[i]
+        elif not isinstance(lw.moe, ExpertShard):  # (one built with build_model(..., moe_shards=...) already is)
+            lw.moe = shard_experts(lw.moe, rank, ep)
+        if lw.moe.experts != expert_ranges(lw.moe.router.shape[0], ep)[rank]:
+            raise ValueError(f"EP rank {rank} of {ep} must hold experts {expert_ranges(lw.moe.router.shape[0], ep)[rank]}, "
+                             f"this layer's shard holds {lw.moe.experts}")
+    model.moe_forward = ExpertParallelMoE(group)
+    return model.moe_forward
+
+
+def read_expert_shards(model_dir: str | Path, config, ep_rank: int, ep_size: int,
+                       dtype: torch.dtype = torch.float32, device: str = "cpu") -> list[ExpertShard]:
+    """This rank's experts of every layer, read from the safetensors file(s) one tensor at a time: the
+    other ranks' experts are never read (a Mixtral checkpoint on disk: `block_sparse_moe.experts.{e}.w1|w2|w3`)."""
+    if not 0 <= ep_rank < ep_size:
+        raise ValueError(f"ep_rank={ep_rank} must be in [0, {ep_size})")
+    own = expert_ranges(config.num_experts, ep_size)[ep_rank]
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    where = ({name: model_dir / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+             if index.is_file() else {})
+    shards = []
+    with ExitStack() as stack:
+        handles: dict[Path, object] = {}
+
+        def get(name: str) -> torch.Tensor:
+            file = where.get(name, model_dir / "model.safetensors")
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+            if name not in handles[file].keys():  # noqa: SIM118 - safe_open has no __contains__
+                raise KeyError(f"{file.name} has no tensor {name!r} (expected a Mixtral checkpoint)")
+            return handles[file].get_tensor(name).to(device=device, dtype=dtype)
+
+        for layer in range(config.num_layers):
+            p = f"model.layers.{layer}.block_sparse_moe."
+            gate_up = torch.stack([torch.cat([get(f"{p}experts.{e}.w1.weight"), get(f"{p}experts.{e}.w3.weight")])
+                                   for e in own])
+            down = torch.stack([get(f"{p}experts.{e}.w2.weight") for e in own])
+            shards.append(ExpertShard(router=get(p + "gate.weight"), gate_up=gate_up.contiguous(),
+                                      down=down.contiguous(), experts=own, top_k=config.num_experts_per_tok))
+    return shards

@@ -57,6 +57,8 @@ class EngineLoad:
 
 
 class LLMEngine(ThreadedEngine):
+    kv_connector = None  # a prefill/decode pair's KV connector (minillm.kv_transfer), set by attach_kv_connector
+
     def __init__(self, model_config: ModelConfig, config: EngineConfig, *, model: LlamaModel | None = None,
                  tokenizer: Any = None, kv=None, scheduler: Scheduler | None = None, executor=None,
                  clock=None, proposer=None) -> None:
@@ -137,6 +139,8 @@ class LLMEngine(ThreadedEngine):
 
     def _arrive(self, req: Request) -> None:
         self.metrics.on_arrival(req.request_id, req.arrival_time, req.num_prompt_tokens)
+        if self.kv_connector is not None and self.kv_connector.on_arrival(req):
+            return  # held by the KV connector until its remote K/V are here (minillm.kv_transfer)
         self.scheduler.add_request(req)
 
     def abort_request(self, request_id: str) -> None:
@@ -224,7 +228,7 @@ class LLMEngine(ThreadedEngine):
             aborts, self._deferred_aborts = self._deferred_aborts, []
             for request_id in aborts:
                 self.abort_request(request_id)
-        self._record(plan, prefill_tokens, decode_tokens, num_cached, now, done_time, chunks)
+        self._record(plan, prefill_tokens, decode_tokens, num_cached, now, done_time, chunks, output.expert_load)
         self.time_in_steps_s += time.perf_counter() - step_start
         result = StepUpdates(updates)
         result.model_ran = True
@@ -304,7 +308,7 @@ class LLMEngine(ThreadedEngine):
             self.outputs.emit(req, update.new_token_ids, update.new_logprobs, record)
 
     def _record(self, batch: ScheduledBatch, prefill: int, decode: int, num_cached: int, start: float,
-                end: float, chunks: tuple[int, ...] = ()) -> None:
+                end: float, chunks: tuple[int, ...] = (), expert_load: list[list[int]] | None = None) -> None:
         usage = self.kv.usage()
         prefix = self.kv.make_prefix_cache_stats()  # this step's lookups, returned (not diffed)
         for req in batch.preempted:
@@ -318,5 +322,5 @@ class LLMEngine(ThreadedEngine):
             num_prefix_queried_tokens=prefix.queries, num_prefix_hit_tokens=prefix.hits,
             kv_swapped_tokens=usage.swapped_tokens,
             num_swapped_blocks=sum(len(b) for _, b in batch.blocks_to_swap_out) + sum(
-                len(b) for _, b in batch.blocks_to_swap_in), prefill_chunk_sizes=chunks))
+                len(b) for _, b in batch.blocks_to_swap_in), prefill_chunk_sizes=chunks, expert_load=expert_load))
         self.num_steps += 1

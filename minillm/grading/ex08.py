@@ -1,11 +1,16 @@
 """Grader of exercise 08 (chapter 08: chunked prefill): the stall-free order, filling a step's token
-budget, and the real engine with the learner's budget filler.
+budget, the real engine with the learner's budget filler, Dynamic SplitFuse's step, and a trace on
+which its even split costs TTFT.
 
 Tasks 1–2 need no model: a stand-in executor emits token 7 for every row that reaches the end of
 its known tokens and each step takes 1 ms of simulated time. The reference is minillm's
 `ContinuousScheduler` with `enable_chunked_prefill=True`, disabled (`forbid`) while learner code
 runs. `ChunkedHarness` is the scheduler around the learner's `fill_budget`: it keeps the queues,
 reserves KV and checks the plan it is given (the pool is sized so that nobody is ever preempted).
+Task 4 replays the same scenarios with `chunk_policy="splitfuse"` (minillm.scheduler.chunk_policy's
+`SplitFuseChunking` sizes the budget, disabled too while learner code runs) and then builds the real
+engine around the learner's SplitFuse step. Task 5 runs the learner's trace on the simulated
+7B/A100 under both chunk policies.
 """
 
 from __future__ import annotations
@@ -23,12 +28,18 @@ from minillm.llm import BUNDLED_TARGET
 from minillm.model.config import ModelConfig
 from minillm.request import Request, RequestStatus
 from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch, SchedulerBase
+from minillm.scheduler.chunk_policy import SarathiChunking, SplitFuseChunking, even_share, make_chunk_policy
 from minillm.scheduler.continuous import ContinuousScheduler
+from minillm.sim.simulate import simulate
+from minillm.trace import Trace, TraceRequest
 
 # Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
 # module raises when learner code calls it while a check runs.
 FRESH_CASES = 50  # task 1's cases drawn at grade time, besides the seeded ones
-LEARNER_TOOLS = {"ChunkedHarness": (3,)}  # task 3: the scheduler around your fill_budget
+# task 3: the scheduler around your fill_budget; task 5: both chunk policies on your trace
+LEARNER_TOOLS = {"ChunkedHarness": (3,), "compare_policies": (5,)}
+# What learner code may not call while a check runs: the scheduler and its chunk policies
+REFERENCES = (ContinuousScheduler, SarathiChunking, SplitFuseChunking, even_share, make_chunk_policy)
 
 TOY_MODEL = ModelConfig(model_type="llama", vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=1,
                         num_heads=1, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
@@ -165,7 +176,7 @@ def check_task_1(serve_order, num_cases: int = 300) -> str:
         reference = ContinuousScheduler(config, kv=None)
         reference.running = list(running)
         expected = [r.request_id for r in reference._running_order()]
-        with forbid(ContinuousScheduler):
+        with forbid(*REFERENCES):
             got = serve_order(list(running))
         if not isinstance(got, list):
             raise Fail(f"case {seed}: serve_order returned {type(got).__name__}, not a list of requests")
@@ -199,12 +210,13 @@ def _random_scenario(seed: int):
             rng.choice([0, 0, 4, 10, 24]), requests)
 
 
-def run_plans(make_scheduler: Callable, scenario) -> list[tuple]:
+def run_plans(make_scheduler: Callable, scenario, chunk_policy: str = "sarathi") -> list[tuple]:
     """Replays one scenario through the real engine loop; returns every step's plan."""
     _, max_num_seqs, budget, threshold, requests = scenario
     config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=128, max_num_batched_tokens=budget,
                           enable_chunked_prefill=True, long_prefill_token_threshold=threshold,
-                          num_kv_blocks=512, block_size=16).resolve(TOY_MODEL.max_position_embeddings)
+                          chunk_policy=chunk_policy, num_kv_blocks=512,
+                          block_size=16).resolve(TOY_MODEL.max_position_embeddings)
     kv = make_kv_manager(config, TOY_MODEL, allocate_pool=False)
     executor = StandInExecutor()
     engine = LLMEngine(TOY_MODEL, config, kv=kv, scheduler=make_scheduler(config, kv), executor=executor,
@@ -224,7 +236,7 @@ def check_task_2(fill_budget, num_random: int = 80) -> str:
     for scenario in scenarios:
         expected = run_plans(ContinuousScheduler, scenario)
         limits = f"max_num_seqs={scenario[1]}, budget={scenario[2]}, threshold={scenario[3]}"
-        with forbid(ContinuousScheduler):
+        with forbid(*REFERENCES):
             try:
                 plans = run_plans(lambda config, kv: ChunkedHarness(config, kv, fill_budget), scenario)
             except Fail as failure:
@@ -259,7 +271,7 @@ def _engine_run(llm: LLM):
 def check_task_3(make_llm, fill_budget) -> list[str]:
     plain_tokens, _ = _engine_run(LLM(BUNDLED_TARGET, max_num_seqs=3, max_model_len=512))
     ref_tokens, ref_steps = _engine_run(LLM(BUNDLED_TARGET, **ENGINE_KNOBS))
-    with forbid(ContinuousScheduler):
+    with forbid(*REFERENCES):
         llm = make_llm(**ENGINE_KNOBS)
         scheduler = llm.engine.scheduler
         used = type(scheduler).__name__
@@ -274,4 +286,126 @@ def check_task_3(make_llm, fill_budget) -> list[str]:
              f"every step's chunks and decodes identical to minillm's chunked engine: {steps == ref_steps}"]
     if tokens != plain_tokens or steps != ref_steps or tokens != ref_tokens:
         raise Fail("your engine run differs from minillm's: " + "; ".join(lines[1:]))
+    return lines
+
+
+# --- task 4: Dynamic SplitFuse's step ------------------------------------------------------------
+
+# (name, max_num_seqs, target, threshold, [(prompt_len, max_tokens, arrival_s), ...]); each named for
+# the rule a wrong step breaks first
+SPLITFUSE_SCENARIOS = [
+    ("a pool of 40 prompt tokens at target 32 runs as two passes of 20, not 32 + 8", 8, 32, 0, [(40, 2, 0.0)]),
+    ("an odd pool (41 tokens) splits 21 + 20: the passes differ by one token at most", 8, 32, 0, [(41, 2, 0.0)]),
+    ("only requests that get a seat count: 2 seats, four prompts of 20 queued", 2, 32, 0, [(20, 3, 0.0)] * 4),
+    ("decodes take their tokens first; the prompts split what is left of the target", 8, 16, 0,
+     [(3, 12, 0.0)] * 3 + [(60, 2, 0.003)]),
+    ("more decodes than the target", 8, 4, 0, [(1, 6, 0.0)] * 7),
+    ("running prefills and new prompts share one pool", 8, 24, 0, [(45, 3, 0.0), (30, 3, 0.001), (6, 3, 0.001)]),
+    ("the cap still cuts each chunk", 8, 32, 8, [(4, 10, 0.0), (50, 3, 0.002)]),
+]
+SPLITFUSE_RANDOM = 60  # seeded random scenarios, besides the named ones and FRESH_SCENARIOS drawn at grade time
+FRESH_SCENARIOS = 20
+
+SPLITFUSE_KNOBS = dict(max_num_seqs=3, max_model_len=512, enable_chunked_prefill=True, chunk_policy="splitfuse",
+                       max_num_batched_tokens=24)
+
+
+@task(4, "SplitFuse's step")
+def check_task_4(splitfuse_fill) -> list[str]:
+    scenarios = SPLITFUSE_SCENARIOS + [_random_scenario(seed) for seed in range(SPLITFUSE_RANDOM)]
+    scenarios += [_random_scenario(seed) for seed in grade_time_seeds(FRESH_SCENARIOS)]
+    for scenario in scenarios:
+        expected = run_plans(ContinuousScheduler, scenario, "splitfuse")
+        limits = f"max_num_seqs={scenario[1]}, target={scenario[2]}, threshold={scenario[3]}"
+        with forbid(*REFERENCES):
+            try:
+                plans = run_plans(lambda config, kv: ChunkedHarness(config, kv, splitfuse_fill), scenario, "splitfuse")
+            except Fail as failure:
+                raise Fail(f"{scenario[0]} ({limits}): {failure}") from None
+        for step, (mine, ref) in enumerate(zip(plans + [None] * len(expected), expected)):
+            if mine != ref:
+                raise Fail(f"{scenario[0]} ({limits}), step {step}: your plan {mine}, SplitFuse's {ref} "
+                           "((request id, tokens) per row, decode rows first)")
+        if len(plans) != len(expected):
+            raise Fail(f"{scenario[0]}: {len(plans)} steps, SplitFuse took {len(expected)}")
+    lines = [f"{len(scenarios)} traces ({FRESH_SCENARIOS} drawn now), every step's plan identical to "
+             "ContinuousScheduler's with chunk_policy='splitfuse'"]
+    return lines + _splitfuse_engine(splitfuse_fill)
+
+
+def _splitfuse_engine(splitfuse_fill) -> list[str]:
+    """The bundled model served by the engine `LLM` builds around the learner's step, against minillm's
+    own SplitFuse engine: the same greedy tokens and the same chunks and decodes in every step."""
+    ref_tokens, ref_steps = _engine_run(LLM(BUNDLED_TARGET, **SPLITFUSE_KNOBS))
+    with forbid(*REFERENCES):
+        llm = LLM(BUNDLED_TARGET, scheduler_factory=lambda config, kv: ChunkedHarness(config, kv, splitfuse_fill),
+                  **SPLITFUSE_KNOBS)
+        tokens, steps = _engine_run(llm)
+    target = SPLITFUSE_KNOBS["max_num_batched_tokens"]
+    sizes = [sum(chunks) + decodes for chunks, decodes in steps]
+    lines = [f"the real engine around {getattr(splitfuse_fill, '__name__', 'your step')}, target {target}: "
+             f"{len(steps)} steps (minillm's SplitFuse {len(ref_steps)}), step sizes {min(sizes)} to {max(sizes)} tokens",
+             f"greedy outputs identical to minillm's SplitFuse engine: {tokens == ref_tokens}",
+             f"every step's chunks and decodes identical: {steps == ref_steps}"]
+    if tokens != ref_tokens or steps != ref_steps:
+        raise Fail("your engine run differs from minillm's SplitFuse engine: " + "; ".join(lines))
+    return lines
+
+
+# --- task 5: a trace on which the even split costs TTFT -------------------------------------------
+
+HURT_HARDWARE, HURT_MODEL, HURT_TARGET = "A100-80GB", "llama-7b", 256
+HURT_MARGIN = 1.10  # SplitFuse's p99 TTFT must be at least this many times Sarathi's
+HURT_MAX_REQUESTS, HURT_MAX_PROMPT, HURT_MAX_OUTPUT, HURT_MAX_ARRIVAL_S = 8, 2048, 64, 10.0
+
+
+def compare_policies(requests) -> dict[str, dict]:
+    """Task 5's setting: `requests`, a list of (arrival_s, prompt_len, output_len), simulated with Llama-2-7B
+    on an A100-80GB, chunked prefill at max_num_batched_tokens 256 (SplitFuse's target), max_num_seqs 8,
+    under each chunk policy. Returns, per policy, "p99_ttft_ms", "ttft_ms" (per request, in your order)
+    and "steps": one (prefill chunk sizes, decode tokens, step ms) per engine step. Deterministic."""
+    requests = _checked_trace(requests)
+    trace = Trace([TraceRequest(f"r{i}", float(arrival), [100 + i] * prompt, output)
+                   for i, (arrival, prompt, output) in enumerate(requests)])
+    out = {}
+    for policy in ("sarathi", "splitfuse"):
+        res = simulate(trace, hardware=HURT_HARDWARE, model=HURT_MODEL,
+                       engine_config=dict(max_num_seqs=8, max_model_len=4096, enable_chunked_prefill=True,
+                                          max_num_batched_tokens=HURT_TARGET, chunk_policy=policy))
+        out[policy] = {"p99_ttft_ms": res.summary.ttft.percentiles_ms[99],
+                       "ttft_ms": [1e3 * m.ttft for m in res.requests],
+                       "steps": [(tuple(s.prefill_chunk_sizes), s.num_decode_tokens, 1e3 * c.time_s)
+                                 for s, c in zip(res.steps, res.costs)]}
+    return out
+
+
+def _checked_trace(requests) -> list[tuple[float, int, int]]:
+    if not isinstance(requests, (list, tuple)) or not 1 <= len(requests) <= HURT_MAX_REQUESTS:
+        raise Fail(f"give a list of 1 to {HURT_MAX_REQUESTS} requests (arrival_s, prompt_len, output_len), "
+                   f"not {requests!r}")
+    out = []
+    for i, item in enumerate(requests):
+        if not isinstance(item, (list, tuple)) or len(item) != 3:
+            raise Fail(f"request {i}: {item!r} is not (arrival_s, prompt_len, output_len)")
+        arrival, prompt, output = item
+        if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not 0 <= arrival <= HURT_MAX_ARRIVAL_S:
+            raise Fail(f"request {i}: arrival_s is a number of seconds from 0 to {HURT_MAX_ARRIVAL_S:g}, not {arrival!r}")
+        for label, value, top in (("prompt_len", prompt, HURT_MAX_PROMPT), ("output_len", output, HURT_MAX_OUTPUT)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+                raise Fail(f"request {i}: {label} is an int from 1 to {top}, not {value!r}")
+        out.append((float(arrival), prompt, output))
+    return out
+
+
+@task(5, "when the even split hurts")
+def check_task_5(splitfuse_hurts) -> list[str]:
+    with forbid(*REFERENCES):
+        requests = splitfuse_hurts()
+    runs = compare_policies(requests)
+    fixed, split = runs["sarathi"]["p99_ttft_ms"], runs["splitfuse"]["p99_ttft_ms"]
+    lines = [f"{len(requests)} requests on the simulated 7B/A100, target {HURT_TARGET} tokens: p99 TTFT "
+             f"{fixed:.1f} ms with Sarathi's fixed budget, {split:.1f} ms with SplitFuse ({split / fixed:.2f}x)",
+             f"steps: {len(runs['sarathi']['steps'])} fixed, {len(runs['splitfuse']['steps'])} SplitFuse"]
+    if split < HURT_MARGIN * fixed:
+        raise Fail(f"SplitFuse's p99 TTFT is not {HURT_MARGIN:.2f}x Sarathi's or more on your trace: " + "; ".join(lines))
     return lines

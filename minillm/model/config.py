@@ -2,6 +2,8 @@
 
 minillm runs the Llama family itself. Llama, Mistral and Qwen2 differ only in a few switches
 (q/k/v bias, tied embeddings, sliding windows, RoPE scaling), so one dataclass describes them all.
+Mixtral is Mistral with a mixture-of-experts MLP (chapter 12): `num_experts` SwiGLU experts of
+`intermediate_size` each and a router that picks `num_experts_per_tok` of them per token.
 """
 
 from __future__ import annotations
@@ -9,7 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
+# Mixture-of-experts families minillm does not run: their routers differ from Mixtral's (shared
+# experts, grouped or biased top-k, no renormalisation...), so they are refused by name.
+OTHER_MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "dbrx", "jamba", "olmoe",
+                         "granitemoe", "phimoe", "llama4", "gpt_oss")
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,12 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full attention
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    num_experts: int = 0  # Mixtral's num_local_experts; 0 = a dense MLP
+    num_experts_per_tok: int = 0  # experts each token is routed to (top-k)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -45,6 +57,12 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type")
+        expert_keys = [k for k in ("num_experts", "num_local_experts", "n_routed_experts") if cfg.get(k)]
+        if model_type in OTHER_MOE_MODEL_TYPES or (expert_keys and model_type != "mixtral"):
+            raise ValueError(
+                f"unsupported model_type {model_type!r}: a mixture-of-experts family minillm does not run; "
+                "of MoE models minillm runs only 'mixtral' (softmax router, top-k renormalised, no shared experts)"
+            )
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"unsupported model_type {model_type!r}; minillm runs {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -65,6 +83,7 @@ class ModelConfig:
         rope_scaling = dict(scaling) if rope_type == "llama3" else None
 
         num_layers = cfg["num_hidden_layers"]
+        num_experts, top_k = _experts(cfg, model_type)
         windows = _sliding_windows(cfg, model_type, num_layers)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -88,7 +107,22 @@ class ModelConfig:
             sliding_windows=windows,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
         )
+
+
+def _experts(cfg: dict[str, Any], model_type: str) -> tuple[int, int]:
+    """(num_experts, experts per token) of a Mixtral config; (0, 0) for the dense families."""
+    if model_type != "mixtral":
+        return 0, 0
+    num_experts, top_k = cfg.get("num_local_experts"), cfg.get("num_experts_per_tok")
+    if not isinstance(num_experts, int) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(
+            f"mixtral config: num_local_experts={num_experts!r}, num_experts_per_tok={top_k!r}; expected integers "
+            "with 1 <= num_experts_per_tok <= num_local_experts"
+        )
+    return num_experts, top_k
 
 
 def _sliding_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, ...]:

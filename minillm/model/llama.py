@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from minillm.attention.select import numba_installed
 from minillm.model.config import ModelConfig
 from minillm.model.fused import fused_forward
+from minillm.model.moe import MoEWeights, sparse_moe
 from minillm.model.rope import RotaryTable, apply_rotary
 
 
@@ -46,6 +47,7 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor  # [hidden, intermediate]
     down_bias: torch.Tensor | None
+    moe: MoEWeights | None = None  # Mixtral: router + experts in place of the MLP (gate_up, down are None)
 
 
 def _column_major(w: torch.Tensor) -> torch.Tensor:
@@ -71,7 +73,8 @@ class LlamaModel:
         # for the few-row matmuls of a decode step on this CPU, and bit-identical.
         for lw in layers:
             for name in ("qkv", "o", "gate_up", "down"):
-                setattr(lw, name, _column_major(getattr(lw, name)))
+                if getattr(lw, name) is not None:  # (an MoE layer has no dense gate_up/down)
+                    setattr(lw, name, _column_major(getattr(lw, name)))
         self.layers = layers
         self.final_norm = final_norm
         self.tied_embeddings = lm_head is embed
@@ -85,7 +88,14 @@ class LlamaModel:
         self._eps = c.rms_norm_eps
         # float32 on a CPU: the small ops between the matmuls run fused by numba (minillm/model/fused.py,
         # measured faster there); float64 keeps the torch ops below, HF's own op for op.
-        self.fused_ops = self.dtype == torch.float32 and self.device.type == "cpu" and numba_installed()
+        # MoE models (chapter 12) run the torch ops below: fused.py has no MoE block.
+        self.fused_ops = (self.dtype == torch.float32 and self.device.type == "cpu" and numba_installed()
+                          and not config.is_moe)
+        # MoE: the MoE block each layer runs, (layer, x, weights) -> .hidden, .tokens_per_expert; expert
+        # parallelism swaps in minillm.distributed.moe's. After each forward, `expert_load[layer][e]` is
+        # the number of rows expert e computed (every token's top-k slots; the last layer: `output_rows`').
+        self.moe_forward = _single_process_moe
+        self.expert_load: list[list[int]] | None = None
         self._fused_views = None  # numpy views of the norm weights and RoPE table, made on first use
 
     @property
@@ -94,13 +104,13 @@ class LlamaModel:
         if not self.tied_embeddings:
             tensors.append(self.lm_head)
         for lw in self.layers:
-            tensors += [t for t in vars(lw).values() if t is not None]
+            tensors += _layer_tensors(lw)
         return sum(t.numel() for t in tensors)
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of every weight a decode step reads (the embedding table is gathered, not read)."""
-        total = sum(t.numel() * t.element_size() for lw in self.layers for t in vars(lw).values() if t is not None)
+        total = sum(t.numel() * t.element_size() for lw in self.layers for t in _layer_tensors(lw))
         return total + self.lm_head.numel() * self.lm_head.element_size() + self.final_norm.numel() * self.final_norm.element_size()
 
     @torch.inference_mode()
@@ -120,6 +130,7 @@ class LlamaModel:
         cos, sin = self.rope.lookup(positions)
         h = F.embedding(input_ids, self.embed)
         last = len(self.layers) - 1
+        loads = []
         for i, lw in enumerate(self.layers):
             x = rms_norm(h, lw.input_norm, eps)
             qkv = F.linear(x, lw.qkv, lw.qkv_bias).view(num_tokens, hq + 2 * hkv, d)
@@ -129,11 +140,29 @@ class LlamaModel:
                 out, h = out.index_select(0, output_rows), h.index_select(0, output_rows)
             h = h + F.linear(out.reshape(h.shape[0], hq * d), lw.o, lw.o_bias)
             x = rms_norm(h, lw.post_attention_norm, eps)
+            if lw.moe is not None:  # a mixture-of-experts layer (minillm/model/moe.py)
+                moe = self.moe_forward(i, x, lw.moe)
+                h = h + moe.hidden
+                loads.append(moe.tokens_per_expert)
+                continue
             gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, lw.down, lw.down_bias)
+        if loads:
+            self.expert_load = torch.stack(loads).tolist()
         return rms_norm(h, self.final_norm, eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits [N, vocab] for the rows of `hidden` that need sampling."""
         return F.linear(hidden, self.lm_head)
+
+
+def _single_process_moe(layer: int, x: torch.Tensor, weights: MoEWeights):
+    return sparse_moe(x, weights)
+
+
+def _layer_tensors(lw: LayerWeights) -> list[torch.Tensor]:
+    tensors = [t for t in vars(lw).values() if isinstance(t, torch.Tensor)]
+    if lw.moe is not None:
+        tensors += [lw.moe.router, lw.moe.gate_up, lw.moe.down]
+    return tensors

@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from minillm.model.config import ModelConfig
 from minillm.model.llama import LayerWeights, LlamaModel
+from minillm.model.moe import MoEWeights, moe_tensor_names, moe_weights_from_state
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -65,8 +66,10 @@ def load_hf_model(hf_model: Any, dtype: torch.dtype | None = None, device: str |
 
 
 def build_model(config: ModelConfig, state: Mapping[str, torch.Tensor], dtype: torch.dtype, device: str,
-                max_positions: int | None = None) -> LlamaModel:
-    """Check every tensor's shape against the config, fuse q|k|v and gate|up, and build the model."""
+                max_positions: int | None = None, moe_shards: list | None = None) -> LlamaModel:
+    """Check every tensor's shape against the config, fuse q|k|v and gate|up (per expert for a
+    Mixtral), and build the model. `moe_shards` (expert parallelism: one `ExpertShard` per layer, from
+    `minillm.distributed.moe.read_expert_shards`) stand in for the experts, which `state` may then omit."""
     c = config
     q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     used: set[str] = set()
@@ -89,6 +92,8 @@ def build_model(config: ModelConfig, state: Mapping[str, torch.Tensor], dtype: t
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
+        moe = _take_moe(c, state, i, dtype, device, used, moe_shards) if c.is_moe else None
+        dense = moe is None
         layers.append(LayerWeights(
             input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
             qkv=cat(take(attn + "q_proj.weight", (q_dim, c.hidden_size)),
@@ -100,12 +105,13 @@ def build_model(config: ModelConfig, state: Mapping[str, torch.Tensor], dtype: t
             o=take(attn + "o_proj.weight", (c.hidden_size, q_dim)),
             o_bias=take(attn + "o_proj.bias", (c.hidden_size,), c.o_bias),
             post_attention_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
-            gate_up=cat(take(mlp + "gate_proj.weight", (c.intermediate_size, c.hidden_size)),
-                        take(mlp + "up_proj.weight", (c.intermediate_size, c.hidden_size))),
-            gate_up_bias=cat(take(mlp + "gate_proj.bias", (c.intermediate_size,), c.mlp_bias),
-                             take(mlp + "up_proj.bias", (c.intermediate_size,), c.mlp_bias)),
-            down=take(mlp + "down_proj.weight", (c.hidden_size, c.intermediate_size)),
-            down_bias=take(mlp + "down_proj.bias", (c.hidden_size,), c.mlp_bias),
+            gate_up=cat(take(mlp + "gate_proj.weight", (c.intermediate_size, c.hidden_size), dense),
+                        take(mlp + "up_proj.weight", (c.intermediate_size, c.hidden_size), dense)),
+            gate_up_bias=cat(take(mlp + "gate_proj.bias", (c.intermediate_size,), dense and c.mlp_bias),
+                             take(mlp + "up_proj.bias", (c.intermediate_size,), dense and c.mlp_bias)),
+            down=take(mlp + "down_proj.weight", (c.hidden_size, c.intermediate_size), dense),
+            down_bias=take(mlp + "down_proj.bias", (c.hidden_size,), dense and c.mlp_bias),
+            moe=moe,
         ))
     embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
     final_norm = take("model.norm.weight", (c.hidden_size,))
@@ -118,3 +124,21 @@ def build_model(config: ModelConfig, state: Mapping[str, torch.Tensor], dtype: t
     if unexpected:
         raise ValueError(f"checkpoint has tensors this {c.model_type} config does not use: {unexpected[:5]}")
     return LlamaModel(c, embed, layers, final_norm, lm_head, max_positions or c.max_position_embeddings)
+
+
+def _take_moe(c: ModelConfig, state: Mapping[str, torch.Tensor], layer: int, dtype: torch.dtype, device: str,
+              used: set[str], moe_shards: list | None) -> MoEWeights:
+    """Layer `layer`'s router and experts (each expert's gate|up fused, gate rows first), shapes checked;
+    or, under expert parallelism, the rank's shard (then any expert tensor in `state` counts as used)."""
+    if moe_shards is not None:
+        used.update(moe_tensor_names(state, layer, c.num_experts))
+        return moe_shards[layer]
+    weights = moe_weights_from_state(state, layer, c.num_experts, c.num_experts_per_tok, dtype=dtype, device=device)
+    e, i, h = c.num_experts, c.intermediate_size, c.hidden_size
+    for name, tensor, shape in (("router", weights.router, (e, h)), ("experts' gate|up", weights.gate_up, (e, 2 * i, h)),
+                                ("experts' down", weights.down, (e, h, i))):
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"layer {layer}: the {name} weights have shape {tuple(tensor.shape)}, the config "
+                             f"implies {shape}")
+    used.update(moe_tensor_names(state, layer, c.num_experts))
+    return weights

@@ -15,8 +15,10 @@ parallelism sends with one all-to-all: rank r owns a contiguous range of experts
 its experts are one slice of the sorted buffer. `tokens_per_expert` — the router's load histogram —
 is returned for the step records: an expert that gets most tokens makes its rank the straggler.
 
-Not yet wired into `minillm.model.llama` (see the chapter 12 issue); the weights of an HF Mixtral
-checkpoint, on disk or in memory, are read by `moe_weights_from_state`.
+`minillm.model.llama.LlamaModel.forward` runs it in place of the MLP of a Mixtral layer (through
+`LlamaModel.moe_forward`, which expert parallelism replaces: minillm/distributed/moe.py) and keeps
+each step's histogram for the step records; the weights of an HF Mixtral checkpoint, on disk or in
+memory, are read by `moe_weights_from_state`.
 """
 
 from __future__ import annotations

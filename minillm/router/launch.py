@@ -3,6 +3,7 @@
     minillm serve --data-parallel-size 2 --port 8000          # 2 engine processes + the router on :8000
     minillm router --worker http://127.0.0.1:8001 --worker http://127.0.0.1:8002 \\
         --policy cache_aware --cache-threshold 0.3 --port 8000
+    minillm router --pd --prefill http://127.0.0.1:8001 --decode http://127.0.0.1:8002   # PD mode (router/pd.py)
 
 With `--data-parallel-size N` each replica is its own `python -m minillm serve` process on a free
 loopback port, with the same engine flags, and `OMP_NUM_THREADS` = cores // N unless set (N
@@ -55,8 +56,12 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_router_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--worker", action="append", required=True, metavar="URL",
+    p.add_argument("--worker", action="append", metavar="URL",
                    help="a worker's root URL, e.g. http://127.0.0.1:8001 (repeat for each)")
+    p.add_argument("--pd", action="store_true",
+                   help="prefill/decode mode: each request goes to --prefill, then to --decode (minillm.router.pd)")
+    p.add_argument("--prefill", metavar="URL", help="with --pd: the prefill instance (kv_role kv_producer)")
+    p.add_argument("--decode", metavar="URL", help="with --pd: the decode instance (kv_role kv_consumer)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--uvicorn-log-level", default="warning")
@@ -104,7 +109,16 @@ def serve_router(router: Router, host: str, port: int, log_level: str = "warning
 
 
 def run_router(args: argparse.Namespace) -> int:
-    router = build_router(args, args.worker)
+    if args.pd:
+        from minillm.router.pd_launch import build_pd_router
+
+        router = build_pd_router(args)
+    elif args.prefill or args.decode:
+        raise ValueError("--prefill and --decode need --pd (prefill/decode mode)")
+    elif not args.worker:
+        raise ValueError("give the workers: --worker URL (repeat for each), or --pd --prefill URL --decode URL")
+    else:
+        router = build_router(args, args.worker)
     serve_router(router, args.host, args.port, args.uvicorn_log_level)
     return 0
 
@@ -125,17 +139,21 @@ def _die_with_parent() -> None:  # runs in the child before exec (Linux): SIGTER
         pass
 
 
-def start_replicas(serve_argv: list[str], n: int, startup_timeout_s: float = 300.0) -> list[tuple[subprocess.Popen, str]]:
-    """N `minillm serve` processes on free loopback ports, each answering /health; or none (all stopped)."""
+def start_replicas(serve_argv: list[str], n: int, startup_timeout_s: float = 300.0,
+                   per_replica_argv: list[list[str]] | None = None) -> list[tuple[subprocess.Popen, str]]:
+    """N `minillm serve` processes on free loopback ports, each answering /health; or none (all stopped).
+    `per_replica_argv[i]` is added to replica i's flags (the PD pair's two --kv-transfer-config)."""
     import httpx
 
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
     procs: list[tuple[subprocess.Popen, str]] = []
     try:
-        for _ in range(n):
+        for i in range(n):
             port = free_port()
-            cmd = [sys.executable, "-m", "minillm", "serve", *serve_argv, "--host", "127.0.0.1", "--port", str(port)]
+            own = per_replica_argv[i] if per_replica_argv else []
+            cmd = [sys.executable, "-m", "minillm", "serve", *serve_argv, *own, "--host", "127.0.0.1",
+                   "--port", str(port)]
             proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
             procs.append((proc, f"http://127.0.0.1:{port}"))
         deadline = time.monotonic() + startup_timeout_s

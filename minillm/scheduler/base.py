@@ -68,6 +68,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]  # [] for a prefill chunk that samples nothing
     # Per planned request, per sampled token: {token id: logprob} (the sampled one first), or None.
     logprobs: list[list[dict[int, float]] | None] | None = None
+    # MoE models: rows each expert computed in this step, [layer][expert] (the step records' histogram).
+    expert_load: list[list[int]] | None = None
 
     @classmethod
     def from_rows(cls, plan: ScheduledBatch, rows: list[Request], tokens: list[int]) -> ModelRunnerOutput:

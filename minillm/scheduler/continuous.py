@@ -32,6 +32,8 @@ LPM_MAX_WAITING = 128
 
 
 class ContinuousScheduler(SchedulerBase):
+    connector = None  # a KV connector's scheduler side (minillm.kv_transfer): remote tokens, pinned blocks
+
     def __init__(self, config: EngineConfig, kv: KVManager) -> None:
         self.config = config
         self.kv = kv
@@ -160,12 +162,16 @@ class ContinuousScheduler(SchedulerBase):
             plan.blocks_to_swap_in.append((req.request_id, blocks))
             return n
         cached = self.kv.get_computed_blocks(req)  # a cached prefix is not recomputed
-        n = self._chunk(req.num_tokens - cached.num_tokens, budget)
-        req.num_computed_tokens = cached.num_tokens  # (can_admit counts blocks from here on)
+        # ... nor are tokens whose K/V a KV connector supplies (a decode instance's remote prefill)
+        external = self.connector.get_num_new_matched_tokens(req, cached.num_tokens)[0] if self.connector else 0
+        n = self._chunk(req.num_tokens - cached.num_tokens - external, budget)
+        req.num_computed_tokens = cached.num_tokens + external  # (can_admit counts blocks from here on)
         if n > budget or not self.kv.can_admit(req, n, keep_headroom, cached) or \
                 not self.kv.allocate(req, n, cached=cached):
             req.num_computed_tokens = 0
             return None
+        if external:
+            self.connector.update_state_after_alloc(req, self.kv.block_ids_of(req.request_id), external)
         return n
 
     def _pick_victim(self) -> Request:
@@ -193,7 +199,9 @@ class ContinuousScheduler(SchedulerBase):
 
     def finish(self, request: Request) -> None:
         self.running.remove(request)
-        self.kv.free(request)
+        if self.connector is None or not self.connector.request_finished(
+                request, self.kv.block_ids_of(request.request_id))[0]:
+            self.kv.free(request)  # (a KV producer may keep the blocks pinned until its consumer has them)
         self.waiting.forget(request)
 
     def rollback(self, plan: ScheduledBatch) -> None:

@@ -55,6 +55,7 @@ class SamplingFields(BaseModel):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     prompt_logprobs: Int | None = None
+    kv_transfer_params: dict | None = None  # vLLM's: a prefill/decode pair's transfer (minillm.kv_transfer)
 
     # Cross-field checks are field validators (on the later field), so the 400 names the field (`param`).
     @field_validator("stream_options")
@@ -90,7 +91,8 @@ class SamplingFields(BaseModel):
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
-            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            extra_args=None if self.kv_transfer_params is None else {"kv_transfer_params": self.kv_transfer_params})
 
 
 class CompletionRequest(SamplingFields):

@@ -9,6 +9,10 @@
 It binds 127.0.0.1 unless `--host` says otherwise (a toy server should not face a network by
 accident). `--max-num-queued-reqs N` caps waiting + running requests; beyond it the answer is
 503 with Retry-After (see `minillm.server.errors`).
+
+Prefill/decode disaggregation (chapter 13, docs/pd.md): `--kv-transfer-config` makes this server
+one half of a pair (`kv_producer`: the prefill instance, `kv_consumer`: the decode instance);
+`--pd-disaggregation` starts both halves and a PD router on `--port`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ ENGINE_FLAGS = [
     ("--preemption-mode", "preemption_mode", str, "recompute or swap"),
     ("--scheduling-policy", "scheduling_policy", str, "fcfs, priority or lpm"),
     ("--long-prefill-token-threshold", "long_prefill_token_threshold", int, "cap on one request's prefill chunk"),
+    ("--chunk-policy", "chunk_policy", str, "with --enable-chunked-prefill: sarathi (a fixed budget, default) or "
+     "splitfuse (Dynamic SplitFuse: --max-num-batched-tokens is the target step size)"),
     ("--seed", "seed", int, "seed of requests that give none"),
     ("--batching", "batching", str, "continuous (default), dynamic or static (minillm's teaching knob)"),
     ("--kv-layout", "kv_layout", str, "paged (default) or slab"),
@@ -54,6 +60,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action="store_true", default=None)
     p.add_argument("--enable-chunked-prefill", action="store_true", default=None)
     p.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    p.add_argument("--kv-transfer-config", default=None,
+                   help='a prefill/decode pair\'s KV connector, JSON with vLLM\'s names, e.g. \'{"kv_connector": '
+                        '"TorchDistConnector", "kv_role": "kv_producer", "kv_port": 14579}\' (minillm.kv_transfer)')
+    p.add_argument("--pd-disaggregation", action="store_true",
+                   help="start a prefill and a decode instance (processes, KV over torch.distributed) behind a "
+                        "PD router on --port")
     p.add_argument("--uvicorn-log-level", default="warning")
 
 
@@ -76,8 +88,17 @@ def build_app(args: argparse.Namespace):
 
     if args.max_num_queued_reqs is not None and args.max_num_queued_reqs < 1:
         raise ValueError(f"--max-num-queued-reqs must be >= 1, got {args.max_num_queued_reqs}")
+    kv_transfer = None
+    if getattr(args, "kv_transfer_config", None) is not None:
+        from minillm.kv_transfer import parse_kv_transfer_config
+
+        kv_transfer = parse_kv_transfer_config(args.kv_transfer_config)  # a bad config fails before the model loads
     model = args.model or args.model_tag
     llm = LLM(model, dtype=args.dtype, device=args.device, **engine_knobs(args))
+    if kv_transfer is not None:
+        from minillm.kv_transfer import attach_kv_connector
+
+        attach_kv_connector(llm, kv_transfer)
     api_key = args.api_key or os.environ.get("MINILLM_API_KEY") or None
     name = args.served_model_name or "minillm"
     return create_app(llm, served_model_name=name, api_key=api_key, max_num_queued_reqs=args.max_num_queued_reqs)

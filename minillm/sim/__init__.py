@@ -2,7 +2,8 @@
 
 Chapter 00 draws rooflines with it, chapter 01 sizes KV caches, chapter 04 checks its predicted
 step times against measured ones. `SimExecutor` and `simulate()` drive the real scheduler and KV
-manager on a simulated clock with these pieces (chapters 02-08).
+manager on a simulated clock with these pieces (chapters 02-08). Chapter 12 adds links between
+devices (`network`) and TP/PP/DP layouts (`parallel`; MoE experts: `expert_parallel`).
 """
 
 from minillm.sim.cost_model import (
@@ -34,6 +35,8 @@ from minillm.sim.model_shapes import (
     from_hf_config,
     get_model_shape,
 )
+from minillm.sim.network import LINK_PRESETS, Link, get_link
+from minillm.sim.parallel import layout_summary, memory_per_device, pp_decode, tp_decode_scaling
 from minillm.sim.simulate import SimResult, kv_capacity_tokens, simulate
 
 __all__ = [
@@ -42,7 +45,9 @@ __all__ = [
     "H200",
     "LLAMA_7B",
     "LLAMA_7B_GQA",
+    "LINK_PRESETS",
     "LLAMA_70B",
+    "Link",
     "MODEL_PRESETS",
     "PRESETS",
     "Hardware",
@@ -53,14 +58,19 @@ __all__ = [
     "decode_step_time",
     "from_hf_config",
     "get_hardware",
+    "get_link",
     "get_model_shape",
     "kv_capacity_tokens",
+    "layout_summary",
     "max_batch_for_kv",
     "measure_this_cpu",
+    "memory_per_device",
+    "pp_decode",
     "prefill_time",
     "roofline",
     "roofline_points",
     "simulate",
     "step_time",
+    "tp_decode_scaling",
     "weight_bytes_read_per_step",
 ]

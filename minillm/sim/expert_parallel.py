@@ -9,13 +9,16 @@ that off a router histogram such as `minillm.model.moe.sparse_moe`'s `tokens_per
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from minillm.sim.model_shapes import ModelShape, from_hf_config
 from minillm.sim.network import Link, all_to_all_time_s
+from minillm.sim.parallel import check_tp, layer_params_per_device
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,10 @@ def moe_shape_from_hf_config(model_dir: str | Path) -> MoEShape:
 # Mixtral 8x7B, from mistralai/Mixtral-8x7B-v0.1's config.json (Jiang et al., 2024, "Mixtral of
 # Experts"): 32 layers, hidden 4096, 32 query / 8 KV heads, 8 experts of 14336, top 2, vocab 32000.
 MIXTRAL_8X7B = MoEShape(ModelShape("mixtral-8x7b", 32, 4096, 32, 8, 128, 14336, 32000), num_experts=8, top_k=2)
+# Mixtral 8x22B, from mistral-community/Mixtral-8x22B-v0.1's config.json (Mistral AI, April 2024:
+# "141B parameters, 39B active"): 56 layers, hidden 6144, 48 query / 8 KV heads of 128, 8 experts
+# of 16384, top 2, vocab 32000. The 70B-class MoE beside Llama-2-70B.
+MIXTRAL_8X22B = MoEShape(ModelShape("mixtral-8x22b", 56, 6144, 48, 8, 128, 16384, 32000), num_experts=8, top_k=2)
 
 
 def ep_expert_bytes_per_device(moe: MoEShape, ep: int, dtype_bytes: int = 2) -> float:
@@ -62,6 +69,20 @@ def ep_expert_bytes_per_device(moe: MoEShape, ep: int, dtype_bytes: int = 2) -> 
     if ep < 1 or moe.num_experts % ep:
         raise ValueError(f"{moe.num_experts} experts cannot be split evenly over expert parallel size {ep}")
     return moe.shape.num_layers * (moe.num_experts // ep) * moe.expert_params * dtype_bytes
+
+
+def moe_weight_bytes_per_device(moe: MoEShape, num_devices: int, dtype_bytes: int = 2) -> float:
+    """Weights on each of `num_devices` devices with vLLM's `enable_expert_parallel=True`: attention,
+    embedding and lm_head tensor-parallel over the devices (KV heads replicated when fewer than
+    devices), experts whole, num_experts / num_devices per device; norms and router on every device.
+    (Without EP every expert is sliced 1/num_devices instead: the same bytes, other messages.)"""
+    s = moe.shape
+    check_tp(s, num_devices)
+    dense_layer = layer_params_per_device(dataclasses.replace(s, intermediate_size=0), num_devices)
+    router = moe.num_experts * s.hidden_size
+    vocab = math.ceil(s.vocab_size / num_devices) * s.hidden_size * (1 if s.tied_embeddings else 2)
+    params = s.num_layers * (dense_layer + router) + vocab + s.hidden_size
+    return params * dtype_bytes + ep_expert_bytes_per_device(moe, num_devices, dtype_bytes)
 
 
 def ep_all_to_all_per_layer_s(moe: MoEShape, tokens_per_device: int, ep: int, link: Link, dtype_bytes: int = 2) -> float:

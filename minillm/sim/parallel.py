@@ -1,7 +1,7 @@
 """Tensor, pipeline and expert parallelism in the simulator: time, memory and traffic (chapter 12).
 
-Three ways to put one model on several devices, and what each costs (`minillm.sim.network` prices
-the messages):
+Four ways to put one model (or copies of it) on several devices, and what each costs
+(`minillm.sim.network` prices the messages):
 
 * **Tensor parallel (TP, Megatron-LM):** every layer's matrices are split across `tp` devices —
   q/k/v and gate/up by columns (each device owns some heads and some of the MLP), o and down by
@@ -16,6 +16,8 @@ the messages):
   share of time a stage sits idle in a fill-and-drain pipeline (GPipe) is (p-1)/(m+p-1).
 * **Expert parallel (EP):** an MoE layer's experts on different devices, two all-to-alls per
   layer: see `minillm.sim.expert_parallel`.
+* **Data parallel (DP):** whole replicas, each serving its own requests: more throughput, the
+  same latencies and the same memory per device (`layout_summary(..., dp=)`).
 
 Memory per device: weights (split by TP and PP) plus the KV cache of the device's layers and KV
 heads (KV heads are replicated when tp exceeds them). `memory_per_device` says which model fits
@@ -160,6 +162,14 @@ def pipeline_bubble_fraction(num_stages: int, num_microbatches: int) -> float:
     return (num_stages - 1) / (num_microbatches + num_stages - 1)
 
 
+def pipeline_timeline(num_stages: int, num_microbatches: int) -> list[tuple[int, int, int]]:
+    """A fill-and-drain (GPipe) schedule as (stage, micro-batch, beat) triples: micro-batch j runs on
+    stage s in beat s + j, every stage's work taking one beat. m + p - 1 beats in all, of which each
+    stage is busy m: the idle share is `pipeline_bubble_fraction` (chapter 12 draws it)."""
+    pipeline_bubble_fraction(num_stages, num_microbatches)  # the same checks
+    return [(s, j, s + j) for s in range(num_stages) for j in range(num_microbatches)]
+
+
 @dataclass(frozen=True)
 class PipelineCost:
     """A decode step of `batch` sequences cut into `num_microbatches` micro-batches over `pp` stages."""
@@ -287,25 +297,29 @@ def min_tp_to_fit(
 
 @dataclass(frozen=True)
 class LayoutSummary:
-    """What a TP x PP layout gives one model on one kind of device (chapter 12's playground)."""
+    """What a TP x PP layout (times `dp` replicas) gives one model on one kind of device (chapter 12's
+    playground). Replicas share nothing: each serves its own requests, so TTFT, TPOT and memory per
+    device are one replica's and only the throughput is multiplied."""
 
     tp: int
     pp: int
     num_devices: int
     ttft_s: float  # one prompt's prefill on an idle engine (crosses every stage once)
     tpot_s: float  # time between two tokens of one sequence at this batch
-    throughput_tokens_per_s: float  # decode tokens per second, all sequences together
+    throughput_tokens_per_s: float  # decode tokens per second, all sequences of all replicas together
     weight_bytes_per_device: float
     kv_tokens_per_device: int
     fits: bool
+    dp: int = 1
 
 
 def layout_summary(
     hw: Hardware, shape: ModelShape, *, tp: int = 1, pp: int = 1, tp_link: Link, pp_link: Link | None = None,
     prompt_len: int = 512, batch: int = 1, context_len: int = 1024, num_microbatches: int | None = None,
-    gpu_memory_utilization: float = 0.9,
+    gpu_memory_utilization: float = 0.9, dp: int = 1,
 ) -> LayoutSummary:
-    """TTFT, TPOT, decode throughput and memory per device of `tp` x `pp` devices.
+    """TTFT, TPOT, decode throughput and memory per device of `dp` replicas of `tp` x `pp` devices
+    (`batch` sequences per replica).
 
     Tensor parallelism shortens both TTFT and TPOT (each step is split); pipeline parallelism
     shortens neither (a token still crosses every layer, plus the hops). `batch` sequences are cut
@@ -314,6 +328,8 @@ def layout_summary(
     weights: PP's throughput comes from the larger batches its freed KV room holds, and it lets
     a model too big for one device fit. `pp_link` joins the stages (often InfiniBand between nodes).
     """
+    if dp < 1:
+        raise ValueError(f"data parallel size must be >= 1, got {dp}")
     pp_link = pp_link or tp_link
     if num_microbatches is None:
         num_microbatches = pp if batch % pp == 0 else 1
@@ -324,11 +340,12 @@ def layout_summary(
                        num_microbatches=num_microbatches, tp=tp, tp_link=tp_link)
     memory = memory_per_device(hw, shape, tp=tp, pp=pp, gpu_memory_utilization=gpu_memory_utilization)
     return LayoutSummary(
-        tp=tp, pp=pp, num_devices=tp * pp,
+        tp=tp, pp=pp, num_devices=tp * pp * dp,
         ttft_s=pp * prefill.time_s + (pp - 1) * hop_s,
         tpot_s=decode.inter_token_s,
-        throughput_tokens_per_s=decode.throughput_tokens_per_s,
+        throughput_tokens_per_s=dp * decode.throughput_tokens_per_s,
         weight_bytes_per_device=memory.weight_bytes,
         kv_tokens_per_device=memory.kv_tokens,
         fits=memory.fits,
+        dp=dp,
     )

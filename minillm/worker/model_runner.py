@@ -73,6 +73,8 @@ class StepInputs:
 
 
 class ModelRunner:
+    kv_connector = None  # a KV connector's worker side (minillm.kv_transfer): loads remote K/V into blocks
+
     def __init__(self, model: LlamaModel, cache_spec: KVCacheSpec, attention_backend: str = "auto") -> None:
         self.model = model
         self.cache_spec = cache_spec
@@ -110,6 +112,8 @@ class ModelRunner:
                 pool.view(pool.shape[0], -1, self.block_size * pool.shape[2] * pool.shape[3]).index_fill_(1, fresh, 0)
         for rid, blocks in plan.blocks_to_swap_in:
             self._copy_in(rid, blocks)
+        if self.kv_connector is not None:  # remote K/V into freshly zeroed blocks (minillm.kv_transfer)
+            self.kv_connector.start_load_kv(self, plan)
 
     def _block_slots(self, blocks: list[int]) -> torch.Tensor:
         bs, device = self.block_size, self.k_pool.device
@@ -279,7 +283,7 @@ class ModelRunner:
             logprobs = [None] * len(plan.req_ids)
             for i, lp in zip(sampled, sampled_logprobs(logits, states, tokens)):
                 logprobs[i] = lp
-        return ModelRunnerOutput(out, logprobs)
+        return ModelRunnerOutput(out, logprobs, self.model.expert_load)
 
     def _verify(self, plan: SchedulerOutput, logits: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
         """A step with speculative rows: plain rows sample as usual, speculative rows go through the
@@ -312,7 +316,7 @@ class ModelRunner:
                     # the target's logprobs at each emitted position (before temperature, as for plain rows)
                     m = len(out[i])
                     logprobs[i] = [e[0] for e in sampled_logprobs(logits[start : start + m], [state] * m, out[i])]
-        return ModelRunnerOutput(out, logprobs)
+        return ModelRunnerOutput(out, logprobs, self.model.expert_load)
 
     def compute_padded_logits(self, plan: SchedulerOutput) -> torch.Tensor:
         """A static/dynamic step: every row of the rectangle is computed, pads and finished rows too.

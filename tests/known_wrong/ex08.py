@@ -107,3 +107,64 @@ KNOWN_WRONG += [
         "    order = _MEMO.get(_key(running), [r.request_id for r in running])\n"
         "    return sorted(running, key=lambda r: order.index(r.request_id))\n"), expect="expected"),
 ]
+
+# issue 20: Dynamic SplitFuse's step (task 4) and a trace on which its even split costs TTFT (task 5)
+SPLITFUSE_COPY = """
+import inspect as _inspect
+import textwrap as _textwrap
+
+import minillm.scheduler.chunk_policy as _lib
+from minillm.config import EngineConfig as _EC
+
+_ns = dict(vars(_lib))
+exec(_textwrap.dedent(_inspect.getsource(_lib.SplitFuseChunking)).replace("class SplitFuseChunking", "class MySplit", 1),
+     _ns)
+MySplit = _ns["MySplit"]
+
+
+def splitfuse_fill(running, waiting, target, long_prefill_token_threshold, max_num_seqs):
+    policy = MySplit(_EC(enable_chunked_prefill=True, chunk_policy="splitfuse", max_num_batched_tokens=target,
+                         max_num_seqs=max_num_seqs))
+    return fill_budget(running, waiting, policy.step_budget(running, waiting), long_prefill_token_threshold,
+                       max_num_seqs)
+"""
+
+KNOWN_WRONG += [
+    Mutant(4, "Sarathi's fixed budget: a full step, then the remainder", edits=(
+        ("        budget = decodes + -(-pool // passes)  # one pass's even share", "        budget = target"),),
+           expect="two passes of 20, not 32 + 8"),
+    Mutant(4, "uneven split: the share rounded down (20, then 21)", edits=(
+        ("        budget = decodes + -(-pool // passes)  # one pass's even share",
+         "        budget = decodes + pool // passes"),), expect="odd pool"),
+    Mutant(4, "seat limit ignored: every waiting prompt counted in the pool", edits=(
+        ("waiting[:open_seats])", "waiting)"),), expect="only requests that get a seat count"),
+    Mutant(4, "decodes not first: decodes split with the prompts as one pool", edits=(
+        ("        passes = -(-pool // room)  # the fewest passes of at most `room` prompt tokens\n"
+         "        budget = decodes + -(-pool // passes)  # one pass's even share",
+         "        passes = -(-(pool + decodes) // target)\n        budget = -(-(pool + decodes) // passes)"),),
+           expect="decodes take their tokens first"),
+    Mutant(4, "exceeds the target: the decodes not taken out of the room", edits=(
+        ("    room = target - decodes", "    room = target"),), expect="over the budget"),
+    Mutant(4, "delegates to SplitFuseChunking.step_budget", code=(
+        "from minillm.config import EngineConfig as _EC\n"
+        "from minillm.scheduler.chunk_policy import SplitFuseChunking as _Ref\n"
+        "def splitfuse_fill(running, waiting, target, long_prefill_token_threshold, max_num_seqs):\n"
+        "    ref = _Ref(_EC(enable_chunked_prefill=True, chunk_policy='splitfuse', max_num_batched_tokens=target,\n"
+        "                   max_num_seqs=max_num_seqs))\n"
+        "    return fill_budget(running, waiting, ref.step_budget(running, waiting), long_prefill_token_threshold,\n"
+        "                       max_num_seqs)\n"), expect="your code called the reference"),
+    Mutant(4, "delegates the even split to chunk_policy.even_share", edits=(
+        ("        passes = -(-pool // room)  # the fewest passes of at most `room` prompt tokens\n"
+         "        budget = decodes + -(-pool // passes)  # one pass's even share",
+         "        from minillm.scheduler.chunk_policy import even_share\n"
+         "        budget = decodes + even_share(pool, room)"),), expect="reference minillm.scheduler.chunk_policy.even_share"),
+    Mutant(4, "the library's answer under another name: SplitFuseChunking's source re-executed", code=SPLITFUSE_COPY,
+           expect="bytecode"),
+    # task 5: the trace must show the effect, within the limits
+    Mutant(5, "everyone queued at once: SplitFuse needs no more passes", edits=(
+        ("(0.005, 200, 4)]", "(0.0, 200, 4)]"),), expect="not 1.10x Sarathi's or more"),
+    Mutant(5, "the second prompt arrives after the first is served", edits=(
+        ("(0.005, 200, 4)]", "(0.05, 200, 4)]"),), expect="not 1.10x Sarathi's or more"),
+    Mutant(5, "more than 8 requests", code=(
+        "def splitfuse_hurts():\n    return [(0.0, 480, 4), (0.005, 200, 4)] * 5\n"), expect="1 to 8 requests"),
+]

@@ -1,0 +1,122 @@
+"""Prefill/decode disaggregation and goodput on the simulator (minillm/sim/disagg.py, minillm/sim/goodput.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from minillm.metrics import SLO
+from minillm.sim.disagg import (
+    break_even_kv_bytes_per_token,
+    kv_transfer_bytes,
+    kv_transfer_time_s,
+    simulate_colocated,
+    simulate_disaggregated,
+)
+from minillm.sim.goodput import at_rate, attainment_curve, goodput, mean_rate
+from minillm.sim.network import INFINIBAND_HDR, NVLINK3_A100, Link
+from minillm.workload import make_trace
+
+HW = "A100-80GB-practical"
+# a code-like trace: long prompts, short outputs (prefill-heavy: the decode steps of a colocated engine stall)
+CODE_LIKE = make_trace(60, seed=1, vocab_size=32000, rate_per_s=4.0, prompt_len=("uniform", 1500, 3000),
+                       output_len=("uniform", 16, 64), max_prompt_len=4096)
+SLO_CODE = SLO(ttft_ms=2000, tpot_ms=40)
+TEN_GBE = Link("10 Gb Ethernet", 1.25e9, 10e-6)
+
+
+def test_kv_transfer_is_alpha_plus_bytes_over_beta() -> None:
+    per_token = 2 * 32 * 32 * 128 * 2  # K and V, 32 layers, 32 KV heads, head_dim 128, fp16: Llama-2-7B
+    assert kv_transfer_bytes(1000, "llama-7b") == 1000 * per_token == 1000 * 2**19
+    assert kv_transfer_bytes(1000, "llama-7b-gqa") == 1000 * per_token // 4
+    for link in (NVLINK3_A100, INFINIBAND_HDR, TEN_GBE):
+        assert kv_transfer_time_s(1000, "llama-7b", link) == pytest.approx(
+            link.latency_s + 1000 * per_token / link.bandwidth_bytes_per_s, rel=1e-12)
+    assert kv_transfer_time_s(0, "llama-7b", INFINIBAND_HDR) == INFINIBAND_HDR.latency_s
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        kv_transfer_bytes(-1, "llama-7b")
+
+
+def test_break_even_bytes_make_the_transfer_as_long_as_the_prefill() -> None:
+    from minillm.sim.cost_model import prefill_time
+    from minillm.sim.hardware import get_hardware
+    from minillm.sim.model_shapes import get_model_shape
+
+    prefill_s = prefill_time(get_hardware(HW), get_model_shape("llama-7b"), 1024).time_s
+    for link in (NVLINK3_A100, INFINIBAND_HDR):
+        for share in (0.1, 1.0):
+            b = break_even_kv_bytes_per_token(HW, "llama-7b", link, prompt_tokens=1024, share=share)
+            assert link.message_time_s(1024 * b) == pytest.approx(share * prefill_s, rel=1e-9)
+    # NVLink's 12x bandwidth moves 12x the bytes in the same time (alpha aside)
+    ratio = (break_even_kv_bytes_per_token(HW, "llama-7b", NVLINK3_A100)
+             / break_even_kv_bytes_per_token(HW, "llama-7b", INFINIBAND_HDR))
+    assert 11.9 < ratio < 12.1
+
+
+def test_disaggregated_run_moves_every_prompt_and_recomputes_none() -> None:
+    trace = at_rate(CODE_LIKE, 2.0)
+    res = simulate_disaggregated(trace, hardware=HW, link=INFINIBAND_HDR)
+    alone = simulate_disaggregated(at_rate(CODE_LIKE, 0.01), hardware=HW, link=INFINIBAND_HDR)
+    assert res.loaded_tokens == sum(r.prompt_len for r in trace if r.max_tokens > 1)
+    assert res.recomputed_tokens == 0
+    assert res.transfer_bytes == sum(r.prompt_len for r in trace) * 2**19
+    for r, m, xfer, handed, m_alone in zip(trace, res.requests, res.transfer_s, res.handed_s, alone.requests):
+        assert m.num_output_tokens == r.max_tokens  # token 1 from the prefill side, the rest decoded
+        assert xfer == pytest.approx(INFINIBAND_HDR.message_time_s(r.prompt_len * 2**19))
+        assert m.first_token_time == handed  # TTFT pays the transfer
+        assert m.ttft >= m_alone.ttft - 1e-12  # queueing only adds
+        assert all(b >= a for a, b in zip(m.token_times, m.token_times[1:]))
+
+
+def test_a_slow_link_queues_transfers_one_at_a_time() -> None:
+    burst = make_trace(6, seed=2, vocab_size=32000, prompt_len=1000, output_len=4)  # all at t=0
+    res = simulate_disaggregated(burst, hardware=HW, link=TEN_GBE)
+    handed = sorted(res.handed_s)
+    wire = TEN_GBE.message_time_s(1000 * 2**19)  # 0.42 s a prompt, far longer than its prefill
+    assert all(b - a >= wire - 1e-9 for a, b in zip(handed, handed[1:]))
+
+
+def test_at_rate_keeps_the_shape_of_the_arrivals() -> None:
+    fast = at_rate(CODE_LIKE, 8.0)
+    assert mean_rate(fast) == pytest.approx(8.0)
+    gaps = [b.arrival_time_s - a.arrival_time_s for a, b in zip(CODE_LIKE, CODE_LIKE.requests[1:])]
+    fast_gaps = [b.arrival_time_s - a.arrival_time_s for a, b in zip(fast, fast.requests[1:])]
+    scale = mean_rate(CODE_LIKE) / 8.0
+    assert all(math.isclose(f, g * scale, rel_tol=1e-9, abs_tol=1e-12) for f, g in zip(fast_gaps, gaps))
+    with pytest.raises(ValueError, match="rate_per_s"):
+        at_rate(CODE_LIKE, 0)
+
+
+def test_attainment_falls_as_the_rate_rises() -> None:
+    curve = attainment_curve(lambda t: simulate_colocated(t, hardware=HW), CODE_LIKE, [0.5, 1, 2, 4, 8], SLO_CODE)
+    shares = [s for _, s in curve]
+    assert shares[0] == 1.0 and shares[-1] < 0.5
+    assert all(b <= a for a, b in zip(shares, shares[1:])), curve
+
+
+def test_disaggregation_wins_on_a_prefill_heavy_trace_and_a_slow_link_loses() -> None:
+    colocated = goodput(lambda t: simulate_colocated(t, hardware=HW), CODE_LIKE, SLO_CODE, rel_tol=0.1)
+    per_gpu = {}
+    for link in (NVLINK3_A100, INFINIBAND_HDR, TEN_GBE):
+        found = goodput(lambda t, link=link: simulate_disaggregated(t, hardware=HW, link=link), CODE_LIKE, SLO_CODE,
+                        rel_tol=0.1, start_rate=colocated.rate)
+        assert found.num_gpus == 2 and found.attainment >= 0.9
+        per_gpu[link.name] = found.per_gpu
+    assert colocated.attainment >= 0.9 and colocated.num_gpus == 1
+    # colocated, every 2000-token prefill stalls the running decodes past the 40 ms TPOT: PD 1:1 serves more per GPU
+    assert per_gpu[NVLINK3_A100.name] > 1.5 * colocated.per_gpu
+    # slower links never help, and 10 GbE (0.8 s per prompt's KV, one at a time) loses to colocated
+    assert per_gpu[NVLINK3_A100.name] >= per_gpu[INFINIBAND_HDR.name] >= per_gpu[TEN_GBE.name]
+    assert per_gpu[TEN_GBE.name] < colocated.per_gpu
+
+
+def test_bad_input_is_refused() -> None:
+    with pytest.raises(ValueError, match="num_prefill and num_decode"):
+        simulate_disaggregated(CODE_LIKE, num_prefill=0)
+    with pytest.raises(ValueError, match="num_gpus"):
+        simulate_colocated(CODE_LIKE, num_gpus=0)
+    with pytest.raises(ValueError, match="unknown or ambiguous link"):
+        simulate_disaggregated(CODE_LIKE, link="carrier pigeon")
+    with pytest.raises(ValueError, match="attainment"):
+        goodput(lambda t: simulate_colocated(t), CODE_LIKE, SLO_CODE, attainment=1.5)
