@@ -60,6 +60,9 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     execute_model_timeout_s: float = 300.0
+    # Mixtral (chapter 12): experts whole on the tensor-parallel ranks (EP size = TP size), tokens sent to them
+    # with all-to-alls (minillm.distributed.moe); attention stays tensor-parallel. vLLM's name.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         self._check_parallel()
@@ -145,6 +148,11 @@ class EngineConfig:
         if isinstance(self.execute_model_timeout_s, bool) or not isinstance(self.execute_model_timeout_s, (int, float)) \
                 or not self.execute_model_timeout_s > 0:
             raise ValueError(f"execute_model_timeout_s must be a number of seconds > 0, got {self.execute_model_timeout_s!r}")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}")
+        if self.enable_expert_parallel and self.tensor_parallel_size < 2:
+            raise ValueError("enable_expert_parallel=True splits the experts over the tensor-parallel ranks: it needs "
+                             f"tensor_parallel_size >= 2 (got {self.tensor_parallel_size})")
         if self.executor_backend == "mp":
             unsupported = [(self.batching != "continuous", f"batching={self.batching!r} (use 'continuous')"),
                            (self.kv_layout != "paged", f"kv_layout={self.kv_layout!r} (use 'paged')"),

@@ -96,22 +96,29 @@ def tokens(outs) -> list[list[int]]:
 _reference: dict = {}
 
 
-def reference(dtype: str, knobs: dict, sampling: list[SamplingParams]):
+def reference(dtype: str, knobs: dict, sampling: list[SamplingParams], model: str | None = None):
     """The one-process engine's outputs (cached per configuration)."""
-    key = (dtype, tuple(sorted(knobs.items())), tuple(repr(p) for p in sampling))
+    key = (dtype, tuple(sorted(knobs.items())), tuple(repr(p) for p in sampling), model)
     if key not in _reference:
-        llm = LLM(dtype=dtype, **knobs)
+        llm = LLM(model, dtype=dtype, **knobs)
         _reference[key] = (llm.generate(PROMPTS, sampling, use_tqdm=False), llm.engine)
     return _reference[key]
 
 
-@pytest.mark.parametrize("tp, pp, preemption, cache", [(2, 1, "swap", "radix"), (4, 1, "recompute", "hash"),
-                                                      (1, 2, "recompute", "hash"), (2, 2, "swap", "hash")])
-def test_exactness_matrix_float64(tp, pp, preemption, cache):
+MOE = str(BUNDLED_TARGET.parent / "minillm-moe")  # Mixtral-style: 4 experts, top-2, 4 query / 2 KV heads
+
+
+@pytest.mark.parametrize("tp, pp, preemption, cache, moe", [
+    (2, 1, "swap", "radix", False), (4, 1, "recompute", "hash", False), (1, 2, "recompute", "hash", False),
+    (2, 2, "swap", "hash", False), (2, 1, "recompute", "hash", True)],
+    ids=["tp2", "tp4", "pp2", "tp2xpp2", "ep2-moe"])
+def test_exactness_matrix_float64(tp, pp, preemption, cache, moe):
     knobs = dict(KNOBS, preemption_mode=preemption, prefix_cache=cache)
-    want, one = reference("float64", knobs, params())
+    model = MOE if moe else None
+    want, one = reference("float64", knobs, params(), model)
     before = worker_processes()
-    llm = LLM(dtype="float64", tensor_parallel_size=tp, pipeline_parallel_size=pp, **knobs)
+    llm = LLM(model, dtype="float64", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              enable_expert_parallel=moe, **knobs)
     pids = llm.engine.executor.pids
     assert len(pids) == tp * pp and set(pids) <= worker_processes()
     got = bounded(lambda: llm.generate(PROMPTS, params(), use_tqdm=False))
@@ -123,13 +130,19 @@ def test_exactness_matrix_float64(tp, pp, preemption, cache):
         assert engine.kv.num_swapped_in_tokens > 0
     # Each rank holds its heads' KV pool (KV heads replicated only when fewer than ranks) and its stage's layers.
     info = engine.executor.rank_info
-    assert [i["kv_pool_shape"][2] for i in info] == [4 // min(tp, 4)] * (tp * pp)
-    assert sum(i["kv_pool_shape"][0] for i in info) == 4 * tp
-    # Communication: 2 all-reduces per layer and step (+1 for the embedding) on each TP rank.
+    kv_heads, layers = (2, 2) if moe else (4, 4)
+    assert [i["kv_pool_shape"][2] for i in info] == [kv_heads // min(tp, kv_heads)] * (tp * pp)
+    assert sum(i["kv_pool_shape"][0] for i in info) == layers * tp
+    if moe:  # experts split over the ranks, the same per-step expert-load histogram as one process
+        assert [s.expert_load for s in engine.metrics.steps] == [s.expert_load for s in one.metrics.steps]
+        assert all(i["weight_bytes"] < 0.6 * one.model.weight_bytes for i in info)
+    # Communication: 2 all-reduces per layer and step (+1 for the embedding) on each TP rank; an MoE layer
+    # has 1 (after attention: the expert-parallel layer returns its whole output by all-to-all + all-gather).
     stats = engine.executor.collective_stats()
     if tp > 1:
         layers_first_stage = info[0]["kv_pool_shape"][0]
-        assert stats[0]["calls"]["all_reduce"] == engine.executor.num_steps * (2 * layers_first_stage + 1)
+        per_layer = 1 if moe else 2
+        assert stats[0]["calls"]["all_reduce"] == engine.executor.num_steps * (per_layer * layers_first_stage + 1)
     if pp > 1:
         assert stats[0]["calls"]["send"] == engine.executor.num_steps == stats[-1]["calls"]["recv"]
     if tp == 2 and pp == 1:  # garbage collection joins the workers
@@ -218,11 +231,18 @@ def test_a_shard_that_cannot_load_fails_at_construction(tmp_path):
     (dict(tensor_parallel_size=2, batching="static"), r"does not support batching='static'"),
     (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
      r"does not support speculative_config"),
+    (dict(enable_expert_parallel=True), r"enable_expert_parallel=True .* needs tensor_parallel_size >= 2 \(got 1\)"),
+    (dict(tensor_parallel_size=2, enable_expert_parallel=True), r"model_type 'llama' has no experts"),
+    (dict(model=MOE, tensor_parallel_size=2), r"mixture-of-experts model \(4 experts\) .* needs enable_expert_parallel"),
+    (dict(model=MOE, tensor_parallel_size=8, enable_expert_parallel=True), r"tensor_parallel_size=8 does not divide .* 4 attention heads"),
+    (dict(model=MOE, tensor_parallel_size=2, pipeline_parallel_size=2, enable_expert_parallel=True),
+     r"pipeline_parallel_size=2 with expert parallelism is not supported"),
 ])
 def test_worlds_the_model_cannot_split_are_refused_at_construction(knobs, message):
     before = worker_processes()
+    knobs = dict(knobs)
     with pytest.raises(ValueError, match=message):
-        LLM(**knobs)
+        LLM(knobs.pop("model", None), **knobs)
     assert worker_processes() <= before  # refused before any process started
 
 

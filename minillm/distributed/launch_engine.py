@@ -38,6 +38,17 @@ def build_distributed_engine(config: EngineConfig, model_dir: Path, dtype: torch
             model_config, eos_token_ids=tuple(dict.fromkeys(model_config.eos_token_ids + eos)))
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     check_parallel_config(model_config, tp, pp)
+    if config.enable_expert_parallel or model_config.is_moe:
+        from minillm.distributed.moe import check_expert_parallel
+
+        if model_config.is_moe and not config.enable_expert_parallel:
+            raise ValueError(f"a mixture-of-experts model ({model_config.num_experts} experts) over tensor_parallel_size="
+                             f"{tp}, pipeline_parallel_size={pp} needs enable_expert_parallel=True with "
+                             "tensor_parallel_size >= 2 (experts sliced tensor-parallel are not implemented)")
+        check_expert_parallel(model_config, tp)
+        if pp > 1:
+            raise ValueError(f"pipeline_parallel_size={pp} with expert parallelism is not supported in minillm "
+                             "(use pipeline_parallel_size=1)")
     if device.startswith("cuda") and torch.cuda.device_count() < tp * pp:
         raise ValueError(f"tensor_parallel_size × pipeline_parallel_size = {tp * pp} ranks, but this machine has "
                          f"{torch.cuda.device_count()} CUDA device(s)")

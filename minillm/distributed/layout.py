@@ -48,7 +48,7 @@ def check_parallel_config(model: ModelConfig, tp: int, pp: int) -> None:
     if kv % tp and tp % kv:
         raise ValueError(f"tensor_parallel_size={tp} neither divides nor is a multiple of the model's {kv} KV heads "
                          f"(num_key_value_heads={kv})")
-    if model.intermediate_size % tp:
+    if not model.is_moe and model.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size={tp} does not divide the MLP's intermediate_size="
                          f"{model.intermediate_size}")
     if pp > model.num_layers:

@@ -12,6 +12,9 @@ shard (`minillm.distributed.shard_loader`), with the communication Megatron-LM a
     stages      a stage that is not the first receives the residual stream [tokens, hidden] from
                 its peer rank of the previous stage (`recv`); one that is not the last sends it on
                 (`send`) and returns None
+    MoE layer   (Mixtral, expert parallel) each rank routes a slice of the tokens to the experts'
+                owners and back with all-to-alls, then all-gathers the slices: the output is
+                whole on every rank, no all-reduce after it (`minillm.distributed.moe.ep_moe_layer`)
     lm_head     column-parallel over the vocabulary: each rank's [rows, vocab/tp] logits are
                 gathered on TP rank 0 of the last stage, which alone samples
 
@@ -64,7 +67,8 @@ class ParallelLlamaModel:
         layers: list[LayerWeights] = weights["layers"]
         for lw in layers:
             for name in ("qkv", "o", "gate_up", "down"):
-                setattr(lw, name, _column_major(getattr(lw, name)))
+                if getattr(lw, name) is not None:  # (an MoE layer has no dense gate_up/down)
+                    setattr(lw, name, _column_major(getattr(lw, name)))
         self.layers = layers
         own = layout.layers(c.num_layers)
         self.config = dataclasses.replace(
@@ -79,10 +83,15 @@ class ParallelLlamaModel:
         self.rope = RotaryTable(c.head_dim, c.rope_theta, max_positions, self.dtype, self.device, c.rope_scaling)
         self.comm = CommCounter()
         self.fused_ops = False  # see the module docstring
+        # Mixtral under expert parallelism: minillm.distributed.moe.shard_model_experts sets moe_forward
+        # (its all-to-alls); after each forward expert_load[layer][e] = rows expert e computed, all ranks'.
+        self.moe_forward = None
+        self.expert_load: list[list[int]] | None = None
 
     @property
     def weight_bytes(self) -> int:
-        tensors = [t for lw in self.layers for t in vars(lw).values() if t is not None]
+        tensors = [t for lw in self.layers for t in vars(lw).values() if isinstance(t, torch.Tensor)]
+        tensors += [t for lw in self.layers if lw.moe is not None for t in (lw.moe.router, lw.moe.gate_up, lw.moe.down)]
         tensors += [t for t in (self.lm_head, self.final_norm) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -115,6 +124,7 @@ class ParallelLlamaModel:
             dist.recv(h, src=layout.prev_rank)
         cos, sin = self.rope.lookup(positions)
         last = len(self.layers) - 1 if layout.is_last_stage else -1
+        loads = []
         for i, lw in enumerate(self.layers):
             x = rms_norm(h, lw.input_norm, eps)
             qkv = F.linear(x, lw.qkv, lw.qkv_bias).view(num_tokens, hq + 2 * hkv, d)
@@ -125,9 +135,16 @@ class ParallelLlamaModel:
             o = self._all_reduce(F.linear(out.reshape(h.shape[0], hq * d), lw.o))
             h = h + (o if lw.o_bias is None else o + lw.o_bias)
             x = rms_norm(h, lw.post_attention_norm, eps)
+            if lw.moe is not None:  # expert parallel: the all-to-alls return the whole output on every rank
+                moe = self.moe_forward(i, x, lw.moe)
+                h = h + moe.hidden
+                loads.append(moe.tokens_per_expert)
+                continue
             gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
             down = self._all_reduce(F.linear(F.silu(gate) * up, lw.down))
             h = h + (down if lw.down_bias is None else down + lw.down_bias)
+        if loads:
+            self.expert_load = torch.stack(loads).tolist()
         if not layout.is_last_stage:
             self.comm.add("send", h)
             dist.send(h.contiguous(), dst=layout.next_rank)

@@ -12,6 +12,10 @@ takes from each layer of its stage:
     down_proj                the same columns (row-parallel); bias whole
     norms                    whole (they are tiny, and every rank needs them)
 
+A Mixtral layer's experts are not sliced: with expert parallelism (`enable_expert_parallel=True`,
+EP size = TP size) rank r holds experts [r·E/tp, (r+1)·E/tp) whole and the router, read by
+`minillm.distributed.moe.read_expert_shards`; attention stays tensor-parallel.
+
 The first stage takes its slice of the embedding's rows (the vocabulary split over the TP ranks,
 the last rank's slice padded when it does not divide), the last stage the same rows of lm_head
 (of the embedding when they are tied) and the final norm.
@@ -94,12 +98,26 @@ def load_rank_weights(model_dir: str | Path, config: ModelConfig, layout: RankLa
     def cat(*parts):
         return None if parts[0] is None else torch.cat(parts).contiguous()
 
+    experts = None
+    if c.is_moe:  # expert parallel: whole experts of this rank (of every layer: this is PP 1), never sliced
+        from minillm.distributed.moe import read_expert_shards
+
+        experts = read_expert_shards(model_dir, c, layout.tp_rank, layout.tp, dtype, device)
     with ExitStack() as stack:
         r = ShardReader(model_dir, dtype, device, stack)
         layers = []
         for i in layout.layers(c.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
+            if experts is not None:
+                layers.append(LayerWeights(
+                    input_norm=r.take(p + "input_layernorm.weight"),
+                    qkv=cat(r.take(a + "q_proj.weight", q_rows), r.take(a + "k_proj.weight", kv_rows),
+                            r.take(a + "v_proj.weight", kv_rows)),
+                    qkv_bias=None, o=r.take(a + "o_proj.weight", cols=q_rows), o_bias=None,
+                    post_attention_norm=r.take(p + "post_attention_layernorm.weight"),
+                    gate_up=None, gate_up_bias=None, down=None, down_bias=None, moe=experts[i]))
+                continue
             layers.append(LayerWeights(
                 input_norm=r.take(p + "input_layernorm.weight"),
                 qkv=cat(r.take(a + "q_proj.weight", q_rows), r.take(a + "k_proj.weight", kv_rows),

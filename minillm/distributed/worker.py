@@ -88,6 +88,10 @@ def build_rank(spec: WorkerSpec, rank: int) -> ParallelWorker:
     tp_state = ParallelState(layout.tp_rank, spec.tp, groups[layout.stage])
     weights = load_rank_weights(spec.model_dir, spec.model_config, layout, spec.dtype, device)
     model = ParallelLlamaModel(spec.model_config, layout, weights, tp_state, spec.max_positions, device)
+    if spec.model_config.is_moe:  # expert parallel over the stage's TP group (ranks hold their experts already)
+        from minillm.distributed.moe import shard_model_experts
+
+        shard_model_experts(model, groups[layout.stage] if groups[layout.stage] is not None else dist.group.WORLD)
     return ParallelWorker(model, rank_cache_spec(spec.cache_spec, model), spec.attention_backend, layout)
 
 

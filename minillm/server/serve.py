@@ -59,6 +59,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, type=typ, default=None, help=help_text)
     p.add_argument("--enable-prefix-caching", action="store_true", default=None)
     p.add_argument("--enable-chunked-prefill", action="store_true", default=None)
+    p.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                   help="MoE: experts whole on the --tensor-parallel-size ranks (all-to-all), attention TP")
     p.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--kv-transfer-config", default=None,
                    help='a prefill/decode pair\'s KV connector, JSON with vLLM\'s names, e.g. \'{"kv_connector": '
@@ -73,6 +75,7 @@ def engine_knobs(args: argparse.Namespace) -> dict:
     knobs = {name: getattr(args, flag[2:].replace("-", "_")) for flag, name, _, _ in ENGINE_FLAGS}
     knobs["enable_prefix_caching"] = args.enable_prefix_caching
     knobs["enable_chunked_prefill"] = args.enable_chunked_prefill
+    knobs["enable_expert_parallel"] = args.enable_expert_parallel
     if args.speculative_config is not None:
         try:
             knobs["speculative_config"] = json.loads(args.speculative_config)
