@@ -69,6 +69,7 @@ def test_serve_with_a_bad_config_fails_before_loading_the_model():
     (["router", "--pd", "--worker", "http://127.0.0.1:1"], "--pd takes --prefill URL and --decode URL, not --worker"),
     (["router"], "give the workers: --worker URL"),
     (["serve", "--pd-disaggregation", "--data-parallel-size", "2"], "cannot be combined with --data-parallel-size"),
+    (["serve", "--data-parallel-size", "2", "--kv-transfer-config", "{}"], "cannot be combined with --data-parallel"),
 ])
 def test_router_and_launcher_flags_are_checked(argv, fragment, capsys):
     assert main(argv) == 2
