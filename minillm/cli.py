@@ -58,6 +58,9 @@ def _serve(args: argparse.Namespace) -> int:
 
         return run_pd_disaggregation(args)
     if args.data_parallel_size != 1:
+        if args.kv_transfer_config is not None:
+            raise ValueError("--kv-transfer-config makes one server half of a prefill/decode pair; it cannot be "
+                             "combined with --data-parallel-size (use --pd-disaggregation for the pair)")
         from minillm.router.launch import run_data_parallel
 
         return run_data_parallel(args, replica_argv(args.argv))

@@ -14,7 +14,9 @@ from minillm.sim.expert_parallel import (
     MIXTRAL_8X22B,
     ep_all_to_all_per_layer_s,
     ep_expert_bytes_per_device,
+    even_routing,
     load_imbalance,
+    moe_layer_time,
     moe_shape_from_hf_config,
     moe_weight_bytes_per_device,
     rank_loads,
@@ -302,6 +304,37 @@ def test_mixtral_8x22b_and_moe_memory_per_device():
         moe_weight_bytes_per_device(MIXTRAL_8X22B, 32)
     with pytest.raises(ValueError, match="8 experts cannot be split evenly over expert parallel size 16"):
         moe_weight_bytes_per_device(MIXTRAL_8X7B, 16)
+
+
+def test_moe_layer_sliced_vs_whole_experts_by_hand():
+    expert_bytes = 3 * 4096 * 14336 * 2  # one Mixtral 8x7B expert in fp16: 352 MB
+    ar = all_reduce_time_s(4096 * 2, 8, NVLINK4_H100)  # one token's hidden vector over 8 devices
+    # One decode token picks 2 of 8 experts. Sliced (TP 8): every device reads 1/8 of both.
+    one_token = [1, 0, 0, 1, 0, 0, 0, 0]
+    tp = moe_layer_time(H100_SXM, MIXTRAL_8X7B, 8, NVLINK4_H100, one_token, expert_parallel=False)
+    assert tp.weight_bytes == 2 * expert_bytes / 8 and tp.rows == 2 / 8
+    assert tp.memory_s == pytest.approx(2 * expert_bytes / 8 / 3.35e12)
+    assert tp.time_s == pytest.approx(tp.memory_s + ar)
+    # Whole (EP 8): devices 0 and 3 each read one whole expert: the layer takes 4x the memory time.
+    ep = moe_layer_time(H100_SXM, MIXTRAL_8X7B, 8, NVLINK4_H100, one_token, expert_parallel=True)
+    assert ep.weight_bytes == expert_bytes and ep.rows == 1
+    assert ep.memory_s == pytest.approx(4 * tp.memory_s) and ep.comm_s == tp.comm_s
+    # Even routing of 64 tokens hits every expert: the same bytes and rows per device either way.
+    even = even_routing(MIXTRAL_8X7B, 64)
+    assert even == [16.0] * 8
+    a, b = (moe_layer_time(H100_SXM, MIXTRAL_8X7B, 8, NVLINK4_H100, even, expert_parallel=ep) for ep in (False, True))
+    assert a.time_s == pytest.approx(b.time_s) and a.weight_bytes == b.weight_bytes == expert_bytes
+    # A compute-bound prefill with skewed routing on 2 devices: the busiest EP rank computes
+    # 3/4 of the rows instead of half, 1.5x the FLOPs.
+    skewed = [1536, 1536, 1536, 1536, 512, 512, 512, 512]  # 4096 tokens x top 2
+    a, b = (moe_layer_time(H100_SXM, MIXTRAL_8X7B, 2, NVLINK4_H100, skewed, expert_parallel=ep) for ep in (False, True))
+    assert (a.rows, b.rows) == (4096, 6144)
+    assert a.compute_s == pytest.approx(2 * 4096 * (3 * 4096 * 14336) / 989e12)
+    assert b.compute_s == pytest.approx(1.5 * a.compute_s) and b.compute_s > b.memory_s
+    with pytest.raises(ValueError, match="tokens_per_expert has 4 entries, the model 8 experts"):
+        moe_layer_time(H100_SXM, MIXTRAL_8X7B, 2, NVLINK4_H100, [1, 1, 1, 1], expert_parallel=True)
+    with pytest.raises(ValueError, match="8 experts cannot be split evenly over expert parallel size 3"):
+        moe_layer_time(H100_SXM, MIXTRAL_8X7B, 3, NVLINK4_H100, even, expert_parallel=True)
 
 
 def test_rank_loads_and_imbalance():

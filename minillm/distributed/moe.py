@@ -91,7 +91,7 @@ def expert_parallel_moe(hidden: torch.Tensor, shard: ExpertShard, group: dist.Pr
     dist.all_to_all_single(received, hidden.index_select(0, d.token_index), recv_splits, send_splits, group=group)
 
     # 3. compute: received rows are [source 0: expert 0's rows, expert 1's ..., source 1: ...]
-    local_expert = torch.arange(per_rank).repeat(ep).repeat_interleave(recv_counts.flatten())
+    local_expert = torch.arange(per_rank, device=hidden.device).repeat(ep).repeat_interleave(recv_counts.flatten())
     results = torch.empty_like(received)
     for j in range(per_rank):
         rows = (local_expert == j).nonzero().squeeze(1)

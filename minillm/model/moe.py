@@ -103,7 +103,7 @@ def dispatch(routing: Routing, num_experts: int) -> Dispatch:
     order = torch.argsort(flat_experts, stable=True)
     top_k = routing.expert_ids.shape[1]
     tokens_per_expert = torch.bincount(flat_experts, minlength=num_experts)
-    offsets = torch.zeros(num_experts + 1, dtype=torch.long)
+    offsets = torch.zeros(num_experts + 1, dtype=torch.long, device=flat_experts.device)
     offsets[1:] = torch.cumsum(tokens_per_expert, dim=0)
     return Dispatch(
         token_index=order // top_k,

@@ -30,22 +30,28 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response
 
+from minillm.request import MAX_LOGPROBS
 from minillm.router.app import HOP_HEADERS, HealthConfig, Router
 from minillm.router.policies import make_policy
 from minillm.server.errors import error_response
 
 
 def pd_refusal(data: dict, chat: bool) -> tuple[str, str] | None:
-    """(message, field) if the request cannot go through one prefill/decode transfer; else None."""
-    if data.get("n", 1) != 1:
-        return f"n must be 1 behind a prefill/decode router (one KV transfer per request), got {data['n']!r}", "n"
-    if data.get("best_of") not in (None, 1):
-        return f"best_of must be 1 behind a prefill/decode router, got {data['best_of']!r}", "best_of"
-    if data.get("logprobs") is not None and data.get("logprobs") is not False:
+    """(message, field) if a well-formed request cannot go through one prefill/decode transfer; else
+    None. Malformed fields are left to the prefill server, whose errors the client then gets."""
+
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    n = data.get("n")
+    if is_int(n) and 1 < n <= 128:  # (beyond the server's bounds: the server's own error)
+        return f"n must be 1 behind a prefill/decode router (one KV transfer per request), got {n}", "n"
+    logprobs = data.get("logprobs")
+    if (chat and logprobs is True) or (not chat and is_int(logprobs) and 0 <= logprobs <= MAX_LOGPROBS):
         return ("logprobs are not supported behind a prefill/decode router (the first token is sampled on the "
-                "prefill instance, its logprobs stay there)", "logprobs")
+                "prefill instance, and its logprobs stay there)", "logprobs")
     prompt = data.get("prompt")
-    if not chat and isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and len(prompt) > 1:
+    if not chat and isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) and p for p in prompt):
         return (f"prompt must be one prompt behind a prefill/decode router (one KV transfer per request), got a "
                 f"batch of {len(prompt)}", "prompt")
     if "kv_transfer_params" in data:
@@ -77,8 +83,10 @@ class PDRouter(Router):
                 return error_response(503, f"the {'prefill' if worker is self.prefill else 'decode'} instance "
                                            f"{worker.url} is unhealthy; retry later", None, {"Retry-After": "1"})
         transfer_id = uuid.uuid4().hex
-        prefill_body = {k: v for k, v in data.items() if k != "stream_options"}
-        prefill_body.update(stream=False, kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id})
+        prefill_body = dict(data, kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id})
+        if data.get("stream") is True:  # one answer, not a stream (a malformed stream field stays: the server's error)
+            prefill_body["stream"] = False
+            prefill_body.pop("stream_options", None)
         answer = await self._plain(self.prefill, path, json.dumps(prefill_body).encode(), headers)
         if answer.status_code != 200:
             return answer

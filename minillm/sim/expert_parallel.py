@@ -5,6 +5,12 @@ expert parallelism (EP) over `ep` devices each holds E/ep whole experts; every t
 top-k experts' devices and back: two all-to-alls per MoE layer (dispatch, combine), priced by
 `minillm.sim.network`. The layer then runs at the pace of its busiest rank: `load_imbalance` reads
 that off a router histogram such as `minillm.model.moe.sparse_moe`'s `tokens_per_expert`.
+
+`moe_layer_time` prices the experts of one step on the busiest device, sliced (TP) or whole (EP),
+from such a histogram: a device reads the weights of every expert it holds that got at least one
+row, and computes its rows. In a memory-bound decode that favours slicing at small batch (TP reads
+1/n of the few experts chosen, EP a whole one on some device), and in a compute-bound prefill it
+shows the imbalance (EP's busiest device computes more than 1/n of the rows).
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from minillm.sim.hardware import Hardware
 from minillm.sim.model_shapes import ModelShape, from_hf_config
-from minillm.sim.network import Link, all_to_all_time_s
+from minillm.sim.network import Link, all_reduce_time_s, all_to_all_time_s
 from minillm.sim.parallel import check_tp, layer_params_per_device
 
 
@@ -111,3 +118,55 @@ def load_imbalance(tokens_per_expert: Sequence[int], ep: int) -> float:
     loads = rank_loads(tokens_per_expert, ep)
     mean = sum(loads) / len(loads)
     return max(loads) / mean if mean else 1.0
+
+
+def even_routing(moe: MoEShape, num_tokens: int) -> list[float]:
+    """Rows per expert when `num_tokens` tokens spread evenly (each expert num_tokens·k/E rows)."""
+    return [num_tokens * moe.top_k / moe.num_experts] * moe.num_experts
+
+
+@dataclass(frozen=True)
+class MoELayerCost:
+    """The experts of one MoE layer in one step, on the busiest of `num_devices` devices (attention
+    tensor-parallel: every device has every token, picks the rows of its experts, and one
+    all-reduce of [tokens, hidden] sums the devices' outputs, as after a dense MLP)."""
+
+    num_devices: int
+    expert_parallel: bool
+    rows: float  # routed rows the busiest device computes (a slice of each for TP)
+    weight_bytes: float  # expert weights it reads: its experts that got at least one row
+    compute_s: float
+    memory_s: float
+    comm_s: float
+
+    @property
+    def time_s(self) -> float:
+        return max(self.compute_s, self.memory_s) + self.comm_s
+
+
+def moe_layer_time(hw: Hardware, moe: MoEShape, num_devices: int, link: Link,
+                   tokens_per_expert: Sequence[float], *, expert_parallel: bool) -> MoELayerCost:
+    """One MoE layer's experts over `num_devices` devices: each expert sliced 1/n on every device
+    (`expert_parallel=False`, vLLM's default) or whole, E/n per device (`enable_expert_parallel`)."""
+    if len(tokens_per_expert) != moe.num_experts:
+        raise ValueError(f"tokens_per_expert has {len(tokens_per_expert)} entries, the model {moe.num_experts} experts")
+    num_tokens = sum(tokens_per_expert) / moe.top_k
+    b, n, params = hw.dtype_bytes, num_devices, moe.expert_params
+    if expert_parallel:
+        per_rank = moe.num_experts // n
+        ep_expert_bytes_per_device(moe, n, b)  # refuses a count that does not divide
+        ranks = [tokens_per_expert[r * per_rank:(r + 1) * per_rank] for r in range(n)]
+        costs = [(sum(rows), sum(1 for x in rows if x > 0) * params * b) for rows in ranks]
+    else:
+        hit = sum(1 for x in tokens_per_expert if x > 0)
+        costs = [(sum(tokens_per_expert) / n, hit * params * b / n)]
+
+    def time(rows: float, weight_bytes: float) -> float:
+        return max(2 * rows * params / (hw.peak_flops * hw.mfu), weight_bytes / (hw.mem_bandwidth_bytes_per_s * hw.mbu))
+
+    rows, weight_bytes = max(costs, key=lambda c: time(*c))
+    comm_s = all_reduce_time_s(num_tokens * moe.shape.hidden_size * b, n, link)
+    return MoELayerCost(num_devices=n, expert_parallel=expert_parallel, rows=rows, weight_bytes=weight_bytes,
+                        compute_s=2 * rows * params / (hw.peak_flops * hw.mfu),
+                        memory_s=weight_bytes / (hw.mem_bandwidth_bytes_per_s * hw.mbu), comm_s=comm_s)
+

@@ -21,6 +21,24 @@ which queueing makes true up to noise (`attainment_curve` shows the curve it sea
 SLOs are ours (the chapter's defaults, `DEFAULT_SLOS`), chosen for a 7B model: an idle A100 prefills
 a 1000-token prompt in ~90 ms and decodes a step in ~15 ms, so TTFT <= 1 s and TPOT <= 50 ms leave
 room for queueing and for batching, and a 2000-token code prompt gets TTFT <= 2 s.
+
+Published results, for comparison (their setups, not ours: larger models, tensor parallelism,
+their own schedulers and placement search):
+
+* DistServe (Zhong et al., "DistServe: Disaggregating Prefill and Decoding for Goodput-optimized
+  Large Language Model Serving", OSDI 2024, arXiv:2401.09670) defines goodput as the maximum request
+  rate that can be served within both TTFT and TPOT constraints on each GPU, and reports serving
+  7.4x more requests or a 12.6x tighter SLO than state-of-the-art systems while keeping > 90 % of
+  requests within the constraints (the abstract; the first arXiv version and the Hao AI Lab post,
+  https://hao-ai-lab.github.io/summary/distserve, said 4.48x and 10.2x). DistServe also searches the
+  parallelism and the prefill:decode ratio per workload; here the ratio is a knob (`ratios`).
+* Splitwise (Patel et al., "Splitwise: Efficient generative LLM inference using phase splitting",
+  ISCA 2024, arXiv:2311.18677) splits the phases onto separate machines, moves the KV state over
+  the cluster's back-plane interconnect (InfiniBand), and reports up to 1.4x higher throughput at
+  20 % lower cost, or 2.35x more throughput under the same power and cost budgets, than current
+  designs. Its traces are the ones in data/traces/ (coding and conversation, lengths only: it sent
+  prompts of the traced lengths and forced the traced output lengths, as `azure_trace` does); its
+  baseline is mixed batching, as the colocated engine here (chunked prefill off).
 """
 
 from __future__ import annotations

@@ -143,6 +143,22 @@ KNOWN_WRONG += [
          "        budget = decodes + -(-pool // passes)  # one pass's even share",
          "        passes = -(-(pool + decodes) // target)\n        budget = -(-(pool + decodes) // passes)"),),
            expect="decodes take their tokens first"),
+    Mutant(4, "decodes not served first: the prompt chunks take the budget before the decodes", code=(
+        "def splitfuse_fill(running, waiting, target, long_prefill_token_threshold, max_num_seqs):\n"
+        "    decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1 and r.num_computed_tokens]\n"
+        "    others = [r for r in running if r not in decoding]\n"
+        "    seated = waiting[:max(max_num_seqs - len(running), 0)]\n"
+        "    pool = sum(r.num_tokens - r.num_computed_tokens for r in others + seated)\n"
+        "    room = target - len(decoding)\n"
+        "    budget = target if room <= 0 or pool <= room else len(decoding) + -(-pool // -(-pool // room))\n"
+        "    rows = []\n"
+        "    for req in others + decoding + seated:\n"
+        "        n = min(req.num_tokens - req.num_computed_tokens, budget)\n"
+        "        if n == 0:\n"
+        "            break\n"
+        "        rows.append((req, n))\n"
+        "        budget -= n\n"
+        "    return rows\n"), expect="decodes take their tokens first"),
     Mutant(4, "exceeds the target: the decodes not taken out of the room", edits=(
         ("    room = target - decodes", "    room = target"),), expect="over the budget"),
     Mutant(4, "delegates to SplitFuseChunking.step_budget", code=(
