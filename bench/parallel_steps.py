@@ -7,6 +7,7 @@ Runs the same greedy workload (the bundled model, float32) on:
     mp tp1     one worker process: the cost of the process boundary alone (torch ops, no collective)
     mp tp2     two ranks, tensor parallel (2 all-reduces per layer + 1 for the embedding, logits gathered)
     mp pp2     two stages of 2 layers (one send/recv of [tokens, hidden] per step)
+    pp2 mbN    the same, each step cut into N micro-batches that follow each other through the stages
 Engines are built once (start-up not timed), warmed up, then timed round-robin `--repeats` times;
 the best run of each is kept. Prints seconds per engine step, the ratio to `uni`, and per step
 the collectives each rank called and the bytes it handed them. Numbers, not asserts: the machine
@@ -43,7 +44,9 @@ def main() -> None:
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     knobs = dict(max_num_seqs=len(prompts), max_model_len=128)
     configs = {"uni": {}, "mp tp1": dict(distributed_executor_backend="mp"),
-               "mp tp2": dict(tensor_parallel_size=2), "mp pp2": dict(pipeline_parallel_size=2)}
+               "mp tp2": dict(tensor_parallel_size=2), "mp pp2": dict(pipeline_parallel_size=2),
+               "pp2 mb2": dict(pipeline_parallel_size=2, pipeline_micro_batches=2),
+               "pp2 mb4": dict(pipeline_parallel_size=2, pipeline_micro_batches=4)}
     engines, tokens = {}, {}
     for name, extra in configs.items():
         engines[name] = LLM(dtype="float32", **knobs, **extra)
@@ -65,7 +68,7 @@ def main() -> None:
     print(f"{'engine':8s} {'ms/step':>8s} {'x uni':>6s}  same greedy tokens as uni")
     for name in configs:
         print(f"{name:8s} {best[name] * 1e3:8.2f} {best[name] / best['uni']:6.2f}  {tokens[name] == tokens['uni']}")
-    for name in ("mp tp2", "mp pp2"):
+    for name in ("mp tp2", "mp pp2", "pp2 mb2"):
         executor = engines[name].engine.executor
         stats = executor.collective_stats()
         for rank, s in enumerate(stats):

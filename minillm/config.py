@@ -63,6 +63,10 @@ class EngineConfig:
     # Mixtral (chapter 12): experts whole on the tensor-parallel ranks (EP size = TP size), tokens sent to them
     # with all-to-alls (minillm.distributed.moe); attention stays tensor-parallel. vLLM's name.
     enable_expert_parallel: bool = False
+    # Pipeline stages: cut each step's rows into this many micro-batches that follow each other through the
+    # stages, so a stage works on one while the next works on the previous (GPipe within a step; minillm's knob,
+    # not vLLM's: vLLM keeps several steps in flight instead, its "virtual engines").
+    pipeline_micro_batches: int = 1
 
     def __post_init__(self) -> None:
         self._check_parallel()
@@ -153,6 +157,10 @@ class EngineConfig:
         if self.enable_expert_parallel and self.tensor_parallel_size < 2:
             raise ValueError("enable_expert_parallel=True splits the experts over the tensor-parallel ranks: it needs "
                              f"tensor_parallel_size >= 2 (got {self.tensor_parallel_size})")
+        _require_int("pipeline_micro_batches", self.pipeline_micro_batches, 1)
+        if self.pipeline_micro_batches > 1 and self.pipeline_parallel_size < 2:
+            raise ValueError(f"pipeline_micro_batches={self.pipeline_micro_batches} cuts steps for pipeline stages: "
+                             f"it needs pipeline_parallel_size >= 2 (got {self.pipeline_parallel_size})")
         if self.executor_backend == "mp":
             unsupported = [(self.batching != "continuous", f"batching={self.batching!r} (use 'continuous')"),
                            (self.kv_layout != "paged", f"kv_layout={self.kv_layout!r} (use 'paged')"),

@@ -108,17 +108,17 @@ def reference(dtype: str, knobs: dict, sampling: list[SamplingParams], model: st
 MOE = str(BUNDLED_TARGET.parent / "minillm-moe")  # Mixtral-style: 4 experts, top-2, 4 query / 2 KV heads
 
 
-@pytest.mark.parametrize("tp, pp, preemption, cache, moe", [
-    (2, 1, "swap", "radix", False), (4, 1, "recompute", "hash", False), (1, 2, "recompute", "hash", False),
-    (2, 2, "swap", "hash", False), (2, 1, "recompute", "hash", True)],
-    ids=["tp2", "tp4", "pp2", "tp2xpp2", "ep2-moe"])
-def test_exactness_matrix_float64(tp, pp, preemption, cache, moe):
+@pytest.mark.parametrize("tp, pp, micro, preemption, cache, moe", [
+    (2, 1, 1, "swap", "radix", False), (4, 1, 1, "recompute", "hash", False), (1, 2, 2, "recompute", "hash", False),
+    (2, 2, 1, "swap", "hash", False), (2, 1, 1, "recompute", "hash", True)],
+    ids=["tp2", "tp4", "pp2-microbatches2", "tp2xpp2", "ep2-moe"])
+def test_exactness_matrix_float64(tp, pp, micro, preemption, cache, moe):
     knobs = dict(KNOBS, preemption_mode=preemption, prefix_cache=cache)
     model = MOE if moe else None
     want, one = reference("float64", knobs, params(), model)
     before = worker_processes()
     llm = LLM(model, dtype="float64", tensor_parallel_size=tp, pipeline_parallel_size=pp,
-              enable_expert_parallel=moe, **knobs)
+              pipeline_micro_batches=micro, enable_expert_parallel=moe, **knobs)
     pids = llm.engine.executor.pids
     assert len(pids) == tp * pp and set(pids) <= worker_processes()
     got = bounded(lambda: llm.generate(PROMPTS, params(), use_tqdm=False))
@@ -143,8 +143,10 @@ def test_exactness_matrix_float64(tp, pp, preemption, cache, moe):
         layers_first_stage = info[0]["kv_pool_shape"][0]
         per_layer = 1 if moe else 2
         assert stats[0]["calls"]["all_reduce"] == engine.executor.num_steps * (per_layer * layers_first_stage + 1)
-    if pp > 1:
-        assert stats[0]["calls"]["send"] == engine.executor.num_steps == stats[-1]["calls"]["recv"]
+    if pp > 1:  # one send/recv of [tokens, hidden] per step, or per micro-batch
+        sends = stats[0]["calls"]["send"]
+        assert sends == stats[-1]["calls"]["recv"]
+        assert sends > engine.executor.num_steps if micro > 1 else sends == engine.executor.num_steps
     if tp == 2 and pp == 1:  # garbage collection joins the workers
         del llm, engine
         gc.collect()
@@ -226,6 +228,7 @@ def test_a_shard_that_cannot_load_fails_at_construction(tmp_path):
     (dict(tensor_parallel_size=3), r"tensor_parallel_size=3 does not divide the model's 8 attention heads"),
     (dict(pipeline_parallel_size=5), r"pipeline_parallel_size=5 is more stages than the model's 4 layers"),
     (dict(tensor_parallel_size=0), r"tensor_parallel_size must be an integer >= 1, got 0"),
+    (dict(pipeline_micro_batches=2), r"pipeline_micro_batches=2 .* needs pipeline_parallel_size >= 2"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), r"'uni' runs one process"),
     (dict(distributed_executor_backend="ray"), r"distributed_executor_backend='ray'; choose one of \('uni', 'mp'\)"),
     (dict(tensor_parallel_size=2, batching="static"), r"does not support batching='static'"),
@@ -246,14 +249,18 @@ def test_worlds_the_model_cannot_split_are_refused_at_construction(knobs, messag
     assert worker_processes() <= before  # refused before any process started
 
 
-def test_layers_split_as_vllm_splits_them():
+def test_layers_split_as_vllm_splits_them_and_steps_into_micro_batches():
     from minillm.distributed.layout import stage_layer_counts, stage_layers
+    from minillm.distributed.worker import micro_batch_rows
 
     assert stage_layer_counts(3, 2) == [2, 1]
     assert stage_layer_counts(4, 3) == [1, 2, 1]
     assert stage_layer_counts(5, 3) == [2, 2, 1]
     assert stage_layer_counts(4, 2) == [2, 2]
     assert [list(stage_layers(5, 3, s)) for s in range(3)] == [[0, 1], [2, 3], [4]]
+    assert micro_batch_rows([1] * 8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert micro_batch_rows([1, 1, 1, 1, 10], 2) == [(0, 4), (4, 5)]  # a long prefill row stays whole
+    assert micro_batch_rows([5], 4) == [(0, 1)] and micro_batch_rows([], 2) == []
 
 
 @pytest.mark.parametrize("tp", [2, 8])

@@ -56,7 +56,8 @@ def build_distributed_engine(config: EngineConfig, model_dir: Path, dtype: torch
     kv = make_kv_manager(resolved, model_config, dtype, "cpu", allocate_pool=False)
     spec = dict(model_dir=str(model_dir), model_config=model_config, dtype=dtype, device=device,
                 max_positions=config.max_model_len or model_config.max_position_embeddings,
-                cache_spec=kv.cache_spec, attention_backend=resolved.attention_backend)
+                cache_spec=kv.cache_spec, attention_backend=resolved.attention_backend,
+                micro_batches=resolved.pipeline_micro_batches)
     executor = MultiprocExecutor(kv, spec, tp, pp, resolved.execute_model_timeout_s)
     try:
         return build_engine(config, model_config, tokenizer=tokenizer, kv=kv, executor=executor,

@@ -20,6 +20,7 @@ import pickle
 import traceback
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from minillm.distributed.layout import RankLayout
@@ -27,7 +28,7 @@ from minillm.kv.base import KVCacheSpec
 from minillm.model.config import ModelConfig
 from minillm.scheduler.base import ModelRunnerOutput
 from minillm.scheduler.output import SchedulerOutput
-from minillm.worker.model_runner import ModelRunner
+from minillm.worker.model_runner import ModelRunner, StepInputs
 
 
 @dataclass(frozen=True)
@@ -45,15 +46,23 @@ class WorkerSpec:
     pp: int
     init_file: str  # torch.distributed's FileStore rendezvous
     timeout_s: float  # collectives time out after this
+    micro_batches: int = 1  # pipeline stages: micro-batches per step (EngineConfig.pipeline_micro_batches)
     num_threads: int = 1
 
 
 class ParallelWorker(ModelRunner):
-    """A `ModelRunner` on one rank: every rank runs the forward; only the sampling rank samples."""
+    """A `ModelRunner` on one rank: every rank runs the forward; only the sampling rank samples.
 
-    def __init__(self, model, cache_spec: KVCacheSpec, attention_backend: str, layout: RankLayout) -> None:
+    With pipeline stages and `micro_batches` > 1, a step's rows are cut into that many contiguous
+    micro-batches of about equal tokens, run one after another through this rank's layers: stage 0
+    starts on micro-batch 2 while stage 1 still works on micro-batch 1 (GPipe's schedule within
+    one step). Every rank cuts the same plan the same way, so sends and receives pair up."""
+
+    def __init__(self, model, cache_spec: KVCacheSpec, attention_backend: str, layout: RankLayout,
+                 micro_batches: int = 1) -> None:
         super().__init__(model, cache_spec, attention_backend)
         self.layout = layout
+        self.micro_batches = micro_batches if layout.pp > 1 else 1
 
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
         if self.layout.samples:
@@ -61,6 +70,44 @@ class ParallelWorker(ModelRunner):
         self.update_state(plan)
         self.compute_logits(plan)  # this rank's part of the forward and the logits gather
         return None
+
+    def compute_logits(self, plan: SchedulerOutput) -> tuple[torch.Tensor | None, StepInputs]:
+        groups = micro_batch_rows(plan.num_scheduled_tokens, self.micro_batches)
+        if len(groups) <= 1:
+            return super().compute_logits(plan)
+        parts, sampled, sampled_rows, inputs = [], [], [], None
+        for start, end in groups:
+            logits, inputs = super().compute_logits(rows_of_plan(plan, start, end))
+            if logits is not None:
+                parts.append(logits)
+            sampled += [start + i for i in inputs.sampled]
+            sampled_rows.append(inputs.sampled_rows)
+        whole = dataclasses.replace(inputs, sampled=sampled, spans=[(j, 1) for j in range(len(sampled))],
+                                    sampled_rows=np.concatenate(sampled_rows))
+        return (torch.cat(parts) if parts else None), whole
+
+
+def micro_batch_rows(num_tokens: list[int], parts: int) -> list[tuple[int, int]]:
+    """Cut rows into at most `parts` contiguous, non-empty runs [start, end) of about total/parts tokens:
+    a run closes before a row that would take it past that (a long prefill row stays whole)."""
+    target, groups, start, acc = sum(num_tokens) / max(parts, 1), [], 0, 0
+    for i, n in enumerate(num_tokens):
+        if acc and acc + n > target and len(groups) < parts - 1:
+            groups.append((start, i))
+            start, acc = i, 0
+        acc += n
+    if start < len(num_tokens):
+        groups.append((start, len(num_tokens)))
+    return groups
+
+
+def rows_of_plan(plan: SchedulerOutput, start: int, end: int) -> SchedulerOutput:
+    """The plan's rows [start, end) (per-row fields only: its diffs were applied already)."""
+    return dataclasses.replace(plan, req_ids=plan.req_ids[start:end],
+                               num_scheduled_tokens=plan.num_scheduled_tokens[start:end],
+                               num_computed_tokens=plan.num_computed_tokens[start:end],
+                               new_token_ids=plan.new_token_ids[start:end], is_decode=plan.is_decode[start:end],
+                               samples=plan.samples[start:end])
 
 
 def rank_cache_spec(spec: KVCacheSpec, model) -> KVCacheSpec:
@@ -92,7 +139,8 @@ def build_rank(spec: WorkerSpec, rank: int) -> ParallelWorker:
         from minillm.distributed.moe import shard_model_experts
 
         shard_model_experts(model, groups[layout.stage] if groups[layout.stage] is not None else dist.group.WORLD)
-    return ParallelWorker(model, rank_cache_spec(spec.cache_spec, model), spec.attention_backend, layout)
+    return ParallelWorker(model, rank_cache_spec(spec.cache_spec, model), spec.attention_backend, layout,
+                          spec.micro_batches)
 
 
 def rank_main(rank: int, spec: WorkerSpec, conn) -> None:
