@@ -47,7 +47,7 @@ def numba_calls_in_ranges():
     named range (the functions are looked up on their module at each call: cpu_paged, model/fused)."""
     from minillm.kernels import cpu_decode_attention, cpu_fused_ops
 
-    targets = [(cpu_decode_attention, "paged_decode_kernel", NUMBA_DECODE)] + [
+    targets = [(cpu_decode_attention, name, NUMBA_DECODE) for name in ("paged_decode_f32", "paged_decode_f64")] + [
         (cpu_fused_ops, name, f"numba_cpu::{name}") for name in ("add_rms_norm", "rms_norm", "rotary")]
     originals = [getattr(module, name) for module, name, _ in targets]
 

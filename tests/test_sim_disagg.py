@@ -69,6 +69,23 @@ def test_disaggregated_run_moves_every_prompt_and_recomputes_none() -> None:
         assert all(b >= a for a, b in zip(m.token_times, m.token_times[1:]))
 
 
+def test_one_request_pays_a_prefill_a_transfer_and_decode_steps_only() -> None:
+    from minillm.sim.cost_model import decode_step_time, prefill_time
+    from minillm.sim.hardware import get_hardware
+    from minillm.sim.model_shapes import get_model_shape
+
+    hw, shape = get_hardware(HW), get_model_shape("llama-7b")
+    one = make_trace(1, seed=3, vocab_size=32000, prompt_len=2000, output_len=4, max_prompt_len=4096)
+    m = simulate_disaggregated(one, hardware=HW, link=INFINIBAND_HDR).requests[0]
+    wire = INFINIBAND_HDR.message_time_s(2000 * 2**19)
+    assert m.ttft == pytest.approx(prefill_time(hw, shape, 2000).time_s + wire, rel=1e-9)
+    # the decode instance takes the KV in with a decode step (reading 2001 keys), never a prefill of 2000 tokens
+    steps = [decode_step_time(hw, shape, 1, 2001 + i).time_s for i in range(3)]
+    assert [b - a for a, b in zip(m.token_times, m.token_times[1:])] == pytest.approx(steps, rel=1e-9)
+    colocated = simulate_colocated(one, hardware=HW).requests[0]
+    assert colocated.ttft == pytest.approx(prefill_time(hw, shape, 2000).time_s, rel=1e-9)
+
+
 def test_a_slow_link_queues_transfers_one_at_a_time() -> None:
     burst = make_trace(6, seed=2, vocab_size=32000, prompt_len=1000, output_len=4)  # all at t=0
     res = simulate_disaggregated(burst, hardware=HW, link=TEN_GBE)

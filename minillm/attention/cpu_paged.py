@@ -24,9 +24,9 @@ class NumbaCpuAttention(FlatPoolAttention):
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
                  sliding_windows: tuple[int | None, ...] = ()) -> None:
         super().__init__(k_pool, v_pool, meta, sliding_windows)
-        from minillm.kernels.cpu_decode_attention import paged_decode_kernel
+        from minillm.kernels import cpu_decode_attention
 
-        self.kernel = paged_decode_kernel
+        self.kernel = cpu_decode_attention.kernel_for(k_pool.dtype)  # looked up each step (profilers wrap it)
         nd = meta.num_decode
         # numpy views (zero-copy) made once per step and shared by every layer
         self.decode_tables = meta.block_tables[:nd].contiguous().numpy()

@@ -263,13 +263,14 @@ def print_goodput_table(rows: Sequence[GoodputRow], *, slo: SLO | None = None, a
 
 def goodput_traces(num_requests: int = 200, *, start_s: float = 600.0, seed: int = 0) -> dict[str, Trace]:
     """The chapter's three traces of `num_requests` each: Azure conv and code from `start_s` into their hour
-    (real arrivals and lengths, Splitwise's traces), and a synthetic one for contrast (Poisson arrivals,
-    lengths uniform around the conv trace's medians: no bursts, no long tail)."""
+    (real arrivals and lengths, Splitwise's traces; prompts cut to fit Llama-2's 4,096 tokens as the other
+    chapters cut them, `meta["clipped_prompts"]` says how many), and a synthetic one for contrast (Poisson
+    arrivals, lengths uniform around the conv trace's medians: no bursts, no long tail)."""
     from minillm.workload import azure_trace, make_trace
 
     return {
-        "azure-conv": azure_trace("conv", start_s=start_s, max_requests=num_requests, seed=seed),
-        "azure-code": azure_trace("code", start_s=start_s, max_requests=num_requests, seed=seed),
+        "azure-conv": azure_trace("conv", start_s=start_s, max_requests=num_requests, seed=seed, max_model_len=4096),
+        "azure-code": azure_trace("code", start_s=start_s, max_requests=num_requests, seed=seed, max_model_len=4096),
         "synthetic": make_trace(num_requests, seed=seed, vocab_size=32000, rate_per_s=5.0,
                                 prompt_len=("uniform", 512, 1536), output_len=("uniform", 64, 192),
                                 max_prompt_len=4096),
