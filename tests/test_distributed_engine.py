@@ -209,6 +209,32 @@ def test_a_hung_worker_times_out_with_a_clear_error():
     assert gone(pids) and worker_processes() <= before
 
 
+DRIVER = """
+import sys
+from minillm import LLM
+llm = LLM(tensor_parallel_size=2, max_num_seqs=2, max_model_len=64)
+print(" ".join(map(str, llm.engine.executor.pids)), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_ranks_leave_when_their_driver_is_killed():
+    """The worst case for orphans: the driver dies without any clean-up; each rank sees its pipe close and exits."""
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                              text=True)
+    try:
+        pids = [int(p) for p in bounded(driver.stdout.readline, 180).split()]
+        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+    finally:
+        driver.kill()
+        driver.wait(30)
+    deadline = time.monotonic() + 60
+    while not gone(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(pids), f"rank processes {pids} outlived their driver"
+
+
 def test_a_shard_that_cannot_load_fails_at_construction(tmp_path):
     """A checkpoint missing a tensor: the ranks report it, LLM(...) raises, nothing keeps running."""
     from safetensors.torch import load_file, save_file
