@@ -157,16 +157,20 @@ def test_exactness_matrix_float64(tp, pp, micro, preemption, cache, moe):
     assert gone(pids) and worker_processes() <= before
 
 
-def test_float32_tp2_greedy_tokens_and_logit_margin(capsys):
+@pytest.fixture(scope="module")
+def tp2_float32():
+    """One TP 2 float32 engine for the float32 comparison, then for the killed-worker test (which ends it)."""
+    llm = LLM(dtype="float32", tensor_parallel_size=2, **SMALL)
+    yield llm
+    llm.shutdown()
+
+
+def test_float32_tp2_greedy_tokens_and_logit_margin(tp2_float32, capsys):
     """float32: the all-reduce adds partial sums in another order than one matmul, so logits differ in the
     last bits. Greedy tokens stay equal while every step's top-1 margin exceeds that difference."""
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
     want, _ = reference("float32", SMALL, [sp] * 4)
-    llm = LLM(dtype="float32", tensor_parallel_size=2, **SMALL)
-    try:
-        got = bounded(lambda: llm.generate(PROMPTS, sp, use_tqdm=False))
-    finally:
-        llm.shutdown()
+    got = bounded(lambda: tp2_float32.generate(PROMPTS, sp, use_tqdm=False))
     assert tokens(got) == tokens(want)
     margins, diffs = [], []
     for a, b in zip(want, got):
@@ -180,16 +184,16 @@ def test_float32_tp2_greedy_tokens_and_logit_margin(capsys):
     assert max(diffs) < 1e-3 and max(diffs) < min(margins)
 
 
-def test_a_killed_worker_is_a_clear_error_and_no_process_is_left():
-    before = worker_processes()
-    llm = LLM(tensor_parallel_size=2, **SMALL)
+def test_a_killed_worker_is_a_clear_error_and_no_process_is_left(tp2_float32):
+    llm = tp2_float32
     pids = llm.engine.executor.pids
+    others = worker_processes() - set(pids)
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     assert len(bounded(lambda: llm.generate(PROMPTS[:2], sp, use_tqdm=False))) == 2
     os.kill(pids[1], signal.SIGKILL)
     with pytest.raises(EngineDeadError, match=rf"rank 1 \(pid {pids[1]}\)"):
         bounded(lambda: llm.generate(PROMPTS[:2], sp, use_tqdm=False))
-    assert gone(pids) and worker_processes() <= before  # the other rank was stopped too
+    assert gone(pids) and worker_processes() <= others  # the other rank was stopped too
     with pytest.raises(EngineDeadError, match="rank 1"):  # and every later call says so at once
         llm.generate(PROMPTS[:1], sp, use_tqdm=False)
 
@@ -385,3 +389,13 @@ def test_minillm_serve_tensor_parallel_2_answers_the_openai_client_as_tp_1():
     want = LLM(dtype="float64", **SMALL).generate(PROMPTS[:2], SamplingParams(max_tokens=12, temperature=0.0),
                                                   use_tqdm=False)
     assert texts == [o.outputs[0].text for o in want] and all(texts)
+
+
+def test_serve_flags_use_vllm_names():
+    from minillm.cli import build_parser
+    from minillm.server.serve import engine_knobs
+
+    args = build_parser().parse_args(["serve", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2",
+                                      "--distributed-executor-backend", "mp", "--enable-expert-parallel"])
+    assert engine_knobs(args) == {"tensor_parallel_size": 2, "pipeline_parallel_size": 2,
+                                  "distributed_executor_backend": "mp", "enable_expert_parallel": True}
