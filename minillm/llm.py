@@ -96,6 +96,8 @@ class LLM:
             from minillm.distributed.launch_engine import build_distributed_engine
 
             model_dir = Path(model) if model is not None else BUNDLED_TARGET
+            if not model_dir.is_dir():
+                raise FileNotFoundError(f"model directory {model_dir} does not exist")
             self.model = None
             self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
             self.engine = build_distributed_engine(config, model_dir, torch_dtype, device, self.tokenizer,
