@@ -10,7 +10,8 @@ Runs the same greedy workload (the bundled model, float32) on:
     pp2 mbN    the same, each step cut into N micro-batches that follow each other through the stages
 Engines are built once (start-up not timed), warmed up, then timed round-robin `--repeats` times;
 the best run of each is kept. Prints seconds per engine step, the ratio to `uni`, and per step
-the collectives each rank called and the bytes it handed them. Numbers, not asserts: the machine
+the collectives each rank called, the bytes it handed them and the time it spent in them (a
+later stage's recv time is mostly waiting for the earlier stage: the pipeline bubble). Numbers, not asserts: the machine
 is shared (it prints the load average). What it shows honestly: on one CPU a tiny model's TP
 adds communication and per-rank overhead and removes no time — the ranks share the same cores.
 """
@@ -72,9 +73,10 @@ def main() -> None:
         executor = engines[name].engine.executor
         stats = executor.collective_stats()
         for rank, s in enumerate(stats):
-            per = {k: (v / executor.num_steps, s["bytes"][k] / executor.num_steps) for k, v in s["calls"].items()}
-            text = ", ".join(f"{k} {c:.1f} calls {b / 1024:.1f} KiB" for k, (c, b) in per.items())
-            print(f"{name} rank {rank}: per step {text}; forward {s['model_time_s'] / executor.num_steps * 1e3:.2f} ms")
+            n = executor.num_steps
+            text = ", ".join(f"{k} {c / n:.1f} calls {s['bytes'][k] / n / 1024:.1f} KiB {s['seconds'][k] / n * 1e3:.2f} ms"
+                             for k, c in s["calls"].items())
+            print(f"{name} rank {rank}: per step {text}; forward (with them) {s['model_time_s'] / n * 1e3:.2f} ms")
     for llm in engines.values():
         llm.shutdown()
 

@@ -27,6 +27,8 @@ logits differ in the last bits (a near-tie can flip: the tests report the margin
 from __future__ import annotations
 
 import dataclasses
+import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -45,15 +47,23 @@ def _column_major(w: torch.Tensor) -> torch.Tensor:
 
 
 class CommCounter:
-    """Collectives this rank called, and the bytes it handed them, over its life (chapter 12 reads them)."""
+    """Collectives this rank called, the bytes it handed them and the wall time it spent in them, over its
+    life (chapter 12 reads them). Time in a recv is mostly waiting for the previous stage: the bubble."""
 
     def __init__(self) -> None:
         self.calls: dict[str, int] = {}
         self.bytes: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
 
-    def add(self, kind: str, tensor: torch.Tensor) -> None:
+    @contextmanager
+    def timed(self, kind: str, tensor: torch.Tensor):
         self.calls[kind] = self.calls.get(kind, 0) + 1
         self.bytes[kind] = self.bytes.get(kind, 0) + tensor.numel() * tensor.element_size()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - start
 
 
 class ParallelLlamaModel:
@@ -97,8 +107,8 @@ class ParallelLlamaModel:
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size > 1:
-            self.comm.add("all_reduce", x)
-            dist.all_reduce(x, group=self.tp.group)
+            with self.comm.timed("all_reduce", x):
+                dist.all_reduce(x, group=self.tp.group)
         return x
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -120,8 +130,8 @@ class ParallelLlamaModel:
             h = self._embed(input_ids)
         else:
             h = torch.empty(num_tokens, c.hidden_size, dtype=self.dtype, device=self.device)
-            self.comm.add("recv", h)
-            dist.recv(h, src=layout.prev_rank)
+            with self.comm.timed("recv", h):
+                dist.recv(h, src=layout.prev_rank)
         cos, sin = self.rope.lookup(positions)
         last = len(self.layers) - 1 if layout.is_last_stage else -1
         loads = []
@@ -146,8 +156,8 @@ class ParallelLlamaModel:
         if loads:
             self.expert_load = torch.stack(loads).tolist()
         if not layout.is_last_stage:
-            self.comm.add("send", h)
-            dist.send(h.contiguous(), dst=layout.next_rank)
+            with self.comm.timed("send", h):
+                dist.send(h.contiguous(), dst=layout.next_rank)
             return None
         return rms_norm(h, self.final_norm, eps)
 
@@ -160,11 +170,8 @@ class ParallelLlamaModel:
         vocab = self.full_config.vocab_size
         if self.tp.size == 1:
             return part[:, :vocab]
-        self.comm.add("gather", part)
         dst = self.layout.tp_group_ranks()[0]
-        if self.layout.tp_rank == 0:
-            pieces = [torch.empty_like(part) for _ in range(self.tp.size)]
+        pieces = [torch.empty_like(part) for _ in range(self.tp.size)] if self.layout.tp_rank == 0 else None
+        with self.comm.timed("gather", part):
             dist.gather(part, pieces, dst=dst, group=self.tp.group)
-            return torch.cat(pieces, dim=1)[:, :vocab]
-        dist.gather(part, None, dst=dst, group=self.tp.group)
-        return None
+        return None if pieces is None else torch.cat(pieces, dim=1)[:, :vocab]

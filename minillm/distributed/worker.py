@@ -177,7 +177,8 @@ def serve(worker: ParallelWorker, conn) -> None:
                 reply = worker.execute_model(message[1])
             elif kind == "stats":
                 comm = worker.model.comm
-                reply = {"calls": dict(comm.calls), "bytes": dict(comm.bytes), "model_time_s": worker.model_time_s}
+                reply = {"calls": dict(comm.calls), "bytes": dict(comm.bytes), "seconds": dict(comm.seconds),
+                         "model_time_s": worker.model_time_s}
             else:
                 raise ValueError(f"unknown message {kind!r}")
             payload = ("ok", reply)

@@ -129,8 +129,8 @@ class MultiprocExecutor:
         return 0.0
 
     def collective_stats(self) -> list[dict]:
-        """Per rank: collectives called and bytes handed to them (`{"calls": {...}, "bytes": {...}}`),
-        and the rank's time in the forward (`model_time_s`)."""
+        """Per rank: collectives called, bytes handed to them, wall seconds in them (`{"calls": {...},
+        "bytes": {...}, "seconds": {...}}`), and the rank's time in the forward (`model_time_s`)."""
         self.check_health()
         self._broadcast(("stats",))
         return self._gather("stats", self.timeout_s)
