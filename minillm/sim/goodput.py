@@ -260,7 +260,8 @@ def print_goodput_table(rows: Sequence[GoodputRow], *, slo: SLO | None = None, a
     if slo is not None:
         print(f"goodput: highest rate with >= {attainment:.0%} of requests within TTFT <= {slo.ttft_ms:g} ms "
               f"and TPOT <= {slo.tpot_ms:g} ms")
-    head = (f"{'trace':<11} {'GPU':<20} {'deployment':<12} {'KV link':<26} {'GPUs':>4} {'req/s':>7} {'per GPU':>8} "
+    width = max([10, *(len(r.mode) for r in rows)])  # "chunked 512" rows widen the column
+    head = (f"{'trace':<11} {'GPU':<20} {'deployment':<{width}} {'KV link':<26} {'GPUs':>4} {'req/s':>7} {'per GPU':>8} "
             f"{'x coloc':>7} {'p90 TTFT ms':>11} {'p90 TPOT ms':>11} {'KV xfer ms':>10}")
     print(head)
     print("-" * len(head))
@@ -268,7 +269,7 @@ def print_goodput_table(rows: Sequence[GoodputRow], *, slo: SLO | None = None, a
     for r in rows:
         ref = base.get((r.trace, r.hardware))
         times = f"{r.per_gpu / ref:7.2f}" if ref else f"{'-':>7}"
-        print(f"{r.trace:<11} {r.hardware:<20} {r.mode:<12} {r.link:<26} {r.num_gpus:>4} {r.goodput:>7.2f} "
+        print(f"{r.trace:<11} {r.hardware:<20} {r.mode:<{width}} {r.link:<26} {r.num_gpus:>4} {r.goodput:>7.2f} "
               f"{r.per_gpu:>8.2f} {times} {r.ttft_p90_ms:>11.0f} {r.tpot_p90_ms:>11.1f} {r.transfer_mean_ms:>10.2f}")
 
 
