@@ -14,7 +14,7 @@ from minillm.sim.disagg import (
     simulate_colocated,
     simulate_disaggregated,
 )
-from minillm.sim.goodput import at_rate, attainment_curve, goodput, mean_rate
+from minillm.sim.goodput import at_rate, attainment_curve, compare_colocated_vs_pd, goodput, mean_rate
 from minillm.sim.network import INFINIBAND_HDR, NVLINK3_A100, Link
 from minillm.workload import make_trace
 
@@ -113,19 +113,24 @@ def test_attainment_falls_as_the_rate_rises() -> None:
 
 
 def test_disaggregation_wins_on_a_prefill_heavy_trace_and_a_slow_link_loses() -> None:
-    colocated = goodput(lambda t: simulate_colocated(t, hardware=HW), CODE_LIKE, SLO_CODE, rel_tol=0.1)
-    per_gpu = {}
-    for link in (NVLINK3_A100, INFINIBAND_HDR, TEN_GBE):
-        found = goodput(lambda t, link=link: simulate_disaggregated(t, hardware=HW, link=link), CODE_LIKE, SLO_CODE,
-                        rel_tol=0.1, start_rate=colocated.rate)
-        assert found.num_gpus == 2 and found.attainment >= 0.9
-        per_gpu[link.name] = found.per_gpu
-    assert colocated.attainment >= 0.9 and colocated.num_gpus == 1
+    rows = compare_colocated_vs_pd(CODE_LIKE, hardware=HW, links=(NVLINK3_A100, INFINIBAND_HDR, TEN_GBE),
+                                   slo=SLO_CODE, rel_tol=0.1, chunked_budgets=(512,))
+    assert [(r.mode, r.link, r.num_gpus) for r in rows] == [
+        ("colocated", "-", 1), ("chunked 512", "-", 1), ("PD 1:1", NVLINK3_A100.name, 2),
+        ("PD 1:1", INFINIBAND_HDR.name, 2), ("PD 1:1", TEN_GBE.name, 2)]
+    colocated, chunked = rows[0].per_gpu, rows[1].per_gpu
+    per_gpu = {r.link: r.per_gpu for r in rows[2:]}
+    assert colocated > 0 and all(r.goodput == r.per_gpu * r.num_gpus for r in rows)
     # colocated, every 2000-token prefill stalls the running decodes past the 40 ms TPOT: PD 1:1 serves more per GPU
-    assert per_gpu[NVLINK3_A100.name] > 1.5 * colocated.per_gpu
+    assert per_gpu[NVLINK3_A100.name] > 1.5 * colocated
+    # ... and so does chapter 08's cure on one GPU: 512-token chunks keep every step short
+    assert chunked > 1.5 * colocated
     # slower links never help, and 10 GbE (0.8 s per prompt's KV, one at a time) loses to colocated
     assert per_gpu[NVLINK3_A100.name] >= per_gpu[INFINIBAND_HDR.name] >= per_gpu[TEN_GBE.name]
-    assert per_gpu[TEN_GBE.name] < colocated.per_gpu
+    assert per_gpu[TEN_GBE.name] < colocated
+    # the rows report the runs at their goodput: the KV transfer grows as the link slows
+    transfer = [r.transfer_mean_ms for r in rows[2:]]
+    assert rows[0].transfer_mean_ms == 0 and transfer == sorted(transfer) and transfer[0] > 0
 
 
 def test_bad_input_is_refused() -> None:

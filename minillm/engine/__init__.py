@@ -4,7 +4,7 @@
 - `input.InputProcessor` — tokenize and check a prompt and its parameters into a `Request`.
 - `output.OutputProcessor` — final text, stop strings, what each output carries (deltas).
 - `threaded.ThreadedEngine` — the inbox through which other threads talk to a running engine.
-- `build.build_engine` — one engine from a config (used by `LLM` and the simulator);
+- `build.build_engine` — one engine from a config (used by `LLM`, the simulator and the graders);
   `parts.make_kv_manager` / `make_scheduler` — the KV manager and scheduler a config names.
 """
 

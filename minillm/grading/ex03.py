@@ -15,7 +15,7 @@ import numpy as np
 from minillm import SamplingParams
 from minillm.clock import SimClock
 from minillm.config import EngineConfig
-from minillm.engine import LLMEngine, make_kv_manager
+from minillm.engine import LLMEngine, build_engine, make_kv_manager
 from minillm.grading import Fail, forbid, grade_time_seeds, task
 from minillm.model.config import ModelConfig
 from minillm.request import Request
@@ -63,8 +63,8 @@ def run_engine(scheduler_class, executor, requests, max_batch_size, max_queue_de
                           max_queue_delay_ms=max_queue_delay_s * 1000, max_model_len=2048)
     resolved = config.resolve(SEVEN_B.max_position_embeddings)
     kv = make_kv_manager(resolved, SEVEN_B, allocate_pool=False)
-    engine = LLMEngine(SEVEN_B, config, kv=kv, scheduler=scheduler_class(resolved, kv), executor=executor,
-                       clock=SimClock())
+    engine = build_engine(config, SEVEN_B, kv=kv, scheduler_factory=lambda _, kv: scheduler_class(resolved, kv),
+                          executor=executor, clock=SimClock())
     for i, (arrival, prompt_len, max_tokens) in enumerate(requests):
         engine.add_request({"prompt_token_ids": [5] * prompt_len},
                            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),

@@ -13,7 +13,7 @@ from collections import deque
 from minillm import LLM, SamplingParams
 from minillm.clock import SimClock
 from minillm.config import EngineConfig
-from minillm.engine import LLMEngine
+from minillm.engine import build_engine
 from minillm.grading import Fail, forbid, grade_time_seeds, refuse_subclass, run_until_done, task
 from minillm.kv.slab import SlabKVManager
 from minillm.llm import BUNDLED_TARGET
@@ -125,8 +125,8 @@ def run_plans(make_scheduler, scenario):
                           max_model_len=64, max_num_batched_tokens=budget).resolve(TOY_MODEL.max_position_embeddings)
     kv = SlabKVManager(1, 1, 8, num_slabs=num_slabs, slab_len=64, allocate_pool=False)
     executor = StandInExecutor()
-    engine = LLMEngine(TOY_MODEL, config, kv=kv, scheduler=make_scheduler(config, kv), executor=executor,
-                       clock=SimClock())
+    engine = build_engine(config, TOY_MODEL, kv=kv, scheduler_factory=lambda _, kv: make_scheduler(config, kv),
+                          executor=executor, clock=SimClock())
     engine.expect_more_requests = False
     for i, (prompt_len, max_tokens, arrival) in enumerate(requests):
         engine.add_request({"prompt_token_ids": [5] * prompt_len}, request_id=f"r{i}", arrival_time=arrival,

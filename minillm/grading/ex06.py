@@ -14,7 +14,7 @@ import random
 from minillm import LLM, SamplingParams
 from minillm.clock import SimClock
 from minillm.config import EngineConfig
-from minillm.engine import LLMEngine, make_kv_manager
+from minillm.engine import build_engine, make_kv_manager
 from minillm.grading import Fail, forbid, grade_time_seeds, run_until_done, task
 from minillm.llm import BUNDLED_TARGET
 from minillm.model.config import ModelConfig
@@ -120,8 +120,8 @@ def run_plans(make_scheduler, scenario):
     resolved = config.resolve(TOY_MODEL.max_position_embeddings)
     kv = make_kv_manager(resolved, TOY_MODEL, allocate_pool=False)
     executor = StandInExecutor()
-    engine = LLMEngine(TOY_MODEL, config, kv=kv, scheduler=_guard(make_scheduler(resolved, kv)), executor=executor,
-                       clock=SimClock())
+    engine = build_engine(config, TOY_MODEL, kv=kv, scheduler_factory=lambda _, kv: _guard(make_scheduler(resolved, kv)),
+                          executor=executor, clock=SimClock())
     engine.expect_more_requests = False
     for i, (prompt_len, max_tokens, arrival, priority) in enumerate(requests):
         engine.add_request({"prompt_token_ids": [5] * prompt_len}, request_id=f"r{i}", arrival_time=arrival,

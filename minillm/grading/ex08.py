@@ -22,7 +22,7 @@ from collections.abc import Callable
 from minillm import LLM, SamplingParams
 from minillm.clock import SimClock
 from minillm.config import EngineConfig
-from minillm.engine import LLMEngine, make_kv_manager
+from minillm.engine import build_engine, make_kv_manager
 from minillm.grading import Fail, forbid, grade_time_seeds, run_until_done, task
 from minillm.llm import BUNDLED_TARGET
 from minillm.model.config import ModelConfig
@@ -219,8 +219,8 @@ def run_plans(make_scheduler: Callable, scenario, chunk_policy: str = "sarathi")
                           block_size=16).resolve(TOY_MODEL.max_position_embeddings)
     kv = make_kv_manager(config, TOY_MODEL, allocate_pool=False)
     executor = StandInExecutor()
-    engine = LLMEngine(TOY_MODEL, config, kv=kv, scheduler=make_scheduler(config, kv), executor=executor,
-                       clock=SimClock())
+    engine = build_engine(config, TOY_MODEL, kv=kv, scheduler_factory=lambda _, kv: make_scheduler(config, kv),
+                          executor=executor, clock=SimClock())
     engine.expect_more_requests = False
     for i, (prompt_len, max_tokens, arrival) in enumerate(requests):
         engine.add_request({"prompt_token_ids": [5] * prompt_len}, request_id=f"r{i}", arrival_time=arrival,

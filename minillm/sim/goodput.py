@@ -39,6 +39,11 @@ their own schedulers and placement search):
   designs. Its traces are the ones in data/traces/ (coding and conversation, lengths only: it sent
   prompts of the traced lengths and forced the traced output lengths, as `azure_trace` does); its
   baseline is mixed batching, as the colocated engine here (chunked prefill off).
+* vLLM's documentation of its disaggregated prefilling (https://docs.vllm.ai/en/latest/features/disagg_prefill/)
+  gives two reasons for it, tuning TTFT and ITL separately and controlling tail ITL, notes that chunked
+  prefill with a proper chunk size can achieve the same goal but that the right size is hard to find
+  in practice, and says that disaggregated prefill does not improve throughput. `chunked_budgets`
+  puts that alternative in the table: a colocated GPU with chunked prefill.
 """
 
 from __future__ import annotations
@@ -167,7 +172,7 @@ def attainment_curve(run: Runner, trace: Trace, rates: Sequence[float], slo: SLO
 class GoodputRow:
     trace: str
     hardware: str
-    mode: str  # "colocated" or "PD 1:1" ...
+    mode: str  # "colocated", "chunked 512" (colocated, chunked prefill at that budget), "PD 1:1" ...
     link: str  # "-" for colocated
     num_gpus: int
     goodput: float  # req/s, the whole deployment
@@ -199,9 +204,10 @@ def compare_colocated_vs_pd(trace: Trace, *, name: str = "trace", hardware: Hard
                             links: Sequence[str | Link] = ("NVLink3", "InfiniBand HDR"),
                             ratios: Sequence[tuple[int, int]] = ((1, 1),), slo: SLO | None = None,
                             attainment: float = ATTAINMENT, rel_tol: float = 0.03,
-                            engine_config: dict | None = None) -> list[GoodputRow]:
+                            engine_config: dict | None = None, chunked_budgets: Sequence[int] = ()) -> list[GoodputRow]:
     """Goodput of one colocated GPU and of PD deployments (`ratios` = (prefill, decode) instances, one GPU
-    each) over each of `links`, on `trace` with `slo` (default: `DEFAULT_SLOS[name]`)."""
+    each) over each of `links`, on `trace` with `slo` (default: `DEFAULT_SLOS[name]`). `chunked_budgets`
+    adds a colocated GPU with chunked prefill at each token budget (chapter 08's cure for the same stall)."""
     from minillm.sim.hardware import get_hardware
 
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
@@ -212,6 +218,11 @@ def compare_colocated_vs_pd(trace: Trace, *, name: str = "trace", hardware: Hard
     colocated = goodput(lambda t: simulate_colocated(t, hardware=hw, model=model, engine_config=engine_config),
                         trace, slo, attainment=attainment, rel_tol=rel_tol)
     rows.append(_row(name, hw, "colocated", "-", colocated))
+    for budget in chunked_budgets:
+        chunked = {**(engine_config or {}), "enable_chunked_prefill": True, "max_num_batched_tokens": budget}
+        found = goodput(lambda t, c=chunked: simulate_colocated(t, hardware=hw, model=model, engine_config=c),
+                        trace, slo, attainment=attainment, rel_tol=rel_tol, start_rate=colocated.rate or 1.0)
+        rows.append(_row(name, hw, f"chunked {budget}", "-", found))
     for prefill, decode in ratios:
         for link in links:
             lk = get_link(link) if isinstance(link, str) else link
@@ -249,7 +260,8 @@ def print_goodput_table(rows: Sequence[GoodputRow], *, slo: SLO | None = None, a
     if slo is not None:
         print(f"goodput: highest rate with >= {attainment:.0%} of requests within TTFT <= {slo.ttft_ms:g} ms "
               f"and TPOT <= {slo.tpot_ms:g} ms")
-    head = (f"{'trace':<11} {'GPU':<20} {'deployment':<10} {'KV link':<26} {'GPUs':>4} {'req/s':>7} {'per GPU':>8} "
+    width = max([10, *(len(r.mode) for r in rows)])  # "chunked 512" rows widen the column
+    head = (f"{'trace':<11} {'GPU':<20} {'deployment':<{width}} {'KV link':<26} {'GPUs':>4} {'req/s':>7} {'per GPU':>8} "
             f"{'x coloc':>7} {'p90 TTFT ms':>11} {'p90 TPOT ms':>11} {'KV xfer ms':>10}")
     print(head)
     print("-" * len(head))
@@ -257,7 +269,7 @@ def print_goodput_table(rows: Sequence[GoodputRow], *, slo: SLO | None = None, a
     for r in rows:
         ref = base.get((r.trace, r.hardware))
         times = f"{r.per_gpu / ref:7.2f}" if ref else f"{'-':>7}"
-        print(f"{r.trace:<11} {r.hardware:<20} {r.mode:<10} {r.link:<26} {r.num_gpus:>4} {r.goodput:>7.2f} "
+        print(f"{r.trace:<11} {r.hardware:<20} {r.mode:<{width}} {r.link:<26} {r.num_gpus:>4} {r.goodput:>7.2f} "
               f"{r.per_gpu:>8.2f} {times} {r.ttft_p90_ms:>11.0f} {r.tpot_p90_ms:>11.1f} {r.transfer_mean_ms:>10.2f}")
 
 
@@ -282,7 +294,7 @@ def main() -> None:  # pragma: no cover - the chapter's table, printed
     for name, trace in traces.items():
         rows = []
         for hw in (A100_80GB_PRACTICAL, H100_PRACTICAL):
-            rows += compare_colocated_vs_pd(trace, name=name, hardware=hw,
+            rows += compare_colocated_vs_pd(trace, name=name, hardware=hw, chunked_budgets=(512,),
                                             links=("NVLink3", "InfiniBand HDR") if hw is A100_80GB_PRACTICAL
                                             else ("NVLink4", "InfiniBand NDR"))
         print_goodput_table(rows, slo=DEFAULT_SLOS[name])

@@ -152,12 +152,10 @@ class ModelRunner:
         starts = np.asarray(plan.num_computed_tokens, dtype=np.int64)
         lens = starts + counts
         is_decode = np.asarray(plan.is_decode, dtype=bool)
-        decode_rows, multi_rows = np.flatnonzero(is_decode), np.flatnonzero(~is_decode)
-        # longest first; a stable sort keeps plan order among equal lengths
-        order_np = np.concatenate((decode_rows[np.argsort(-lens[decode_rows], kind="stable")],
-                                   multi_rows[np.argsort(-lens[multi_rows], kind="stable")]))
+        # decode rows first, each part longest first; lexsort is stable: plan order among equals
+        order_np = np.lexsort((-lens, ~is_decode))
         order = order_np.tolist()
-        nd = len(decode_rows)
+        nd = int(np.count_nonzero(is_decode))
         seq_lens, q_lens = lens[order_np], counts[order_np]
         query_start_np = np.zeros(num_rows + 1, dtype=np.int64)
         np.cumsum(q_lens, out=query_start_np[1:])
@@ -198,7 +196,7 @@ class ModelRunner:
 
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(device),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
+            query_start_loc=torch.from_numpy(query_start_np.astype(np.int32)).to(device),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
             block_tables=torch.from_numpy(tables).to(device),
             num_decode=nd, block_size=bs, num_tokens=num_tokens)
