@@ -2,6 +2,9 @@
 
 - `abstract.Executor` — the protocol the engine calls: `execute(batch)`, `step_duration_s()`.
 - `uniproc.UniProcExecutor` — one worker in this process.
+- `multiproc.MultiprocExecutor` — one spawned process per tensor/pipeline-parallel rank (chapter 12),
+  built by `LLM(tensor_parallel_size=..., pipeline_parallel_size=...)`; a failed rank raises
+  `abstract.EngineDeadError`.
 
 A driver-side stand-in (the simulator's `SimExecutor`, tests' and graders' fakes) implements the
 same protocol and reads the scheduler's plan directly; an executor with workers turns it into the
