@@ -94,18 +94,26 @@ def _kv(url: str, name: str, role: str) -> float:
 
 
 def test_pd_gives_a_plain_servers_greedy_outputs_and_never_recomputes_the_prompt(pd):
+    def usages(client) -> list:
+        kw = {"model": "minillm", "prompt": "And God called the light Day", "max_tokens": 9, "temperature": 0.0}
+        plain_usage = client.completions.create(**kw).usage
+        chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        return [plain_usage.model_dump(), chunks[-1].usage.model_dump()]
+
     with running_server(max_model_len=MAX_MODEL_LEN) as (plain, _):
         expected = _four_answers(_openai(plain))
+        expected_usage = usages(_openai(plain))
     assert all(answer[0] for answer in expected)
     prefill, decode = pd["prefill"][0], pd["decode"][0]
     assert _four_answers(_openai(pd["url"])) == expected
+    assert usages(_openai(pd["url"])) == expected_usage  # the first token (from the prefill) is counted once
     d, p = scrape(decode), scrape(prefill)
     prompt_tokens = d['vllm:prompt_tokens_total{model_name="minillm"}']
     assert prompt_tokens > 0
     assert d["minillm:prompt_tokens_computed_total"] == 0  # the decode side computed no prompt token ...
     assert d["minillm:kv_transfer_external_prompt_tokens_total"] == prompt_tokens  # ... it loaded them all
     assert p["minillm:prompt_tokens_computed_total"] == prompt_tokens  # the prefill side computed them once
-    assert d['minillm:kv_transfer_requests_total{result="ok",role="kv_consumer"}'] == len(expected)
+    assert d['minillm:kv_transfer_requests_total{result="ok",role="kv_consumer"}'] == len(expected) + 2
     # what moved: whole blocks of 16 slots, K and V of every layer (the bundled model's shapes, float32)
     cfg = json.loads((Path(__file__).parents[1] / "models/minillm-target/config.json").read_text())
     bytes_per_block = 2 * cfg["num_hidden_layers"] * 16 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
