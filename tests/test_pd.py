@@ -31,6 +31,7 @@ from test_router import _children, _four_answers, _openai, scrape
 from test_server import running_server
 from test_server_errors import BAD_INPUT
 
+from minillm.kv_transfer.metrics import read_transfer_stats
 from minillm.router.launch import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("pd")]
@@ -121,6 +122,10 @@ def test_pd_gives_a_plain_servers_greedy_outputs_and_never_recomputes_the_prompt
     assert blocks == d['minillm:kv_transfer_blocks_total{role="kv_consumer"}'] >= len(expected)
     assert p['minillm:kv_transfer_bytes_total{role="kv_producer"}'] == blocks * bytes_per_block
     assert d['minillm:kv_transfer_bytes_total{role="kv_consumer"}'] == blocks * bytes_per_block
+    stats = read_transfer_stats(prefill)  # the chapter's reader of the same counters
+    assert stats["role"] == "kv_producer" and stats["blocks"] == blocks
+    assert stats["bytes_per_request"] == blocks * bytes_per_block / stats["requests"]
+    assert read_transfer_stats(decode)["prompt_tokens_computed"] == 0
     # every pinned block was freed once its K/V had moved: nothing held on either side
     _wait(lambda: _kv(prefill, "pinned_requests", "kv_producer") == 0, "the prefill side to unpin")
     _wait(lambda: scrape(prefill)['vllm:kv_cache_usage_perc{model_name="minillm"}'] == 0, "prefill KV usage 0")
