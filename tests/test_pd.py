@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation as real processes (issue 17, points 3-5).
 
 One `minillm serve --pd-disaggregation` is started for the module (the real command: a prefill and
-a decode instance joined by a gloo pair, behind a PD router), with a slow link (0.05 s per block)
+a decode instance joined by a gloo pair, behind a PD router; prefix caching and chunked prefill on
+so their paths are crossed too), with a slow link (0.05 s per block)
 so that the last test can kill the decode instance mid-transfer. Checked: greedy outputs through
 PD equal a plain server's (official `openai` client; streamed and not, completions and chat); the
 decode instance computes no prompt token (its own counter) and the K/V bytes moved are the
@@ -59,7 +60,8 @@ def pd():
     extra = json.dumps({"kv_connector_extra_config": {"link_delay_per_block_s": DELAY_PER_BLOCK_S,
                                                       "abort_timeout_s": 60}})
     proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--pd-disaggregation", "--port", str(port),
-                             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
+                             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--enable-prefix-caching",
+                             "--enable-chunked-prefill", "--max-num-batched-tokens", "64",
                              "--health-check-interval-secs", "0.5", "--kv-transfer-config", extra],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -96,7 +98,8 @@ def _kv(url: str, name: str, role: str) -> float:
 
 def test_pd_gives_a_plain_servers_greedy_outputs_and_never_recomputes_the_prompt(pd):
     def usages(client) -> list:
-        kw = {"model": "minillm", "prompt": "And God called the light Day", "max_tokens": 9, "temperature": 0.0}
+        prompt = "And God called the light Day, and the darkness he called Night. " * 4  # > 2 blocks: cached twice
+        kw = {"model": "minillm", "prompt": prompt, "max_tokens": 9, "temperature": 0.0}
         plain_usage = client.completions.create(**kw).usage
         chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
         return [plain_usage.model_dump(), chunks[-1].usage.model_dump()]
@@ -111,9 +114,11 @@ def test_pd_gives_a_plain_servers_greedy_outputs_and_never_recomputes_the_prompt
     d, p = scrape(decode), scrape(prefill)
     prompt_tokens = d['vllm:prompt_tokens_total{model_name="minillm"}']
     assert prompt_tokens > 0
-    assert d["minillm:prompt_tokens_computed_total"] == 0  # the decode side computed no prompt token ...
-    assert d["minillm:kv_transfer_external_prompt_tokens_total"] == prompt_tokens  # ... it loaded them all
-    assert p["minillm:prompt_tokens_computed_total"] == prompt_tokens  # the prefill side computed them once
+    hits = 'vllm:prefix_cache_hits_total{model_name="minillm"}'
+    assert d["minillm:prompt_tokens_computed_total"] == 0  # the decode side computed no prompt token: ...
+    assert d[hits] > 0 and p[hits] > 0  # (each prompt comes twice: the second time partly prefix-cached)
+    assert d["minillm:kv_transfer_external_prompt_tokens_total"] + d[hits] == prompt_tokens  # ... loaded or cached
+    assert p["minillm:prompt_tokens_computed_total"] + p[hits] == prompt_tokens  # the prefill side computed them
     assert d['minillm:kv_transfer_requests_total{result="ok",role="kv_consumer"}'] == len(expected) + 2
     # what moved: whole blocks of 16 slots, K and V of every layer (the bundled model's shapes, float32)
     cfg = json.loads((Path(__file__).parents[1] / "models/minillm-target/config.json").read_text())
