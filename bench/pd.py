@@ -30,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 from _machine import describe_machine  # noqa: E402
-from router import HEADER, bench, replicas, row, scrape  # noqa: E402
+from router import HEADER, bench, replicas, row  # noqa: E402
 
+from minillm.kv_transfer.metrics import read_transfer_stats  # noqa: E402
 from minillm.router.launch import free_port, stop_replicas  # noqa: E402
 
 
@@ -83,21 +84,17 @@ def main() -> None:
     proc, url, roles = start_pd(flags)
     try:
         results["PD 1+1 x 1 thread"] = bench(url, load)
-        p, d = scrape(roles["prefill"]), scrape(roles["decode"])
+        p, d = read_transfer_stats(roles["prefill"]), read_transfer_stats(roles["decode"])
     finally:
         proc.terminate()
         proc.wait(60)
     print(HEADER + f" {'mean TTFT':>9} {'mean ITL':>8}")
     for name, r in results.items():
         print(row(name, r, f"{r['mean_ttft_ms']:>9.1f} {r['mean_itl_ms']:>8.1f}"))
-    n = p['minillm:kv_transfer_requests_total{result="ok",role="kv_producer"}']
-    moved = p['minillm:kv_transfer_bytes_total{role="kv_producer"}']
-    blocks = p['minillm:kv_transfer_blocks_total{role="kv_producer"}']
-    seconds = d['minillm:kv_transfer_seconds_total{role="kv_consumer"}']
-    computed = (p["minillm:prompt_tokens_computed_total"], d["minillm:prompt_tokens_computed_total"])
-    print(f"PD transfers: {n:.0f} ok, {blocks:.0f} blocks, {moved / max(n, 1) / 2**20:.2f} MiB per request, "
-          f"{1000 * seconds / max(n, 1):.1f} ms per transfer (decode side, header to ack); prompt tokens "
-          f"computed: prefill {computed[0]:.0f}, decode {computed[1]:.0f}")
+    print(f"PD transfers: {p['requests']:.0f} ok, {p['blocks']:.0f} blocks, {p['bytes_per_request'] / 2**20:.2f} MiB "
+          f"per request, {1000 * d['seconds'] / max(d['requests'], 1):.1f} ms per transfer (decode side, header to "
+          f"ack); prompt tokens computed: prefill {p['prompt_tokens_computed']:.0f}, decode "
+          f"{d['prompt_tokens_computed']:.0f}")
     a, b = results["PD 1+1 x 1 thread"], results["colocated 1 x 2 threads"]
     print(f"PD / colocated: p99 ITL x{a['p99_itl_ms'] / b['p99_itl_ms']:.2f}, mean ITL x"
           f"{a['mean_itl_ms'] / b['mean_itl_ms']:.2f}, p99 TTFT x{a['p99_ttft_ms'] / b['p99_ttft_ms']:.2f}, "

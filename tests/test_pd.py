@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation as real processes (issue 17, points 3-5).
 
 One `minillm serve --pd-disaggregation` is started for the module (the real command: a prefill and
-a decode instance joined by a gloo pair, behind a PD router), with a slow link (0.05 s per block)
+a decode instance joined by a gloo pair, behind a PD router; prefix caching and chunked prefill on
+so their paths are crossed too), with a slow link (0.05 s per block)
 so that the last test can kill the decode instance mid-transfer. Checked: greedy outputs through
 PD equal a plain server's (official `openai` client; streamed and not, completions and chat); the
 decode instance computes no prompt token (its own counter) and the K/V bytes moved are the
@@ -31,6 +32,7 @@ from test_router import _children, _four_answers, _openai, scrape
 from test_server import running_server
 from test_server_errors import BAD_INPUT
 
+from minillm.kv_transfer.metrics import read_transfer_stats
 from minillm.router.launch import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("pd")]
@@ -58,7 +60,8 @@ def pd():
     extra = json.dumps({"kv_connector_extra_config": {"link_delay_per_block_s": DELAY_PER_BLOCK_S,
                                                       "abort_timeout_s": 60}})
     proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--pd-disaggregation", "--port", str(port),
-                             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
+                             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--enable-prefix-caching",
+                             "--enable-chunked-prefill", "--max-num-batched-tokens", "64",
                              "--health-check-interval-secs", "0.5", "--kv-transfer-config", extra],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -94,18 +97,29 @@ def _kv(url: str, name: str, role: str) -> float:
 
 
 def test_pd_gives_a_plain_servers_greedy_outputs_and_never_recomputes_the_prompt(pd):
+    def usages(client) -> list:
+        prompt = "And God called the light Day, and the darkness he called Night. " * 4  # > 2 blocks: cached twice
+        kw = {"model": "minillm", "prompt": prompt, "max_tokens": 9, "temperature": 0.0}
+        plain_usage = client.completions.create(**kw).usage
+        chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        return [plain_usage.model_dump(), chunks[-1].usage.model_dump()]
+
     with running_server(max_model_len=MAX_MODEL_LEN) as (plain, _):
         expected = _four_answers(_openai(plain))
+        expected_usage = usages(_openai(plain))
     assert all(answer[0] for answer in expected)
     prefill, decode = pd["prefill"][0], pd["decode"][0]
     assert _four_answers(_openai(pd["url"])) == expected
+    assert usages(_openai(pd["url"])) == expected_usage  # the first token (from the prefill) is counted once
     d, p = scrape(decode), scrape(prefill)
     prompt_tokens = d['vllm:prompt_tokens_total{model_name="minillm"}']
     assert prompt_tokens > 0
-    assert d["minillm:prompt_tokens_computed_total"] == 0  # the decode side computed no prompt token ...
-    assert d["minillm:kv_transfer_external_prompt_tokens_total"] == prompt_tokens  # ... it loaded them all
-    assert p["minillm:prompt_tokens_computed_total"] == prompt_tokens  # the prefill side computed them once
-    assert d['minillm:kv_transfer_requests_total{result="ok",role="kv_consumer"}'] == len(expected)
+    hits = 'vllm:prefix_cache_hits_total{model_name="minillm"}'
+    assert d["minillm:prompt_tokens_computed_total"] == 0  # the decode side computed no prompt token: ...
+    assert d[hits] > 0 and p[hits] > 0  # (each prompt comes twice: the second time partly prefix-cached)
+    assert d["minillm:kv_transfer_external_prompt_tokens_total"] + d[hits] == prompt_tokens  # ... loaded or cached
+    assert p["minillm:prompt_tokens_computed_total"] + p[hits] == prompt_tokens  # the prefill side computed them
+    assert d['minillm:kv_transfer_requests_total{result="ok",role="kv_consumer"}'] == len(expected) + 2
     # what moved: whole blocks of 16 slots, K and V of every layer (the bundled model's shapes, float32)
     cfg = json.loads((Path(__file__).parents[1] / "models/minillm-target/config.json").read_text())
     bytes_per_block = 2 * cfg["num_hidden_layers"] * 16 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
@@ -113,6 +127,10 @@ def test_pd_gives_a_plain_servers_greedy_outputs_and_never_recomputes_the_prompt
     assert blocks == d['minillm:kv_transfer_blocks_total{role="kv_consumer"}'] >= len(expected)
     assert p['minillm:kv_transfer_bytes_total{role="kv_producer"}'] == blocks * bytes_per_block
     assert d['minillm:kv_transfer_bytes_total{role="kv_consumer"}'] == blocks * bytes_per_block
+    stats = read_transfer_stats(prefill)  # the chapter's reader of the same counters
+    assert stats["role"] == "kv_producer" and stats["blocks"] == blocks
+    assert stats["bytes_per_request"] == blocks * bytes_per_block / stats["requests"]
+    assert read_transfer_stats(decode)["prompt_tokens_computed"] == 0
     # every pinned block was freed once its K/V had moved: nothing held on either side
     _wait(lambda: _kv(prefill, "pinned_requests", "kv_producer") == 0, "the prefill side to unpin")
     _wait(lambda: scrape(prefill)['vllm:kv_cache_usage_perc{model_name="minillm"}'] == 0, "prefill KV usage 0")

@@ -70,6 +70,9 @@ def test_serve_with_a_bad_config_fails_before_loading_the_model():
     (["router"], "give the workers: --worker URL"),
     (["serve", "--pd-disaggregation", "--data-parallel-size", "2"], "cannot be combined with --data-parallel-size"),
     (["serve", "--data-parallel-size", "2", "--kv-transfer-config", "{}"], "cannot be combined with --data-parallel"),
+    (["serve", "--pd-disaggregation", "--kv-transfer-config", "{oops"], "--kv-transfer-config must be JSON"),
+    (["serve", "--pd-disaggregation", "--kv-transfer-config", '{"kv_connector_extra_config": {"x": 1}}'],
+     "unknown kv_connector_extra_config key(s) ['x']"),
 ])
 def test_router_and_launcher_flags_are_checked(argv, fragment, capsys):
     assert main(argv) == 2

@@ -47,3 +47,21 @@ class KVTransferCollector(Collector):
                                   value=s.external_prompt_tokens)
         yield CounterMetricFamily("minillm:prompt_tokens_computed", "Prompt tokens this engine's steps computed.",
                                   value=s.prompt_tokens_computed)
+
+
+def read_transfer_stats(url: str, timeout_s: float = 30.0) -> dict[str, float]:
+    """One instance's transfer counters from its /metrics (for chapter 13 and bench/pd.py): requests
+    moved, blocks, bytes, seconds, bytes per request, and the prompt tokens it computed or loaded."""
+    import httpx
+
+    text = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout_s).text
+    m = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+         if line and not line.startswith("#")}
+    role = "kv_producer" if 'minillm:kv_transfer_link_up{role="kv_producer"}' in m else "kv_consumer"
+    out = {"role": role, "requests": m[f'minillm:kv_transfer_requests_total{{result="ok",role="{role}"}}']}
+    for name in ("blocks", "bytes", "seconds"):
+        out[name] = m[f'minillm:kv_transfer_{name}_total{{role="{role}"}}']
+    out["bytes_per_request"] = out["bytes"] / out["requests"] if out["requests"] else 0.0
+    out["prompt_tokens_computed"] = m["minillm:prompt_tokens_computed_total"]
+    out["external_prompt_tokens"] = m["minillm:kv_transfer_external_prompt_tokens_total"]
+    return out

@@ -35,7 +35,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -82,7 +82,6 @@ class TransferStats:
     seconds: float = 0.0
     external_prompt_tokens: int = 0  # consumer: prompt tokens loaded instead of computed
     prompt_tokens_computed: int = 0  # prompt tokens this engine's steps computed
-    last_bytes: list = field(default_factory=list)  # bytes of the last transfers (<= 64), for the chapter
 
 
 class TorchDistConnector(KVConnectorBase):
@@ -308,7 +307,6 @@ class TorchDistConnector(KVConnectorBase):
             finally:  # acknowledged, or the link broke: either way nobody will read them again
                 self.stats.bytes += nbytes
                 self.stats.seconds += time.perf_counter() - start
-                self._remember(nbytes)
                 self.engine.call_soon(partial(self._release, [entry]))
 
     def _pull_loop(self) -> None:
@@ -337,7 +335,6 @@ class TorchDistConnector(KVConnectorBase):
             nbytes = staged.numel() * staged.element_size()
             self.stats.bytes += nbytes
             self.stats.seconds += time.perf_counter() - start
-            self._remember(nbytes)
             if shape != self.block_shape or dtype != self.dtype:
                 self.stats.failed += 1
                 self.engine.call_soon(partial(self._fail, pull.request, (
@@ -358,9 +355,3 @@ class TorchDistConnector(KVConnectorBase):
                 logger.warning("freeing the KV of %d finished prefill(s) nobody pulled within %.0f s",
                                len(entries), self.abort_timeout_s)
                 self.engine.call_soon(partial(self._release, entries))
-
-    def _remember(self, nbytes: int) -> None:
-        last = self.stats.last_bytes
-        last.append(nbytes)
-        if len(last) > 64:
-            del last[0]

@@ -67,7 +67,13 @@ def run_pd_disaggregation(args: argparse.Namespace) -> int:
     if args.kv_transfer_config is not None:  # only its extra settings are taken (roles and ports are the launcher's)
         from minillm.kv_transfer import parse_kv_transfer_config
 
-        given = json.loads(args.kv_transfer_config)
+        try:
+            given = json.loads(args.kv_transfer_config)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--kv-transfer-config must be JSON, e.g. "
+                             f"'{{\"kv_connector_extra_config\": {{\"abort_timeout_s\": 30}}}}': {err}") from None
+        if not isinstance(given, dict):
+            raise ValueError(f"--kv-transfer-config must be a JSON object, got {given!r}")
         parse_kv_transfer_config(dict(given, kv_role="kv_producer", kv_connector="TorchDistConnector"))
         extra = given.get("kv_connector_extra_config")
     router_configs(args)  # a bad flag fails before anything starts

@@ -260,7 +260,7 @@ def print_goodput_table(rows: Sequence[GoodputRow], *, slo: SLO | None = None, a
     if slo is not None:
         print(f"goodput: highest rate with >= {attainment:.0%} of requests within TTFT <= {slo.ttft_ms:g} ms "
               f"and TPOT <= {slo.tpot_ms:g} ms")
-    width = max([10, *(len(r.mode) for r in rows)])  # "chunked 512" rows widen the column
+    width = max([12, *(len(r.mode) for r in rows)])  # room for "chunked 2048"
     head = (f"{'trace':<11} {'GPU':<20} {'deployment':<{width}} {'KV link':<26} {'GPUs':>4} {'req/s':>7} {'per GPU':>8} "
             f"{'x coloc':>7} {'p90 TTFT ms':>11} {'p90 TPOT ms':>11} {'KV xfer ms':>10}")
     print(head)
