@@ -24,7 +24,8 @@ together, up to `execute_model_timeout_s`. A rank that died (sentinel), answered
 did not answer in time makes the executor dead: every process is killed and joined at once, and
 this and every later step raise `EngineDeadError` naming the rank, its pid and what happened
 (after a failure the ranks' collectives may be out of step, so no step can be trusted again;
-vLLM does the same). `shutdown()` (also run by `LLM.shutdown()`, by garbage collection and at
+vLLM does the same). A step interrupted in the driver (Ctrl-C while it waits) stops the ranks too: their
+answers would no longer match the plans. `shutdown()` (also run by `LLM.shutdown()`, by garbage collection and at
 interpreter exit, through `weakref.finalize`) asks every rank to stop, joins it, kills stragglers.
 """
 
@@ -121,9 +122,17 @@ class MultiprocExecutor:
             if self.dead is None:  # a rank died between steps: stop the others now
                 self._fail(str(err).split(": ", 1)[1])
             raise
-        self._broadcast(("plan", plan))
-        self.num_steps += 1
-        return self._gather(f"step {self.num_steps}", self.timeout_s)[self.output_rank]
+        try:
+            self._broadcast(("plan", plan))
+            self.num_steps += 1
+            return self._gather(f"step {self.num_steps}", self.timeout_s)[self.output_rank]
+        except EngineDeadError:
+            raise
+        except BaseException as err:  # e.g. Ctrl-C while waiting: the ranks' answers would now be out of step
+            if self.dead is None:
+                self.dead = f"step {self.num_steps} was interrupted ({type(err).__name__})"
+                self.shutdown(polite=False)
+            raise
 
     def step_duration_s(self) -> float:
         return 0.0
