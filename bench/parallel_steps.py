@@ -9,7 +9,8 @@ Runs the same greedy workload (the bundled model, float32) on:
     mp pp2     two stages of 2 layers (one send/recv of [tokens, hidden] per step)
     pp2 mbN    the same, each step cut into N micro-batches that follow each other through the stages
 Engines are built once (start-up not timed), warmed up, then timed round-robin `--repeats` times;
-the best run of each is kept. Prints seconds per engine step, the ratio to `uni`, and per step
+the best run of each is kept. Prints seconds per engine step, the ratio to `uni`, TTFT and TPOT of
+one request alone (a 256-token prompt), and per step
 the collectives each rank called, the bytes it handed them and the time it spent in them (a
 later stage's recv time is mostly waiting for the earlier stage: the pipeline bubble). Numbers, not asserts: the machine
 is shared (it prints the load average). What it shows honestly: on one CPU a tiny model's TP
@@ -43,7 +44,7 @@ def main() -> None:
     torch.set_num_threads(1)  # every rank runs one thread: the peer too, for a fair ratio
     prompts = (PROMPTS * 4)[: args.num_prompts]
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    knobs = dict(max_num_seqs=len(prompts), max_model_len=128)
+    knobs = dict(max_num_seqs=len(prompts), max_model_len=320)
     configs = {"uni": {}, "mp tp1": dict(distributed_executor_backend="mp"),
                "mp tp2": dict(tensor_parallel_size=2), "mp pp2": dict(pipeline_parallel_size=2),
                "pp2 mb2": dict(pipeline_parallel_size=2, pipeline_micro_batches=2),
@@ -77,6 +78,20 @@ def main() -> None:
             text = ", ".join(f"{k} {c / n:.1f} calls {s['bytes'][k] / n / 1024:.1f} KiB {s['seconds'][k] / n * 1e3:.2f} ms"
                              for k, c in s["calls"].items())
             print(f"{name} rank {rank}: per step {text}; forward (with them) {s['model_time_s'] / n * 1e3:.2f} ms")
+    # One request alone: time to first token (a 256-token prompt's prefill) and time per output token.
+    long_prompt = {"prompt_token_ids": list(range(10, 266))}
+    one = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    lat: dict[str, tuple[float, float]] = {}
+    for _ in range(args.repeats):
+        for name, llm in engines.items():
+            m = llm.generate([long_prompt], one, use_tqdm=False)[0].metrics
+            ttft, tpot = m.ttft, m.tpot
+            old = lat.get(name, (float("inf"), float("inf")))
+            lat[name] = (min(old[0], ttft), min(old[1], tpot))
+    print(f"{'engine':8s} {'TTFT ms':>8s} {'x uni':>6s} {'TPOT ms':>8s} {'x uni':>6s}   (1 request, 256-token prompt, 16 out)")
+    for name in configs:
+        ttft, tpot = lat[name]
+        print(f"{name:8s} {ttft * 1e3:8.2f} {ttft / lat['uni'][0]:6.2f} {tpot * 1e3:8.2f} {tpot / lat['uni'][1]:6.2f}")
     for llm in engines.values():
         llm.shutdown()
 
