@@ -69,13 +69,13 @@ class EngineConfig:
     pipeline_micro_batches: int = 1
 
     def __post_init__(self) -> None:
-        self._check_parallel()
         if self.speculative_config is not None:
             from minillm.spec.config import SpeculativeConfig
 
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
             if self.batching != "continuous":
                 raise ValueError(f"speculative_config needs batching='continuous' (got {self.batching!r})")
+        self._check_parallel()
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r}; choose one of {ATTENTION_BACKENDS}")
         if self.batching not in BATCHING_MODES:
@@ -164,7 +164,10 @@ class EngineConfig:
         if self.executor_backend == "mp":
             unsupported = [(self.batching != "continuous", f"batching={self.batching!r} (use 'continuous')"),
                            (self.kv_layout != "paged", f"kv_layout={self.kv_layout!r} (use 'paged')"),
-                           (self.speculative_config is not None, "speculative_config (speculative decoding)")]
+                           (self.speculative_config is not None and self.speculative_config.method != "ngram",
+                            "speculative_config with a draft model (use method 'ngram')"),
+                           (self.speculative_config is not None and self.pipeline_micro_batches > 1,
+                            "speculative_config with pipeline_micro_batches > 1")]
             refused = [what for bad, what in unsupported if bad]
             if refused:
                 raise ValueError(f"distributed_executor_backend='mp' (tensor_parallel_size={self.tensor_parallel_size}, "

@@ -99,7 +99,7 @@ _reference: dict = {}
 
 def reference(dtype: str, knobs: dict, sampling: list[SamplingParams], model: str | None = None):
     """The one-process engine's outputs (cached per configuration)."""
-    key = (dtype, tuple(sorted(knobs.items())), tuple(repr(p) for p in sampling), model)
+    key = (dtype, repr(sorted(knobs.items())), tuple(repr(p) for p in sampling), model)
     if key not in _reference:
         llm = LLM(model, dtype=dtype, **knobs)
         _reference[key] = (llm.generate(PROMPTS, sampling, use_tqdm=False), llm.engine)
@@ -112,9 +112,11 @@ MOE = str(BUNDLED_TARGET.parent / "minillm-moe")  # Mixtral-style: 4 experts, to
 @pytest.mark.parametrize("tp, pp, micro, preemption, cache, moe", [
     (2, 1, 1, "swap", "radix", False), (4, 1, 1, "recompute", "hash", False), (1, 2, 2, "recompute", "hash", False),
     (2, 2, 1, "swap", "hash", False), (2, 1, 1, "recompute", "hash", True)],
-    ids=["tp2", "tp4", "pp2-microbatches2", "tp2xpp2", "ep2-moe"])
+    ids=["tp2-ngram-spec", "tp4", "pp2-microbatches2", "tp2xpp2", "ep2-moe"])
 def test_exactness_matrix_float64(tp, pp, micro, preemption, cache, moe):
     knobs = dict(KNOBS, preemption_mode=preemption, prefix_cache=cache)
+    if tp == 2 and pp == 1 and not moe:  # n-gram speculation too: the sampling rank verifies the guesses
+        knobs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3}
     model = MOE if moe else None
     want, one = reference("float64", knobs, params(), model)
     before = worker_processes()
@@ -129,6 +131,8 @@ def test_exactness_matrix_float64(tp, pp, micro, preemption, cache, moe):
     assert any(s.prefill_chunk_sizes and max(s.prefill_chunk_sizes) == 10 for s in engine.metrics.steps)
     if preemption == "swap":
         assert engine.kv.num_swapped_in_tokens > 0
+    if "speculative_config" in knobs:
+        assert engine.metrics.spec_decode.num_draft_tokens > 0
     # Each rank holds its heads' KV pool (KV heads replicated only when fewer than ranks) and its stage's layers.
     info = engine.executor.rank_info
     kv_heads, layers = (2, 2) if moe else (4, 4)
@@ -263,8 +267,11 @@ def test_a_shard_that_cannot_load_fails_at_construction(tmp_path):
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), r"'uni' runs one process"),
     (dict(distributed_executor_backend="ray"), r"distributed_executor_backend='ray'; choose one of \('uni', 'mp'\)"),
     (dict(tensor_parallel_size=2, batching="static"), r"does not support batching='static'"),
-    (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-     r"does not support speculative_config"),
+    (dict(pipeline_parallel_size=2, speculative_config={"method": "draft_model", "num_speculative_tokens": 2}),
+     r"does not support speculative_config with a draft model"),
+    (dict(pipeline_parallel_size=2, pipeline_micro_batches=2,
+          speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     r"does not support speculative_config with pipeline_micro_batches > 1"),
     (dict(enable_expert_parallel=True), r"enable_expert_parallel=True .* needs tensor_parallel_size >= 2 \(got 1\)"),
     (dict(tensor_parallel_size=2, enable_expert_parallel=True), r"model_type 'llama' has no experts"),
     (dict(model=MOE, tensor_parallel_size=2), r"mixture-of-experts model \(4 experts\) .* needs enable_expert_parallel"),
