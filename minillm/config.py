@@ -163,7 +163,6 @@ class EngineConfig:
                              f"it needs pipeline_parallel_size >= 2 (got {self.pipeline_parallel_size})")
         if self.executor_backend == "mp":
             unsupported = [(self.batching != "continuous", f"batching={self.batching!r} (use 'continuous')"),
-                           (self.kv_layout != "paged", f"kv_layout={self.kv_layout!r} (use 'paged')"),
                            (self.speculative_config is not None and self.speculative_config.method != "ngram",
                             "speculative_config with a draft model (use method 'ngram')"),
                            (self.speculative_config is not None and self.pipeline_micro_batches > 1,

@@ -162,6 +162,21 @@ def test_exactness_matrix_float64(tp, pp, micro, preemption, cache, moe):
     assert gone(pids) and worker_processes() <= before
 
 
+def test_slab_kv_layout_tp2_float64():
+    """One slab per request (chapter 04's layout) works the same on ranks: each holds its heads of every slab."""
+    knobs = dict(max_num_seqs=2, max_model_len=48, kv_layout="slab", enable_chunked_prefill=True,
+                 max_num_batched_tokens=10)
+    sp = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)] * 4
+    want, _ = reference("float64", knobs, sp)
+    llm = LLM(dtype="float64", tensor_parallel_size=2, **knobs)
+    try:
+        got = bounded(lambda: llm.generate(PROMPTS, sp, use_tqdm=False))
+        assert [i["kv_pool_shape"][2] for i in llm.engine.executor.rank_info] == [2, 2]
+    finally:
+        llm.shutdown()
+    assert tokens(got) == tokens(want)
+
+
 @pytest.fixture(scope="module")
 def tp2_float32():
     """One TP 2 float32 engine for the float32 comparison, then for the killed-worker test (which ends it)."""
