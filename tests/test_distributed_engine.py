@@ -162,16 +162,19 @@ def test_exactness_matrix_float64(tp, pp, micro, preemption, cache, moe):
     assert gone(pids) and worker_processes() <= before
 
 
-def test_slab_kv_layout_tp2_float64():
-    """One slab per request (chapter 04's layout) works the same on ranks: each holds its heads of every slab."""
-    knobs = dict(max_num_seqs=2, max_model_len=48, kv_layout="slab", enable_chunked_prefill=True,
-                 max_num_batched_tokens=10)
+@pytest.mark.parametrize("tp, pp, knobs", [
+    (2, 1, dict(kv_layout="slab", enable_chunked_prefill=True, max_num_batched_tokens=10)),
+    (2, 1, dict(batching="static")),
+    (1, 2, dict(batching="dynamic"))], ids=["tp2-slab-chunked", "tp2-static", "pp2-dynamic"])
+def test_other_kv_layouts_and_batching_modes_float64(tp, pp, knobs):
+    """Slabs (chapter 04) and the padded rectangles of static / dynamic batching (chapters 02-03) run the
+    same on ranks: each holds its heads and layers of them."""
+    knobs = dict(knobs, max_num_seqs=2, max_model_len=48)
     sp = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)] * 4
     want, _ = reference("float64", knobs, sp)
-    llm = LLM(dtype="float64", tensor_parallel_size=2, **knobs)
+    llm = LLM(dtype="float64", tensor_parallel_size=tp, pipeline_parallel_size=pp, **knobs)
     try:
         got = bounded(lambda: llm.generate(PROMPTS, sp, use_tqdm=False))
-        assert [i["kv_pool_shape"][2] for i in llm.engine.executor.rank_info] == [2, 2]
     finally:
         llm.shutdown()
     assert tokens(got) == tokens(want)
@@ -281,7 +284,6 @@ def test_a_shard_that_cannot_load_fails_at_construction(tmp_path):
     (dict(pipeline_micro_batches=2), r"pipeline_micro_batches=2 .* needs pipeline_parallel_size >= 2"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), r"'uni' runs one process"),
     (dict(distributed_executor_backend="ray"), r"distributed_executor_backend='ray'; choose one of \('uni', 'mp'\)"),
-    (dict(tensor_parallel_size=2, batching="static"), r"does not support batching='static'"),
     (dict(pipeline_parallel_size=2, speculative_config={"method": "draft_model", "num_speculative_tokens": 2}),
      r"does not support speculative_config with a draft model"),
     (dict(pipeline_parallel_size=2, pipeline_micro_batches=2,

@@ -68,7 +68,10 @@ class ParallelWorker(ModelRunner):
         if self.layout.samples:
             return super().execute_model(plan)
         self.update_state(plan)
-        self.compute_logits(plan)  # this rank's part of the forward and the logits gather
+        if plan.padded is not None:  # static / dynamic batching's padded rectangle
+            self.compute_padded_logits(plan)
+        else:
+            self.compute_logits(plan)  # this rank's part of the forward and the logits gather
         return None
 
     def compute_logits(self, plan: SchedulerOutput) -> tuple[torch.Tensor | None, StepInputs]:
