@@ -162,9 +162,7 @@ class EngineConfig:
             raise ValueError(f"pipeline_micro_batches={self.pipeline_micro_batches} cuts steps for pipeline stages: "
                              f"it needs pipeline_parallel_size >= 2 (got {self.pipeline_parallel_size})")
         if self.executor_backend == "mp":
-            unsupported = [(self.speculative_config is not None and self.speculative_config.method != "ngram",
-                            "speculative_config with a draft model (use method 'ngram')"),
-                           (self.speculative_config is not None and self.pipeline_micro_batches > 1,
+            unsupported = [(self.speculative_config is not None and self.pipeline_micro_batches > 1,
                             "speculative_config with pipeline_micro_batches > 1")]
             refused = [what for bad, what in unsupported if bad]
             if refused:

@@ -93,16 +93,17 @@ class LLM:
             if model is not None and not isinstance(model, (str, Path)):
                 raise ValueError("distributed_executor_backend='mp' loads each rank's shard from a model directory: "
                                  "pass a path, not an in-memory model")
-            from minillm.distributed.launch_engine import build_distributed_engine
+            from minillm.distributed.launch_engine import build_distributed_engine, read_model_config
 
             model_dir = Path(model) if model is not None else BUNDLED_TARGET
             if not model_dir.is_dir():
                 raise FileNotFoundError(f"model directory {model_dir} does not exist")
             self.model = None
             self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
-            self.engine = build_distributed_engine(config, model_dir, torch_dtype, device, self.tokenizer,
-                                                   scheduler_factory)
-            self._model_config = self.engine.model_config
+            self._model_config = read_model_config(model_dir)
+            proposer = self._draft_proposer(config, torch_dtype, device)  # the draft runs in this process
+            self.engine = build_distributed_engine(config, model_dir, self._model_config, torch_dtype, device,
+                                                   self.tokenizer, scheduler_factory, proposer)
             self.prometheus = PrometheusMetrics(self.engine, "minillm")
             return
         if model is None or isinstance(model, (str, Path)):
@@ -118,8 +119,8 @@ class LLM:
         else:
             self.model = load_hf_model(model, torch_dtype, device, config.max_model_len)
             self.tokenizer = tokenizer
-        proposer = self._draft_proposer(config, torch_dtype, device)
         self._model_config = self.model.config
+        proposer = self._draft_proposer(config, torch_dtype, device)
         self.engine = build_engine(config, self.model.config, model=self.model, tokenizer=self.tokenizer,
                                    scheduler_factory=scheduler_factory, proposer=proposer)
         self.prometheus = PrometheusMetrics(self.engine, "minillm")
@@ -148,11 +149,11 @@ class LLM:
         draft_dir = Path(spec.model) if spec.model is not None else BUNDLED_DRAFT
         if not draft_dir.is_dir():
             raise FileNotFoundError(f"speculative_config model directory {draft_dir} does not exist")
-        resolved = config.resolve(self.model.config.max_position_embeddings)
+        resolved = config.resolve(self._model_config.max_position_embeddings)
         draft = load_model_dir(draft_dir, dtype, device, resolved.max_model_len)
-        if draft.config.vocab_size != self.model.config.vocab_size:
+        if draft.config.vocab_size != self._model_config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) differs from the "
-                             f"target's ({self.model.config.vocab_size}): they must share a tokenizer")
+                             f"target's ({self._model_config.vocab_size}): they must share a tokenizer")
         return DraftModelProposer(draft, spec.num_speculative_tokens, resolved.num_kv_blocks, resolved.block_size,
                                   resolved.max_model_len)
 

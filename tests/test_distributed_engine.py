@@ -165,16 +165,21 @@ def test_exactness_matrix_float64(tp, pp, micro, preemption, cache, moe):
 @pytest.mark.parametrize("tp, pp, knobs", [
     (2, 1, dict(kv_layout="slab", enable_chunked_prefill=True, max_num_batched_tokens=10)),
     (2, 1, dict(batching="static")),
-    (1, 2, dict(batching="dynamic"))], ids=["tp2-slab-chunked", "tp2-static", "pp2-dynamic"])
+    (1, 2, dict(batching="dynamic")),
+    (2, 1, dict(speculative_config={"method": "draft_model", "num_speculative_tokens": 3}))],
+    ids=["tp2-slab-chunked", "tp2-static", "pp2-dynamic", "tp2-draft-model-spec"])
 def test_other_kv_layouts_and_batching_modes_float64(tp, pp, knobs):
     """Slabs (chapter 04) and the padded rectangles of static / dynamic batching (chapters 02-03) run the
-    same on ranks: each holds its heads and layers of them."""
+    same on ranks: each holds its heads and layers of them. A draft model (chapter 09) runs in the driver,
+    beside the scheduler; the ranks verify its guesses."""
     knobs = dict(knobs, max_num_seqs=2, max_model_len=48)
     sp = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)] * 4
     want, _ = reference("float64", knobs, sp)
     llm = LLM(dtype="float64", tensor_parallel_size=tp, pipeline_parallel_size=pp, **knobs)
     try:
         got = bounded(lambda: llm.generate(PROMPTS, sp, use_tqdm=False))
+        if "speculative_config" in knobs:
+            assert llm.engine.metrics.spec_decode.num_draft_tokens > 0
     finally:
         llm.shutdown()
     assert tokens(got) == tokens(want)
@@ -284,8 +289,6 @@ def test_a_shard_that_cannot_load_fails_at_construction(tmp_path):
     (dict(pipeline_micro_batches=2), r"pipeline_micro_batches=2 .* needs pipeline_parallel_size >= 2"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), r"'uni' runs one process"),
     (dict(distributed_executor_backend="ray"), r"distributed_executor_backend='ray'; choose one of \('uni', 'mp'\)"),
-    (dict(pipeline_parallel_size=2, speculative_config={"method": "draft_model", "num_speculative_tokens": 2}),
-     r"does not support speculative_config with a draft model"),
     (dict(pipeline_parallel_size=2, pipeline_micro_batches=2,
           speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
      r"does not support speculative_config with pipeline_micro_batches > 1"),

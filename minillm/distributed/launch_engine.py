@@ -25,17 +25,21 @@ from minillm.model.loader import read_hf_config
 from minillm.model.tokenizer import generation_eos_ids
 
 
-def build_distributed_engine(config: EngineConfig, model_dir: Path, dtype: torch.dtype, device: str,
-                             tokenizer: Any, scheduler_factory=None):
-    from minillm.executor.multiproc import MultiprocExecutor
-
-    if not Path(model_dir).is_dir():
-        raise FileNotFoundError(f"model directory {model_dir} does not exist")
+def read_model_config(model_dir: Path) -> ModelConfig:
+    """The model's config.json (with generation_config.json's EOS ids), all the driver reads of the model."""
     model_config = ModelConfig.from_hf_dict(read_hf_config(model_dir))
     eos = generation_eos_ids(model_dir)
     if eos:
         model_config = dataclasses.replace(
             model_config, eos_token_ids=tuple(dict.fromkeys(model_config.eos_token_ids + eos)))
+    return model_config
+
+
+def build_distributed_engine(config: EngineConfig, model_dir: Path, model_config: ModelConfig, dtype: torch.dtype,
+                             device: str, tokenizer: Any, scheduler_factory=None, proposer=None):
+    """`proposer`: a draft model's proposer (speculative decoding), run in the driver like the scheduler."""
+    from minillm.executor.multiproc import MultiprocExecutor
+
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     check_parallel_config(model_config, tp, pp)
     if config.enable_expert_parallel or model_config.is_moe:
@@ -61,7 +65,7 @@ def build_distributed_engine(config: EngineConfig, model_dir: Path, dtype: torch
     executor = MultiprocExecutor(kv, spec, tp, pp, resolved.execute_model_timeout_s)
     try:
         return build_engine(config, model_config, tokenizer=tokenizer, kv=kv, executor=executor,
-                            scheduler_factory=scheduler_factory)
+                            scheduler_factory=scheduler_factory, proposer=proposer)
     except BaseException:
         executor.shutdown()
         raise
