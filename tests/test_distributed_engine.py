@@ -3,8 +3,9 @@
 The exactness matrix: greedy (and seeded) tokens of `LLM(tensor_parallel_size=..., pipeline_parallel_size=...)`
 equal the one-process engine's in float64 for TP 2, TP 4, PP 2 (2 micro-batches a step), TP 2 × PP 2
 and EP 2 (the bundled Mixtral, with its per-step expert-load histogram), each with chunked prefill,
-prefix caching and preemption (recompute or swap) happening; float32 TP 2 is compared by greedy
-tokens with the logit margin printed. Faults: a worker killed, a worker hung, a shard that cannot
+prefix caching and preemption (recompute or swap) happening, and n-gram speculation on TP 2; slabs,
+static and dynamic batching and a draft model too; float32 TP 2 is compared by greedy tokens with the
+logit margin printed. Faults: a worker killed, a worker hung, a shard that cannot
 load each end in a clear `EngineDeadError` within the executor's timeout, and no process is left
 (counted); `shutdown()`, garbage collection and a killed driver leave no rank behind. The server answers 500 and
 /health 503 once a worker died; `minillm serve --tensor-parallel-size 2` answers the `openai`
