@@ -161,14 +161,6 @@ class EngineConfig:
         if self.pipeline_micro_batches > 1 and self.pipeline_parallel_size < 2:
             raise ValueError(f"pipeline_micro_batches={self.pipeline_micro_batches} cuts steps for pipeline stages: "
                              f"it needs pipeline_parallel_size >= 2 (got {self.pipeline_parallel_size})")
-        if self.executor_backend == "mp":
-            unsupported = [(self.speculative_config is not None and self.pipeline_micro_batches > 1,
-                            "speculative_config with pipeline_micro_batches > 1")]
-            refused = [what for bad, what in unsupported if bad]
-            if refused:
-                raise ValueError(f"distributed_executor_backend='mp' (tensor_parallel_size={self.tensor_parallel_size}, "
-                                 f"pipeline_parallel_size={self.pipeline_parallel_size}) does not support "
-                                 f"{', '.join(refused)} in minillm")
 
     @property
     def executor_backend(self) -> str:

@@ -78,15 +78,16 @@ class ParallelWorker(ModelRunner):
         groups = micro_batch_rows(plan.num_scheduled_tokens, self.micro_batches)
         if len(groups) <= 1:
             return super().compute_logits(plan)
-        parts, sampled, sampled_rows, inputs = [], [], [], None
+        parts, sampled, spans, sampled_rows, inputs, first = [], [], [], [], None, 0
         for start, end in groups:
             logits, inputs = super().compute_logits(rows_of_plan(plan, start, end))
             if logits is not None:
                 parts.append(logits)
             sampled += [start + i for i in inputs.sampled]
+            spans += [(first + j, width) for j, width in inputs.spans]  # (1+k logits rows for a speculative row)
+            first += len(inputs.logits_rows)
             sampled_rows.append(inputs.sampled_rows)
-        whole = dataclasses.replace(inputs, sampled=sampled, spans=[(j, 1) for j in range(len(sampled))],
-                                    sampled_rows=np.concatenate(sampled_rows))
+        whole = dataclasses.replace(inputs, sampled=sampled, spans=spans, sampled_rows=np.concatenate(sampled_rows))
         return (torch.cat(parts) if parts else None), whole
 
 
