@@ -108,10 +108,20 @@ def serve_router(router: Router, host: str, port: int, log_level: str = "warning
     server.run(sockets=[sock])
 
 
+def build_pd_router(args: argparse.Namespace):
+    """`minillm router --pd`: one prefill and one decode instance behind the router (minillm/router/pd.py)."""
+    from minillm.router.pd import PDRouter
+
+    if args.worker:
+        raise ValueError("--pd takes --prefill URL and --decode URL, not --worker")
+    if not args.prefill or not args.decode:
+        raise ValueError("--pd needs both --prefill URL and --decode URL")
+    _, health = router_configs(args)
+    return PDRouter(args.prefill, args.decode, health)
+
+
 def run_router(args: argparse.Namespace) -> int:
     if args.pd:
-        from minillm.router.pd_launch import build_pd_router
-
         router = build_pd_router(args)
     elif args.prefill or args.decode:
         raise ValueError("--prefill and --decode need --pd (prefill/decode mode)")

@@ -26,15 +26,6 @@ from minillm.router.pd import PDRouter
 _LAUNCHER_FLAGS = ("--pd-disaggregation", "--data-parallel-size", "--host", "--port", "--kv-transfer-config")
 
 
-def build_pd_router(args: argparse.Namespace) -> PDRouter:
-    if args.worker:
-        raise ValueError("--pd takes --prefill URL and --decode URL, not --worker")
-    if not args.prefill or not args.decode:
-        raise ValueError("--pd needs both --prefill URL and --decode URL")
-    _, health = router_configs(args)
-    return PDRouter(args.prefill, args.decode, health)
-
-
 def pair_argv(argv: list[str]) -> list[str]:
     """The `serve` flags both instances get: the command line after `serve`, less the launcher's own."""
     from minillm.router.launch import add_policy_arguments
