@@ -110,3 +110,15 @@ def test_the_servers_bad_input_is_left_to_the_server():
     for case, path, body, _, _, _ in BAD_INPUT:
         if isinstance(body, dict) and "queue cap" not in case:
             assert pd_refusal(body, path.startswith("chat")) is None, case
+
+
+def test_read_transfer_stats_refuses_a_server_without_a_connector(monkeypatch):
+    """A plain server's (or a router's) /metrics has no minillm:kv_transfer_* series: a clear error, not a KeyError."""
+    import httpx
+
+    from minillm.kv_transfer.metrics import read_transfer_stats
+
+    plain = "# HELP vllm:num_requests_running x\nvllm:num_requests_running{model_name=\"minillm\"} 0.0\n"
+    monkeypatch.setattr(httpx, "get", lambda url, timeout: type("R", (), {"text": plain})())
+    with pytest.raises(ValueError, match="needs a server started with --kv-transfer-config"):
+        read_transfer_stats("http://127.0.0.1:1")
