@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 
-from minillm.router.launch import free_port, router_configs, serve_router, start_replicas, stop_replicas
+from minillm.router.launch import free_port, router_configs, serve_in_front_of, start_replicas
 from minillm.router.pd import PDRouter
 
 # serve flags the instances do not get from the launcher's command line
@@ -73,18 +72,4 @@ def run_pd_disaggregation(args: argparse.Namespace) -> int:
     except RuntimeError as err:
         print(f"minillm serve: error: {err}", file=sys.stderr)
         return 1
-
-    def on_term(signum, frame):  # uvicorn handles SIGINT; SIGTERM from a supervisor stops the pair too
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, on_term)
-    try:
-        _, health = router_configs(args)
-        router = PDRouter(procs[0][1], procs[1][1], health)
-        serve_router(router, args.host, args.port, args.uvicorn_log_level)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        stop_replicas(procs)
-    return 0
+    return serve_in_front_of(procs, lambda: PDRouter(procs[0][1], procs[1][1], router_configs(args)[1]), args)
