@@ -73,6 +73,8 @@ def test_serve_with_a_bad_config_fails_before_loading_the_model():
     (["serve", "--pd-disaggregation", "--kv-transfer-config", "{oops"], "--kv-transfer-config must be JSON"),
     (["serve", "--pd-disaggregation", "--kv-transfer-config", '{"kv_connector_extra_config": {"x": 1}}'],
      "unknown kv_connector_extra_config key(s) ['x']"),
+    (["serve", "--pd-disaggregation", "--kv-transfer-config", '{"kv_port": 15000, "kv_role": "kv_consumer"}'],
+     "takes only kv_connector_extra_config (and kv_connector); the launcher sets ['kv_port', 'kv_role'] itself"),
 ])
 def test_router_and_launcher_flags_are_checked(argv, fragment, capsys):
     assert main(argv) == 2

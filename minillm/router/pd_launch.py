@@ -64,6 +64,10 @@ def run_pd_disaggregation(args: argparse.Namespace) -> int:
                              f"'{{\"kv_connector_extra_config\": {{\"abort_timeout_s\": 30}}}}': {err}") from None
         if not isinstance(given, dict):
             raise ValueError(f"--kv-transfer-config must be a JSON object, got {given!r}")
+        set_here = sorted(set(given) - {"kv_connector", "kv_connector_extra_config"})
+        if set_here:  # (the launcher picks roles, ranks and the pair's address itself: not silently overridden)
+            raise ValueError(f"with --pd-disaggregation, --kv-transfer-config takes only kv_connector_extra_config "
+                             f"(and kv_connector); the launcher sets {set_here} itself")
         parse_kv_transfer_config(dict(given, kv_role="kv_producer", kv_connector="TorchDistConnector"))
         extra = given.get("kv_connector_extra_config")
     router_configs(args)  # a bad flag fails before anything starts
