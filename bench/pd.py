@@ -50,6 +50,7 @@ def start_pd(flags: list[str]) -> tuple[subprocess.Popen, str, dict[str, str]]:
         except httpx.TransportError:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
+            stop_replicas([(proc, url)])  # (the launcher stops the pair it started)
             raise RuntimeError("minillm serve --pd-disaggregation did not start")
         time.sleep(0.5)
     roles = {}
@@ -86,8 +87,7 @@ def main() -> None:
         results["PD 1+1 x 1 thread"] = bench(url, load)
         p, d = read_transfer_stats(roles["prefill"]), read_transfer_stats(roles["decode"])
     finally:
-        proc.terminate()
-        proc.wait(60)
+        stop_replicas([(proc, url)], timeout_s=60)  # terminate, then kill if it does not stop
     print(HEADER + f" {'mean TTFT':>9} {'mean ITL':>8}")
     for name, r in results.items():
         print(row(name, r, f"{r['mean_ttft_ms']:>9.1f} {r['mean_itl_ms']:>8.1f}"))

@@ -1,5 +1,5 @@
 """Expert parallelism as the engine will call it (minillm/distributed/moe.py: `ep_moe_layer`,
-`shard_model_experts`, `read_expert_shards`; /work/notes/ep-hook.md): 2 gloo ranks (run_ranks,
+`shard_model_experts`, `read_expert_shards`): 2 gloo ranks (run_ranks,
 forked, on loopback) hold 2 of the bundled Mixtral's 4 experts each, receive the SAME hidden states
 (as tensor-parallel attention leaves them) and must return what one process computes with all 4,
 in float64 — for one MoE layer, and for the whole engine with every layer's MoE made expert-parallel.

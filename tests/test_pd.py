@@ -135,6 +135,13 @@ def test_pd_gives_a_plain_servers_greedy_outputs_and_never_recomputes_the_prompt
     _wait(lambda: _kv(prefill, "pinned_requests", "kv_producer") == 0, "the prefill side to unpin")
     _wait(lambda: scrape(prefill)['vllm:kv_cache_usage_perc{model_name="minillm"}'] == 0, "prefill KV usage 0")
     _wait(lambda: scrape(decode)['vllm:kv_cache_usage_perc{model_name="minillm"}'] == 0, "decode KV usage 0")
+    # a prompt whose first blocks the decode instance holds in its prefix cache: only the rest cross the link
+    before = _kv(decode, "blocks_total", "kv_consumer")
+    prompt = "And God called the light Day, and the darkness he called Night. " * 4
+    c = _openai(pd["url"]).completions.create(model="minillm", prompt=prompt, max_tokens=2, temperature=0.0)
+    moved = _kv(decode, "blocks_total", "kv_consumer") - before
+    assert 1 <= moved < -(-c.usage.prompt_tokens // 16), (moved, c.usage.prompt_tokens)
+    assert scrape(decode)["minillm:prompt_tokens_computed_total"] == 0
     assert httpx.get(pd["url"] + "/health", timeout=30).status_code == 200
     models = httpx.get(pd["url"] + "/v1/models", timeout=30).json()
     assert models["data"][0]["id"] == "minillm"

@@ -73,6 +73,8 @@ def test_serve_with_a_bad_config_fails_before_loading_the_model():
     (["serve", "--pd-disaggregation", "--kv-transfer-config", "{oops"], "--kv-transfer-config must be JSON"),
     (["serve", "--pd-disaggregation", "--kv-transfer-config", '{"kv_connector_extra_config": {"x": 1}}'],
      "unknown kv_connector_extra_config key(s) ['x']"),
+    (["serve", "--pd-disaggregation", "--kv-transfer-config", '{"kv_port": 15000, "kv_role": "kv_consumer"}'],
+     "takes only kv_connector_extra_config (and kv_connector); the launcher sets ['kv_port', 'kv_role'] itself"),
 ])
 def test_router_and_launcher_flags_are_checked(argv, fragment, capsys):
     assert main(argv) == 2
@@ -110,3 +112,15 @@ def test_the_servers_bad_input_is_left_to_the_server():
     for case, path, body, _, _, _ in BAD_INPUT:
         if isinstance(body, dict) and "queue cap" not in case:
             assert pd_refusal(body, path.startswith("chat")) is None, case
+
+
+def test_read_transfer_stats_refuses_a_server_without_a_connector(monkeypatch):
+    """A plain server's (or a router's) /metrics has no minillm:kv_transfer_* series: a clear error, not a KeyError."""
+    import httpx
+
+    from minillm.kv_transfer.metrics import read_transfer_stats
+
+    plain = "# HELP vllm:num_requests_running x\nvllm:num_requests_running{model_name=\"minillm\"} 0.0\n"
+    monkeypatch.setattr(httpx, "get", lambda url, timeout: type("R", (), {"text": plain})())
+    with pytest.raises(ValueError, match="needs a server started with --kv-transfer-config"):
+        read_transfer_stats("http://127.0.0.1:1")

@@ -22,7 +22,7 @@ steps above on it, and an all-gather puts the T rows back together on every rank
 counts are summed over ranks (all-reduce), so every rank reports the whole layer's histogram.
 `ExpertParallelMoE` plugs it into `LlamaModel.moe_forward`; `shard_model_experts` swaps a loaded
 model's experts for the rank's own, `read_expert_shards` reads only those from the safetensors file.
-How the multi-process executor calls them: /work/notes/ep-hook.md (copied into the chapter 12 issue).
+How an engine calls them on every rank: `tests/test_ep_moe_layer.py` (`_engine_on_a_rank`, 2 gloo ranks).
 """
 
 from __future__ import annotations

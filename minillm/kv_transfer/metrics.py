@@ -57,7 +57,11 @@ def read_transfer_stats(url: str, timeout_s: float = 30.0) -> dict[str, float]:
     text = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout_s).text
     m = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
          if line and not line.startswith("#")}
-    role = "kv_producer" if 'minillm:kv_transfer_link_up{role="kv_producer"}' in m else "kv_consumer"
+    roles = [r for r in ("kv_producer", "kv_consumer") if f'minillm:kv_transfer_link_up{{role="{r}"}}' in m]
+    if not roles:
+        raise ValueError(f"{url} reports no minillm:kv_transfer_* series: read_transfer_stats needs a server "
+                         "started with --kv-transfer-config (a prefill or decode instance), not a plain one or a router")
+    role = roles[0]
     out = {"role": role, "requests": m[f'minillm:kv_transfer_requests_total{{result="ok",role="{role}"}}']}
     for name in ("blocks", "bytes", "seconds"):
         out[name] = m[f'minillm:kv_transfer_{name}_total{{role="{role}"}}']

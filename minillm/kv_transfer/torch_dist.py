@@ -7,10 +7,11 @@ gloo on CPU. Each instance runs one transfer thread; the decode side (consumer) 
     a request with do_remote_prefill arrives:      a request with do_remote_decode runs its prompt
       held, not scheduled                          and samples its first token, then finishes:
                                                    request_finished → blocks pinned under its transfer id
-    send [PULL] + transfer id          ───────►    look the id up
+    send [PULL, blocks it has cached] + transfer id ─►  look the id up
                                        ◄───────    [OK, prompt len, blocks, first token, dtype, L, bs, H, D]
                                        ◄───────    prompt ids (checked against the decode's own)
-                                       ◄───────    block 0 K|V, block 1 K|V, ...  (one tensor each)
+                                       ◄───────    block k K|V, block k+1 K|V, ...  (one tensor each;
+                                                   the first k: the decode side's prefix cache has them)
     send [ACK]                         ───────►    free the pinned blocks (on the engine thread)
     engine thread: append the first token (the client sees it now), queue the request;
     admission: get_num_new_matched_tokens = prompt length → blocks allocated →
@@ -67,6 +68,7 @@ class Pinned:
 class Pull:
     request: Request
     transfer_id: str
+    skip_blocks: int = 0  # leading prompt blocks the decode side's prefix cache holds: not sent
 
 
 @dataclass
@@ -102,7 +104,8 @@ class TorchDistConnector(KVConnectorBase):
         self.pinned: dict[str, Pinned] = {}  # producer: transfer id -> pinned blocks
         self.pulls: queue.SimpleQueue = queue.SimpleQueue()  # consumer: transfers to ask for, in order
         self.held: dict[str, Pull] = {}  # consumer: request id -> its transfer (engine thread only)
-        self.staged: dict[str, torch.Tensor] = {}  # consumer: request id -> received blocks [nb, 2, L, bs, H, D]
+        # consumer: request id -> (received blocks [nb - skip, 2, L, bs, H, D], skip: the prompt blocks not sent)
+        self.staged: dict[str, tuple[torch.Tensor, int]] = {}
         self.loads: dict[str, tuple[int, list[int]]] = {}  # consumer: request id -> (first staged block, its blocks)
         self.link: KVLink | None = None
         self.link_up = threading.Event()
@@ -150,15 +153,18 @@ class TorchDistConnector(KVConnectorBase):
             raise ValueError(f"n must be 1 for a request whose prompt was prefilled remotely, got {request.params.n}")
         if self.link_error is not None:
             raise RuntimeError(f"the KV link to the prefill instance is down ({self.link_error})")
-        pull = Pull(request, params["transfer_id"])
+        # Blocks this instance's prefix cache holds now need not cross; if they are evicted before the
+        # request is admitted, it recomputes its prompt instead (counted: minillm:prompt_tokens_computed).
+        pull = Pull(request, params["transfer_id"], self.kv.cached_prefix_tokens(request) // self.block_size)
         self.held[request.request_id] = pull
         self.pulls.put(pull)
         return True
 
     # ---- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        if request.request_id not in self.staged:
-            return 0, False
+        staged = self.staged.get(request.request_id)
+        if staged is None or num_computed_tokens < staged[1] * self.block_size:
+            return 0, False  # nothing received, or the prefix the pull skipped is no longer cached
         # The blocks are in host memory already: the load is synchronous (before this step's forward).
         return max(0, request.num_prompt_tokens - num_computed_tokens), False
 
@@ -203,16 +209,17 @@ class TorchDistConnector(KVConnectorBase):
             if entry is None or staged is None:
                 continue
             first, blocks = entry
+            kv, skip = staged
             for i, b in enumerate(blocks):  # block by block into the request's own blocks
-                runner.k_pool[:, b * bs:(b + 1) * bs] = staged[first + i, 0]
-                runner.v_pool[:, b * bs:(b + 1) * bs] = staged[first + i, 1]
+                runner.k_pool[:, b * bs:(b + 1) * bs] = kv[first - skip + i, 0]
+                runner.v_pool[:, b * bs:(b + 1) * bs] = kv[first - skip + i, 1]
 
     # ---- engine-thread actions (queued by the transfer threads) --------------------------------
     def _release(self, entries: list[Pinned]) -> None:
         for e in entries:
             self.kv.free(e.request)
 
-    def _received(self, pull: Pull, staged: torch.Tensor, prompt_ids: list[int], first_token: int) -> None:
+    def _received(self, pull: Pull, staged: tuple[torch.Tensor, int], prompt_ids: list[int], first_token: int) -> None:
         engine, rid = self.engine, pull.request.request_id
         self.held.pop(rid, None)
         for gone in [r for r in self.staged if r not in engine.requests]:
@@ -276,7 +283,7 @@ class TorchDistConnector(KVConnectorBase):
     def _serve_pulls(self) -> None:
         link, itemsize = self.link, torch.finfo(self.dtype).bits // 8
         while not self._stop.is_set():
-            op = link.recv_header()[0]  # waits for the next pull; raises if the consumer died
+            op, skip = link.recv_header()[:2]  # waits for the next pull; raises if the consumer died
             if op != OP_PULL:
                 raise RuntimeError(f"expected a pull (op {OP_PULL}) from the consumer, got op {op}")
             tid = link.recv_text()
@@ -289,10 +296,11 @@ class TorchDistConnector(KVConnectorBase):
             start, nbytes = time.perf_counter(), 0
             try:
                 req = entry.request
-                link.send_header(STATUS_OK, req.num_prompt_tokens, len(entry.block_ids), entry.first_token,
+                skip = min(skip, len(entry.block_ids))
+                link.send_header(STATUS_OK, req.num_prompt_tokens, len(entry.block_ids) - skip, entry.first_token,
                                  DTYPES.index(self.dtype), *self.block_shape[1:])
                 link.send(torch.tensor(req.prompt_token_ids, dtype=torch.int64, device=link.device))
-                for block in self.save_kv_blocks(self.runner, entry.block_ids):
+                for block in self.save_kv_blocks(self.runner, entry.block_ids[skip:]):
                     if self.delay_s:
                         time.sleep(self.delay_s)
                     link.send(block)
@@ -316,7 +324,7 @@ class TorchDistConnector(KVConnectorBase):
             if pull is None or self._stop.is_set():
                 return
             start = time.perf_counter()
-            link.send_header(OP_PULL)
+            link.send_header(OP_PULL, pull.skip_blocks)
             link.send_text(pull.transfer_id)
             status, n, nb, first, dtype_code, *shape = link.recv_header()[:9]
             if status == STATUS_UNKNOWN:
@@ -342,7 +350,7 @@ class TorchDistConnector(KVConnectorBase):
                     f"{self.block_shape} {self.dtype}: start both with the same model, dtype and --block-size")))
                 continue
             self.stats.ok += 1
-            self.engine.call_soon(partial(self._received, pull, staged, prompt.tolist(), first))
+            self.engine.call_soon(partial(self._received, pull, (staged, pull.skip_blocks), prompt.tolist(), first))
 
     def _expire_loop(self) -> None:
         while not self._stop.wait(0.25):

@@ -108,10 +108,20 @@ def serve_router(router: Router, host: str, port: int, log_level: str = "warning
     server.run(sockets=[sock])
 
 
+def build_pd_router(args: argparse.Namespace):
+    """`minillm router --pd`: one prefill and one decode instance behind the router (minillm/router/pd.py)."""
+    from minillm.router.pd import PDRouter
+
+    if args.worker:
+        raise ValueError("--pd takes --prefill URL and --decode URL, not --worker")
+    if not args.prefill or not args.decode:
+        raise ValueError("--pd needs both --prefill URL and --decode URL")
+    _, health = router_configs(args)
+    return PDRouter(args.prefill, args.decode, health)
+
+
 def run_router(args: argparse.Namespace) -> int:
     if args.pd:
-        from minillm.router.pd_launch import build_pd_router
-
         router = build_pd_router(args)
     elif args.prefill or args.decode:
         raise ValueError("--prefill and --decode need --pd (prefill/decode mode)")
@@ -197,14 +207,19 @@ def run_data_parallel(args: argparse.Namespace, serve_argv: list[str]) -> int:
     except RuntimeError as err:
         print(f"minillm serve: error: {err}", file=sys.stderr)
         return 1
+    return serve_in_front_of(procs, lambda: build_router(args, [url for _, url in procs]), args)
+
+
+def serve_in_front_of(procs: list[tuple[subprocess.Popen, str]], make_router, args: argparse.Namespace) -> int:
+    """Serve `make_router()` on `--host`/`--port` until Ctrl-C or SIGTERM, then stop `procs` (the replicas
+    or the PD pair the launcher started), whatever happened."""
 
     def on_term(signum, frame):  # uvicorn handles SIGINT; SIGTERM from a supervisor stops the replicas too
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
-        router = build_router(args, [url for _, url in procs])
-        serve_router(router, args.host, args.port, args.uvicorn_log_level)
+        serve_router(make_router(), args.host, args.port, args.uvicorn_log_level)
     except KeyboardInterrupt:
         pass
     finally:

@@ -16,23 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 
-from minillm.router.launch import free_port, router_configs, serve_router, start_replicas, stop_replicas
+from minillm.router.launch import free_port, router_configs, serve_in_front_of, start_replicas
 from minillm.router.pd import PDRouter
 
 # serve flags the instances do not get from the launcher's command line
 _LAUNCHER_FLAGS = ("--pd-disaggregation", "--data-parallel-size", "--host", "--port", "--kv-transfer-config")
-
-
-def build_pd_router(args: argparse.Namespace) -> PDRouter:
-    if args.worker:
-        raise ValueError("--pd takes --prefill URL and --decode URL, not --worker")
-    if not args.prefill or not args.decode:
-        raise ValueError("--pd needs both --prefill URL and --decode URL")
-    _, health = router_configs(args)
-    return PDRouter(args.prefill, args.decode, health)
 
 
 def pair_argv(argv: list[str]) -> list[str]:
@@ -74,6 +64,10 @@ def run_pd_disaggregation(args: argparse.Namespace) -> int:
                              f"'{{\"kv_connector_extra_config\": {{\"abort_timeout_s\": 30}}}}': {err}") from None
         if not isinstance(given, dict):
             raise ValueError(f"--kv-transfer-config must be a JSON object, got {given!r}")
+        set_here = sorted(set(given) - {"kv_connector", "kv_connector_extra_config"})
+        if set_here:  # (the launcher picks roles, ranks and the pair's address itself: not silently overridden)
+            raise ValueError(f"with --pd-disaggregation, --kv-transfer-config takes only kv_connector_extra_config "
+                             f"(and kv_connector); the launcher sets {set_here} itself")
         parse_kv_transfer_config(dict(given, kv_role="kv_producer", kv_connector="TorchDistConnector"))
         extra = given.get("kv_connector_extra_config")
     router_configs(args)  # a bad flag fails before anything starts
@@ -82,18 +76,4 @@ def run_pd_disaggregation(args: argparse.Namespace) -> int:
     except RuntimeError as err:
         print(f"minillm serve: error: {err}", file=sys.stderr)
         return 1
-
-    def on_term(signum, frame):  # uvicorn handles SIGINT; SIGTERM from a supervisor stops the pair too
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, on_term)
-    try:
-        _, health = router_configs(args)
-        router = PDRouter(procs[0][1], procs[1][1], health)
-        serve_router(router, args.host, args.port, args.uvicorn_log_level)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        stop_replicas(procs)
-    return 0
+    return serve_in_front_of(procs, lambda: PDRouter(procs[0][1], procs[1][1], router_configs(args)[1]), args)
