@@ -2,7 +2,8 @@
 
 The exactness matrix: greedy (and seeded) tokens of `LLM(tensor_parallel_size=..., pipeline_parallel_size=...)`
 equal the one-process engine's in float64 for TP 2, TP 4, PP 2 (2 micro-batches a step), TP 2 × PP 2
-and EP 2 (the bundled Mixtral, with its per-step expert-load histogram), each with chunked prefill,
+and the bundled Mixtral on 2 ranks with its experts whole (EP 2) or sliced (TP 2), with its per-step
+expert-load histogram, each with chunked prefill,
 prefix caching and preemption (recompute or swap) happening, and n-gram speculation on TP 2 and on
 PP 2 with micro-batches; slabs,
 static and dynamic batching and a draft model too; float32 TP 2 is compared by greedy tokens with the
@@ -113,8 +114,8 @@ MOE = str(BUNDLED_TARGET.parent / "minillm-moe")  # Mixtral-style: 4 experts, to
 
 @pytest.mark.parametrize("tp, pp, micro, preemption, cache, moe", [
     (2, 1, 1, "swap", "radix", False), (4, 1, 1, "recompute", "hash", False), (1, 2, 2, "recompute", "hash", False),
-    (2, 2, 1, "swap", "hash", False), (2, 1, 1, "recompute", "hash", True)],
-    ids=["tp2-ngram-spec", "tp4", "pp2-microbatches2-ngram-spec", "tp2xpp2", "ep2-moe"])
+    (2, 2, 1, "swap", "hash", False), (2, 1, 1, "recompute", "hash", "ep"), (2, 1, 1, "swap", "radix", "tp")],
+    ids=["tp2-ngram-spec", "tp4", "pp2-microbatches2-ngram-spec", "tp2xpp2", "ep2-moe", "tp2-moe-sliced-experts"])
 def test_exactness_matrix_float64(tp, pp, micro, preemption, cache, moe):
     knobs = dict(KNOBS, preemption_mode=preemption, prefix_cache=cache)
     if (tp == 2 and pp == 1 and not moe) or micro > 1:  # n-gram speculation too: the sampling rank verifies
@@ -123,7 +124,7 @@ def test_exactness_matrix_float64(tp, pp, micro, preemption, cache, moe):
     want, one = reference("float64", knobs, params(), model)
     before = worker_processes()
     llm = LLM(model, dtype="float64", tensor_parallel_size=tp, pipeline_parallel_size=pp,
-              pipeline_micro_batches=micro, enable_expert_parallel=moe, **knobs)
+              pipeline_micro_batches=micro, enable_expert_parallel=moe == "ep", **knobs)
     pids = llm.engine.executor.pids
     assert len(pids) == tp * pp and set(pids) <= worker_processes()
     got = bounded(lambda: llm.generate(PROMPTS, params(), use_tqdm=False))
@@ -140,15 +141,15 @@ def test_exactness_matrix_float64(tp, pp, micro, preemption, cache, moe):
     kv_heads, layers = (2, 2) if moe else (4, 4)
     assert [i["kv_pool_shape"][2] for i in info] == [kv_heads // min(tp, kv_heads)] * (tp * pp)
     assert sum(i["kv_pool_shape"][0] for i in info) == layers * tp
-    if moe:  # experts split over the ranks, the same per-step expert-load histogram as one process
+    if moe:  # experts split over the ranks (whole, or sliced), the same per-step expert-load histogram
         assert [s.expert_load for s in engine.metrics.steps] == [s.expert_load for s in one.metrics.steps]
         assert all(i["weight_bytes"] < 0.6 * one.model.weight_bytes for i in info)
-    # Communication: 2 all-reduces per layer and step (+1 for the embedding) on each TP rank; an MoE layer
-    # has 1 (after attention: the expert-parallel layer returns its whole output by all-to-all + all-gather).
+    # Communication: 2 all-reduces per layer and step (+1 for the embedding) on each TP rank; an expert-
+    # parallel MoE layer has 1 (after attention: its output comes whole from all-to-all + all-gather).
     stats = engine.executor.collective_stats()
     if tp > 1:
         layers_first_stage = info[0]["kv_pool_shape"][0]
-        per_layer = 1 if moe else 2
+        per_layer = 1 if moe == "ep" else 2
         assert stats[0]["calls"]["all_reduce"] == engine.executor.num_steps * (per_layer * layers_first_stage + 1)
     if pp > 1:  # one send/recv of [tokens, hidden] per step, or per micro-batch
         sends = stats[0]["calls"]["send"]
@@ -293,10 +294,9 @@ def test_a_shard_that_cannot_load_fails_at_construction(tmp_path):
     (dict(distributed_executor_backend="ray"), r"distributed_executor_backend='ray'; choose one of \('uni', 'mp'\)"),
     (dict(enable_expert_parallel=True), r"enable_expert_parallel=True .* needs tensor_parallel_size >= 2 \(got 1\)"),
     (dict(tensor_parallel_size=2, enable_expert_parallel=True), r"model_type 'llama' has no experts"),
-    (dict(model=MOE, tensor_parallel_size=2), r"mixture-of-experts model \(4 experts\) .* needs enable_expert_parallel"),
     (dict(model=MOE, tensor_parallel_size=8, enable_expert_parallel=True), r"tensor_parallel_size=8 does not divide .* 4 attention heads"),
     (dict(model=MOE, tensor_parallel_size=2, pipeline_parallel_size=2, enable_expert_parallel=True),
-     r"pipeline_parallel_size=2 with expert parallelism is not supported"),
+     r"pipeline_parallel_size=2 on a mixture-of-experts model is not supported"),
 ])
 def test_worlds_the_model_cannot_split_are_refused_at_construction(knobs, message):
     before = worker_processes()

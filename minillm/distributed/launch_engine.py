@@ -45,13 +45,13 @@ def build_distributed_engine(config: EngineConfig, model_dir: Path, model_config
     if config.enable_expert_parallel or model_config.is_moe:
         from minillm.distributed.moe import check_expert_parallel
 
-        if model_config.is_moe and not config.enable_expert_parallel:
-            raise ValueError(f"a mixture-of-experts model ({model_config.num_experts} experts) over tensor_parallel_size="
-                             f"{tp}, pipeline_parallel_size={pp} needs enable_expert_parallel=True with "
-                             "tensor_parallel_size >= 2 (experts sliced tensor-parallel are not implemented)")
-        check_expert_parallel(model_config, tp)
-        if pp > 1:
-            raise ValueError(f"pipeline_parallel_size={pp} with expert parallelism is not supported in minillm "
+        if config.enable_expert_parallel:
+            check_expert_parallel(model_config, tp)
+        elif model_config.intermediate_size % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the experts' intermediate_size="
+                             f"{model_config.intermediate_size} (or use enable_expert_parallel=True)")
+        if pp > 1:  # (each stage would know only its own layers' expert load)
+            raise ValueError(f"pipeline_parallel_size={pp} on a mixture-of-experts model is not supported in minillm "
                              "(use pipeline_parallel_size=1)")
     if device.startswith("cuda") and torch.cuda.device_count() < tp * pp:
         raise ValueError(f"tensor_parallel_size × pipeline_parallel_size = {tp * pp} ranks, but this machine has "
@@ -61,7 +61,7 @@ def build_distributed_engine(config: EngineConfig, model_dir: Path, model_config
     spec = dict(model_dir=str(model_dir), model_config=model_config, dtype=dtype, device=device,
                 max_positions=config.max_model_len or model_config.max_position_embeddings,
                 cache_spec=kv.cache_spec, attention_backend=resolved.attention_backend,
-                micro_batches=resolved.pipeline_micro_batches)
+                micro_batches=resolved.pipeline_micro_batches, expert_parallel=resolved.enable_expert_parallel)
     executor = MultiprocExecutor(kv, spec, tp, pp, resolved.execute_model_timeout_s)
     try:
         return build_engine(config, model_config, tokenizer=tokenizer, kv=kv, executor=executor,

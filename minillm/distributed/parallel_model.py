@@ -12,9 +12,10 @@ shard (`minillm.distributed.shard_loader`), with the communication Megatron-LM a
     stages      a stage that is not the first receives the residual stream [tokens, hidden] from
                 its peer rank of the previous stage (`recv`); one that is not the last sends it on
                 (`send`) and returns None
-    MoE layer   (Mixtral, expert parallel) each rank routes a slice of the tokens to the experts'
+    MoE layer   (Mixtral) expert parallel: each rank routes a slice of the tokens to the experts'
                 owners and back with all-to-alls, then all-gathers the slices: the output is
-                whole on every rank, no all-reduce after it (`minillm.distributed.moe.ep_moe_layer`)
+                whole on every rank, no all-reduce after it (`minillm.distributed.moe.ep_moe_layer`);
+                without EP every expert is sliced like the dense MLP and one all-reduce follows
     lm_head     column-parallel over the vocabulary: each rank's [rows, vocab/tp] logits are
                 gathered on TP rank 0 of the last stage, which alone samples
 
@@ -39,6 +40,7 @@ from minillm.distributed.linear import ParallelState
 from minillm.distributed.shard_loader import vocab_shard
 from minillm.model.config import ModelConfig
 from minillm.model.llama import LayerWeights, rms_norm
+from minillm.model.moe import sparse_moe
 from minillm.model.rope import RotaryTable, apply_rotary
 
 
@@ -145,9 +147,13 @@ class ParallelLlamaModel:
             o = self._all_reduce(F.linear(out.reshape(h.shape[0], hq * d), lw.o))
             h = h + (o if lw.o_bias is None else o + lw.o_bias)
             x = rms_norm(h, lw.post_attention_norm, eps)
-            if lw.moe is not None:  # expert parallel: the all-to-alls return the whole output on every rank
-                moe = self.moe_forward(i, x, lw.moe)
-                h = h + moe.hidden
+            if lw.moe is not None:
+                if self.moe_forward is not None:  # expert parallel: all-to-alls return the whole output everywhere
+                    moe = self.moe_forward(i, x, lw.moe)
+                    h = h + moe.hidden
+                else:  # every expert sliced tensor-parallel: this rank's share of the sum, then one all-reduce
+                    moe = sparse_moe(x, lw.moe)
+                    h = h + self._all_reduce(moe.hidden)
                 loads.append(moe.tokens_per_expert)
                 continue
             gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)

@@ -12,9 +12,11 @@ takes from each layer of its stage:
     down_proj                the same columns (row-parallel); bias whole
     norms                    whole (they are tiny, and every rank needs them)
 
-A Mixtral layer's experts are not sliced: with expert parallelism (`enable_expert_parallel=True`,
-EP size = TP size) rank r holds experts [r·E/tp, (r+1)·E/tp) whole and the router, read by
-`minillm.distributed.moe.read_expert_shards`; attention stays tensor-parallel.
+A Mixtral layer's experts: with expert parallelism (`enable_expert_parallel=True`, EP size = TP size)
+rank r holds experts [r·E/tp, (r+1)·E/tp) whole and the router, read by
+`minillm.distributed.moe.read_expert_shards`; without it (vLLM's default for MoE under TP) every
+expert is sliced like a dense MLP — rows of w1 and w3, columns of w2 — and one all-reduce follows the
+layer. Attention is tensor-parallel either way.
 
 The first stage takes its slice of the embedding's rows (the vocabulary split over the TP ranks,
 the last rank's slice padded when it does not divide), the last stage the same rows of lm_head
@@ -84,8 +86,21 @@ class ShardReader:
         return self.take(name, rows) if self.has(name) else None
 
 
+def _sliced_experts(r: ShardReader, c: ModelConfig, layer: int, rows: slice):
+    """A Mixtral layer's experts, each sliced tensor-parallel like a dense MLP: rows `rows` of every
+    expert's gate (w1) and up (w3), the same columns of its down (w2); the router whole."""
+    from minillm.model.moe import MoEWeights
+
+    p = f"model.layers.{layer}.block_sparse_moe."
+    gate_up = torch.stack([torch.cat((r.take(f"{p}experts.{e}.w1.weight", rows), r.take(f"{p}experts.{e}.w3.weight", rows)))
+                           for e in range(c.num_experts)])
+    down = torch.stack([r.take(f"{p}experts.{e}.w2.weight", cols=rows) for e in range(c.num_experts)])
+    return MoEWeights(router=r.take(p + "gate.weight"), gate_up=gate_up.contiguous(), down=down.contiguous(),
+                      top_k=c.num_experts_per_tok)
+
+
 def load_rank_weights(model_dir: str | Path, config: ModelConfig, layout: RankLayout, dtype: torch.dtype,
-                      device: str = "cpu") -> dict:
+                      device: str = "cpu", expert_parallel: bool = False) -> dict:
     """This rank's weights: {"layers": [LayerWeights], "embed", "lm_head", "final_norm", "vocab_start",
     "bytes_read"} (embed None off the first stage, lm_head and final_norm None off the last)."""
     c, d = config, config.head_dim
@@ -99,7 +114,7 @@ def load_rank_weights(model_dir: str | Path, config: ModelConfig, layout: RankLa
         return None if parts[0] is None else torch.cat(parts).contiguous()
 
     experts = None
-    if c.is_moe:  # expert parallel: whole experts of this rank (of every layer: this is PP 1), never sliced
+    if c.is_moe and expert_parallel:  # whole experts of this rank (of every layer: this is PP 1), never sliced
         from minillm.distributed.moe import read_expert_shards
 
         experts = read_expert_shards(model_dir, c, layout.tp_rank, layout.tp, dtype, device)
@@ -109,14 +124,15 @@ def load_rank_weights(model_dir: str | Path, config: ModelConfig, layout: RankLa
         for i in layout.layers(c.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
-            if experts is not None:
+            if c.is_moe:
                 layers.append(LayerWeights(
                     input_norm=r.take(p + "input_layernorm.weight"),
                     qkv=cat(r.take(a + "q_proj.weight", q_rows), r.take(a + "k_proj.weight", kv_rows),
                             r.take(a + "v_proj.weight", kv_rows)),
                     qkv_bias=None, o=r.take(a + "o_proj.weight", cols=q_rows), o_bias=None,
                     post_attention_norm=r.take(p + "post_attention_layernorm.weight"),
-                    gate_up=None, gate_up_bias=None, down=None, down_bias=None, moe=experts[i]))
+                    gate_up=None, gate_up_bias=None, down=None, down_bias=None,
+                    moe=experts[i] if experts is not None else _sliced_experts(r, c, i, mlp_rows)))
                 continue
             layers.append(LayerWeights(
                 input_norm=r.take(p + "input_layernorm.weight"),

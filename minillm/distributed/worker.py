@@ -47,6 +47,7 @@ class WorkerSpec:
     init_file: str  # torch.distributed's FileStore rendezvous
     timeout_s: float  # collectives time out after this
     micro_batches: int = 1  # pipeline stages: micro-batches per step (EngineConfig.pipeline_micro_batches)
+    expert_parallel: bool = False  # MoE: whole experts per rank (all-to-all) instead of sliced ones (all-reduce)
     num_threads: int = 1
 
 
@@ -137,9 +138,9 @@ def build_rank(spec: WorkerSpec, rank: int) -> ParallelWorker:
     layout = RankLayout(rank, spec.tp, spec.pp)
     groups = [dist.new_group(layout.tp_group_ranks(s)) if 1 < spec.tp < world else None for s in range(spec.pp)]
     tp_state = ParallelState(layout.tp_rank, spec.tp, groups[layout.stage])
-    weights = load_rank_weights(spec.model_dir, spec.model_config, layout, spec.dtype, device)
+    weights = load_rank_weights(spec.model_dir, spec.model_config, layout, spec.dtype, device, spec.expert_parallel)
     model = ParallelLlamaModel(spec.model_config, layout, weights, tp_state, spec.max_positions, device)
-    if spec.model_config.is_moe:  # expert parallel over the stage's TP group (ranks hold their experts already)
+    if spec.expert_parallel:  # expert parallel over the stage's TP group (ranks hold their experts already)
         from minillm.distributed.moe import shard_model_experts
 
         shard_model_experts(model, groups[layout.stage] if groups[layout.stage] is not None else dist.group.WORLD)
