@@ -114,11 +114,13 @@ MOE = str(BUNDLED_TARGET.parent / "minillm-moe")  # Mixtral-style: 4 experts, to
 
 @pytest.mark.parametrize("tp, pp, micro, preemption, cache, moe", [
     (2, 1, 1, "swap", "radix", False), (4, 1, 1, "recompute", "hash", False), (1, 2, 2, "recompute", "hash", False),
-    (2, 2, 1, "swap", "hash", False), (2, 1, 1, "recompute", "hash", "ep"), (2, 1, 1, "swap", "radix", "tp")],
-    ids=["tp2-ngram-spec", "tp4", "pp2-microbatches2-ngram-spec", "tp2xpp2", "ep2-moe", "tp2-moe-sliced-experts"])
+    (2, 2, 1, "swap", "hash", False), (2, 1, 1, "recompute", "hash", "ep"), (2, 1, 1, "swap", "radix", "tp"),
+    (1, 2, 2, "recompute", "hash", "tp")],
+    ids=["tp2-ngram-spec", "tp4", "pp2-microbatches2-ngram-spec", "tp2xpp2", "ep2-moe", "tp2-moe-sliced-experts",
+         "pp2-moe-microbatches2"])
 def test_exactness_matrix_float64(tp, pp, micro, preemption, cache, moe):
     knobs = dict(KNOBS, preemption_mode=preemption, prefix_cache=cache)
-    if (tp == 2 and pp == 1 and not moe) or micro > 1:  # n-gram speculation too: the sampling rank verifies
+    if (tp == 2 and pp == 1 and not moe) or (micro > 1 and not moe):  # n-gram speculation too: the sampling rank verifies
         knobs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3}
     model = MOE if moe else None
     want, one = reference("float64", knobs, params(), model)
@@ -143,7 +145,7 @@ def test_exactness_matrix_float64(tp, pp, micro, preemption, cache, moe):
     assert sum(i["kv_pool_shape"][0] for i in info) == layers * tp
     if moe:  # experts split over the ranks (whole, or sliced), the same per-step expert-load histogram
         assert [s.expert_load for s in engine.metrics.steps] == [s.expert_load for s in one.metrics.steps]
-        assert all(i["weight_bytes"] < 0.6 * one.model.weight_bytes for i in info)
+        assert all(i["weight_bytes"] < (0.6 if tp > 1 else 0.8) * one.model.weight_bytes for i in info)
     # Communication: 2 all-reduces per layer and step (+1 for the embedding) on each TP rank; an expert-
     # parallel MoE layer has 1 (after attention: its output comes whole from all-to-all + all-gather).
     stats = engine.executor.collective_stats()
@@ -295,8 +297,6 @@ def test_a_shard_that_cannot_load_fails_at_construction(tmp_path):
     (dict(enable_expert_parallel=True), r"enable_expert_parallel=True .* needs tensor_parallel_size >= 2 \(got 1\)"),
     (dict(tensor_parallel_size=2, enable_expert_parallel=True), r"model_type 'llama' has no experts"),
     (dict(model=MOE, tensor_parallel_size=8, enable_expert_parallel=True), r"tensor_parallel_size=8 does not divide .* 4 attention heads"),
-    (dict(model=MOE, tensor_parallel_size=2, pipeline_parallel_size=2, enable_expert_parallel=True),
-     r"pipeline_parallel_size=2 on a mixture-of-experts model is not supported"),
 ])
 def test_worlds_the_model_cannot_split_are_refused_at_construction(knobs, message):
     before = worker_processes()

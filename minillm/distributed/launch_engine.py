@@ -50,9 +50,6 @@ def build_distributed_engine(config: EngineConfig, model_dir: Path, model_config
         elif model_config.intermediate_size % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide the experts' intermediate_size="
                              f"{model_config.intermediate_size} (or use enable_expert_parallel=True)")
-        if pp > 1:  # (each stage would know only its own layers' expert load)
-            raise ValueError(f"pipeline_parallel_size={pp} on a mixture-of-experts model is not supported in minillm "
-                             "(use pipeline_parallel_size=1)")
     if device.startswith("cuda") and torch.cuda.device_count() < tp * pp:
         raise ValueError(f"tensor_parallel_size × pipeline_parallel_size = {tp * pp} ranks, but this machine has "
                          f"{torch.cuda.device_count()} CUDA device(s)")

@@ -73,15 +73,19 @@ class ParallelWorker(ModelRunner):
             self.compute_padded_logits(plan)
         else:
             self.compute_logits(plan)  # this rank's part of the forward and the logits gather
-        return None
+        # An earlier stage of an MoE model answers with its layers' expert load (the driver joins the stages').
+        return self.model.expert_load if self.layout.tp_rank == 0 else None
 
     def compute_logits(self, plan: SchedulerOutput) -> tuple[torch.Tensor | None, StepInputs]:
         groups = micro_batch_rows(plan.num_scheduled_tokens, self.micro_batches)
         if len(groups) <= 1:
             return super().compute_logits(plan)
-        parts, sampled, spans, sampled_rows, inputs, first = [], [], [], [], None, 0
+        parts, sampled, spans, sampled_rows, inputs, first, load = [], [], [], [], None, 0, None
         for start, end in groups:
             logits, inputs = super().compute_logits(rows_of_plan(plan, start, end))
+            if self.model.expert_load is not None:  # MoE: the step's load is the micro-batches' sum
+                part = torch.tensor(self.model.expert_load)
+                load = part if load is None else load + part
             if logits is not None:
                 parts.append(logits)
             sampled += [start + i for i in inputs.sampled]
@@ -89,6 +93,8 @@ class ParallelWorker(ModelRunner):
             first += len(inputs.logits_rows)
             sampled_rows.append(inputs.sampled_rows)
         whole = dataclasses.replace(inputs, sampled=sampled, spans=spans, sampled_rows=np.concatenate(sampled_rows))
+        if load is not None:
+            self.model.expert_load = load.tolist()
         return (torch.cat(parts) if parts else None), whole
 
 

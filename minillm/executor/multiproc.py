@@ -11,7 +11,8 @@ shard, allocate only its KV heads and layers.
 
 Transport of the plan: one `multiprocessing` pipe per rank. Each step the driver pickles the
 `SchedulerOutput` once and writes those bytes to every pipe; every rank answers on its pipe — the
-sampling rank (TP rank 0 of the last stage) with the `ModelRunnerOutput`, the others with None.
+sampling rank (TP rank 0 of the last stage) with the `ModelRunnerOutput`, the others with None (or,
+TP rank 0 of an earlier stage of an MoE model, with its layers' expert load, joined into the output).
 Why a pipe and not nano-vllm's shared-memory broadcast (one pickle written into shared memory,
 ranks woken by events): a steady decode plan is ~100 bytes per row, so the copy is not what costs;
 a pipe needs no size limit or polling, and it tells the driver at once when a rank is gone (its end
@@ -125,7 +126,11 @@ class MultiprocExecutor:
         try:
             self._broadcast(("plan", plan))
             self.num_steps += 1
-            return self._gather(f"step {self.num_steps}", self.timeout_s)[self.output_rank]
+            answers = self._gather(f"step {self.num_steps}", self.timeout_s)
+            out = answers[self.output_rank]
+            if self.pp > 1 and out.expert_load is not None:  # MoE: each stage knows its own layers' expert load
+                out.expert_load = [row for s in range(self.pp - 1) for row in answers[s * self.tp]] + out.expert_load
+            return out
         except EngineDeadError:
             raise
         except BaseException as err:  # e.g. Ctrl-C while waiting: the ranks' answers would now be out of step
