@@ -118,12 +118,12 @@ class DecodeInstanceExecutor(SimExecutor):
             if start + n != req.num_tokens:
                 raise RuntimeError(f"a decode instance was asked for a chunk of {n} tokens after {start} of "
                                    f"{req.request_id}: run it without chunked prefill, with a budget that holds a prompt")
-            if start == 0 and req.num_output_tokens > 0:  # preempted here and recomputed: that is real work
+            if req.num_output_tokens == 0:  # taken in: the KV of all but the last token arrived (or, with
+                self.loaded_tokens += n - 1  # prefix caching here, the first `start` were cached); that one is decoded
+                decode_context_lens.append(start + n)
+            elif n > 1:  # preempted here and recomputed (after any prefix-cache hit): that is real work
                 prefill_tokens.append(n)
                 self.recomputed_tokens += n
-            elif start == 0:  # taken in: the KV of all but the last token arrived; that one is decoded
-                self.loaded_tokens += n - 1
-                decode_context_lens.append(n)
             else:
                 decode_context_lens.append(start + n)
             sampled.append([self.token_id])
@@ -144,7 +144,8 @@ def _run_decode_instance(trace: Trace, hw: Hardware, shape: ModelShape, config: 
     """`trace` (prompt = transferred KV + token 1) through an engine whose executor never prefills."""
     longest = max(r.prompt_len for r in trace)
     # whole prompts in one step: loading KV is not compute, so the token budget must not chunk or ration it
-    config = dataclasses.replace(config, enable_chunked_prefill=False,
+    # (whatever chunk policy the prefill instances use: SplitFuse needs chunking, so it goes too)
+    config = dataclasses.replace(config, enable_chunked_prefill=False, chunk_policy="sarathi",
                                  max_num_batched_tokens=max(longest, 1) * config.max_num_seqs)
     shape_, model_config = _model(shape, trace, config)
     config = config.resolve(model_config.max_position_embeddings)
