@@ -159,3 +159,6 @@ def test_bad_input_is_refused() -> None:
         simulate_disaggregated(CODE_LIKE, link="carrier pigeon")
     with pytest.raises(ValueError, match="attainment"):
         goodput(lambda t: simulate_colocated(t), CODE_LIKE, SLO_CODE, attainment=1.5)
+    for bad in ({"rel_tol": 0.0}, {"start_rate": 0.0}, {"start_rate": 2e4}):
+        with pytest.raises(ValueError, match="rel_tol > 0 and 0 < min_rate <= start_rate <= max_rate"):
+            goodput(lambda t: simulate_colocated(t), CODE_LIKE, SLO_CODE, **bad)
