@@ -153,6 +153,8 @@ def test_prefill_instances_may_use_splitfuse_and_the_decode_side_prefix_caching(
 def test_bad_input_is_refused() -> None:
     with pytest.raises(ValueError, match="num_prefill and num_decode"):
         simulate_disaggregated(CODE_LIKE, num_prefill=0)
+    with pytest.raises(ValueError, match="transfer_bytes_per_token must be >= 0"):
+        simulate_disaggregated(CODE_LIKE, transfer_bytes_per_token=-1.0)
     with pytest.raises(ValueError, match="num_gpus"):
         simulate_colocated(CODE_LIKE, num_gpus=0)
     with pytest.raises(ValueError, match="unknown or ambiguous link"):

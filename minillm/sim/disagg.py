@@ -229,6 +229,8 @@ def simulate_disaggregated(trace: Trace, *, hardware: str | Hardware = "A100-80G
     less for fp8 or compressed KV, more to see a bigger model's KV on this link): the transfer only."""
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(f"num_prefill and num_decode must be >= 1, got {num_prefill}, {num_decode}")
+    if transfer_bytes_per_token is not None and not transfer_bytes_per_token >= 0:
+        raise ValueError(f"transfer_bytes_per_token must be >= 0 (None: the model's KV bytes), got {transfer_bytes_per_token!r}")
     hw, shape, lk = _hw(hardware), _shape(model), _link(link)
     prefill_config = _engine_config(engine_config)
     decode_config = _engine_config(decode_engine_config if decode_engine_config is not None else engine_config)
