@@ -19,8 +19,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -28,7 +26,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from test_router import _children, _four_answers, _openai, scrape
+from test_router import _four_answers, _openai, launched, scrape
 from test_server import running_server
 from test_server_errors import BAD_INPUT
 
@@ -54,25 +52,13 @@ def _wait(predicate, what: str, timeout_s: float = 30.0):
 @pytest.fixture(scope="module")
 def pd():
     """{"url": the router, "prefill"/"decode": (URL, pid), "proc": the launcher}."""
-    before = _children()
     port = free_port()
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     extra = json.dumps({"kv_connector_extra_config": {"link_delay_per_block_s": DELAY_PER_BLOCK_S,
                                                       "abort_timeout_s": 60}})
-    proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--pd-disaggregation", "--port", str(port),
-                             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--enable-prefix-caching",
-                             "--enable-chunked-prefill", "--max-num-batched-tokens", "64",
-                             "--health-check-interval-secs", "0.5", "--kv-transfer-config", extra],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 240
-        while not any(line.startswith("minillm router:") for line in lines):
-            assert proc.poll() is None, "".join(lines)
-            assert time.monotonic() < deadline, "minillm serve --pd-disaggregation did not come up:\n" + "".join(lines)
-            time.sleep(0.2)
+    argv = ["--pd-disaggregation", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
+            "--enable-prefix-caching", "--enable-chunked-prefill", "--max-num-batched-tokens", "64",
+            "--health-check-interval-secs", "0.5", "--kv-transfer-config", extra]
+    with launched(argv, "minillm serve --pd-disaggregation") as (proc, _):
         found = {}
         for child in psutil.Process(proc.pid).children():
             cmd = child.cmdline()
@@ -80,16 +66,6 @@ def pd():
             found[role] = (f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}", child.pid)
         assert set(found) == {"prefill", "decode"}
         yield {"url": f"http://127.0.0.1:{port}", "proc": proc, **found}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        reader.join(5)
-    time.sleep(0.5)
-    assert _children() == before, "a process started by the test is still running"
 
 
 def _kv(url: str, name: str, role: str) -> float:

@@ -73,6 +73,11 @@ def test_serve_with_a_bad_config_fails_before_loading_the_model():
     (["serve", "--pd-disaggregation", "--kv-transfer-config", "{oops"], "--kv-transfer-config must be JSON"),
     (["serve", "--pd-disaggregation", "--kv-transfer-config", '{"kv_connector_extra_config": {"x": 1}}'],
      "unknown kv_connector_extra_config key(s) ['x']"),
+    (["router", "--pd", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--policy", "round_robin"],
+     "--pd sends each request to its prefill and then its decode instance: ['--policy'] choose among replicas"),
+    (["serve", "--pd-disaggregation", "--cache-threshold=0.5", "--max-tree-size", "9"],
+     "--pd-disaggregation sends each request to its prefill and then its decode instance: ['--cache-threshold', "
+     "'--max-tree-size']"),
     (["serve", "--pd-disaggregation", "--kv-transfer-config", '{"kv_port": 15000, "kv_role": "kv_consumer"}'],
      "takes only kv_connector_extra_config (and kv_connector); the launcher sets ['kv_port', 'kv_role'] itself"),
 ])

@@ -42,15 +42,13 @@ def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-@pytest.fixture(scope="module")
-def replicas():
-    """(launcher process, [replica URLs], {URL: pid}) of one `minillm serve --data-parallel-size 2`."""
+@contextlib.contextmanager
+def launched(argv: list[str], what: str):
+    """`python -m minillm serve ARGV`, a launcher (replicas or a PD pair behind its router), until its router
+    is up; yields (the launcher, its output lines); then SIGTERM (kill after 30 s), and no child is left."""
     before = _children()
-    port = free_port()
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--data-parallel-size", "2", "--port", str(port),
-                             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--enable-prefix-caching",
-                             "--policy", "round_robin", "--health-check-interval-secs", "0.5"],
+    proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", *argv],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
@@ -59,8 +57,28 @@ def replicas():
         deadline = time.monotonic() + 240
         while not any(line.startswith("minillm router:") for line in lines):
             assert proc.poll() is None, "".join(lines)
-            assert time.monotonic() < deadline, "minillm serve --data-parallel-size 2 did not come up:\n" + "".join(lines)
+            assert time.monotonic() < deadline, f"{what} did not come up:\n" + "".join(lines)
             time.sleep(0.2)
+        yield proc, lines
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        reader.join(5)
+    time.sleep(0.5)
+    assert _children() == before, "a process started by the test is still running"
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    """(launcher process, [replica URLs], {URL: pid}) of one `minillm serve --data-parallel-size 2`."""
+    port = free_port()
+    argv = ["--data-parallel-size", "2", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs",
+            "8", "--enable-prefix-caching", "--policy", "round_robin", "--health-check-interval-secs", "0.5"]
+    with launched(argv, "minillm serve --data-parallel-size 2") as (proc, lines):
         urls = [m.group(1) for line in lines if (m := re.match(r"minillm serve: (http://[\d.:]+)/v1", line))]
         assert len(urls) == 2
         pids = {}
@@ -72,16 +90,6 @@ def replicas():
                        json={"model": "minillm", "prompt": "In the beginning", "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         yield proc, urls, pids
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        reader.join(5)
-    time.sleep(0.5)
-    assert _children() == before, "a process started by the test is still running"
 
 
 @contextlib.contextmanager

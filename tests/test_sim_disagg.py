@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -16,6 +17,7 @@ from minillm.sim.disagg import (
 )
 from minillm.sim.goodput import at_rate, attainment_curve, compare_colocated_vs_pd, goodput, mean_rate
 from minillm.sim.network import INFINIBAND_HDR, NVLINK3_A100, Link
+from minillm.trace import Trace
 from minillm.workload import make_trace
 
 HW = "A100-80GB-practical"
@@ -133,12 +135,32 @@ def test_disaggregation_wins_on_a_prefill_heavy_trace_and_a_slow_link_loses() ->
     assert rows[0].transfer_mean_ms == 0 and transfer == sorted(transfer) and transfer[0] > 0
 
 
+def test_prefill_instances_may_use_splitfuse_and_the_decode_side_prefix_caching() -> None:
+    """The decode instance never chunks (it computes no prompt), whatever chunk policy the prefill instances
+    use; a prompt prefix it caches is neither loaded nor recomputed there."""
+    trace = at_rate(CODE_LIKE, 2.0)
+    split = simulate_disaggregated(trace, hardware=HW, engine_config={
+        "enable_chunked_prefill": True, "max_num_batched_tokens": 512, "chunk_policy": "splitfuse"})
+    assert split.recomputed_tokens == 0 and split.loaded_tokens == sum(r.prompt_len for r in trace)
+    shared = make_trace(8, seed=4, vocab_size=32000, rate_per_s=4.0, prompt_len=1000, output_len=8)
+    same_prefix = Trace([dataclasses.replace(r, prompt_token_ids=shared[0].prompt_token_ids[:960]
+                                             + r.prompt_token_ids[960:]) for r in shared], shared.meta)
+    cached = simulate_disaggregated(same_prefix, hardware=HW, decode_engine_config={"enable_prefix_caching": True})
+    assert cached.recomputed_tokens == 0
+    assert 1000 < cached.loaded_tokens < 8 * 1000 - 6 * 960  # the first prompt whole, the others mostly cached
+
+
 def test_bad_input_is_refused() -> None:
     with pytest.raises(ValueError, match="num_prefill and num_decode"):
         simulate_disaggregated(CODE_LIKE, num_prefill=0)
+    with pytest.raises(ValueError, match="transfer_bytes_per_token must be >= 0"):
+        simulate_disaggregated(CODE_LIKE, transfer_bytes_per_token=-1.0)
     with pytest.raises(ValueError, match="num_gpus"):
         simulate_colocated(CODE_LIKE, num_gpus=0)
     with pytest.raises(ValueError, match="unknown or ambiguous link"):
         simulate_disaggregated(CODE_LIKE, link="carrier pigeon")
     with pytest.raises(ValueError, match="attainment"):
         goodput(lambda t: simulate_colocated(t), CODE_LIKE, SLO_CODE, attainment=1.5)
+    for bad in ({"rel_tol": 0.0}, {"start_rate": 0.0}, {"start_rate": 2e4}):
+        with pytest.raises(ValueError, match="rel_tol > 0 and 0 < min_rate <= start_rate <= max_rate"):
+            goodput(lambda t: simulate_colocated(t), CODE_LIKE, SLO_CODE, **bad)

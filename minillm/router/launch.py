@@ -108,10 +108,23 @@ def serve_router(router: Router, host: str, port: int, log_level: str = "warning
     server.run(sockets=[sock])
 
 
+POLICY_FLAGS = ("--policy", "--cache-threshold", "--balance-abs-threshold", "--balance-rel-threshold",
+                "--eviction-interval-secs", "--max-tree-size")
+
+
+def refuse_policy_flags(argv: list[str], mode: str) -> None:
+    """PD mode has no choice of worker to make: a routing-policy flag given there is refused, not ignored."""
+    given = sorted({token.split("=", 1)[0] for token in argv} & set(POLICY_FLAGS))
+    if given:
+        raise ValueError(f"{mode} sends each request to its prefill and then its decode instance: {given} choose "
+                         f"among replicas and do not apply there; leave them out (health flags do apply)")
+
+
 def build_pd_router(args: argparse.Namespace):
     """`minillm router --pd`: one prefill and one decode instance behind the router (minillm/router/pd.py)."""
     from minillm.router.pd import PDRouter
 
+    refuse_policy_flags(getattr(args, "argv", []), "--pd")
     if args.worker:
         raise ValueError("--pd takes --prefill URL and --decode URL, not --worker")
     if not args.prefill or not args.decode:

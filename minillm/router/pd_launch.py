@@ -18,7 +18,13 @@ import argparse
 import json
 import sys
 
-from minillm.router.launch import free_port, router_configs, serve_in_front_of, start_replicas
+from minillm.router.launch import (
+    free_port,
+    refuse_policy_flags,
+    router_configs,
+    serve_in_front_of,
+    start_replicas,
+)
 from minillm.router.pd import PDRouter
 
 # serve flags the instances do not get from the launcher's command line
@@ -53,6 +59,7 @@ def run_pd_disaggregation(args: argparse.Namespace) -> int:
     if args.data_parallel_size != 1:
         raise ValueError("--pd-disaggregation starts one prefill and one decode instance; "
                          "it cannot be combined with --data-parallel-size")
+    refuse_policy_flags(args.argv, "--pd-disaggregation")
     extra = None
     if args.kv_transfer_config is not None:  # only its extra settings are taken (roles and ports are the launcher's)
         from minillm.kv_transfer import parse_kv_transfer_config

@@ -118,12 +118,12 @@ class DecodeInstanceExecutor(SimExecutor):
             if start + n != req.num_tokens:
                 raise RuntimeError(f"a decode instance was asked for a chunk of {n} tokens after {start} of "
                                    f"{req.request_id}: run it without chunked prefill, with a budget that holds a prompt")
-            if start == 0 and req.num_output_tokens > 0:  # preempted here and recomputed: that is real work
+            if req.num_output_tokens == 0:  # taken in: the KV of all but the last token arrived (or, with
+                self.loaded_tokens += n - 1  # prefix caching here, the first `start` were cached); that one is decoded
+                decode_context_lens.append(start + n)
+            elif n > 1:  # preempted here and recomputed (after any prefix-cache hit): that is real work
                 prefill_tokens.append(n)
                 self.recomputed_tokens += n
-            elif start == 0:  # taken in: the KV of all but the last token arrived; that one is decoded
-                self.loaded_tokens += n - 1
-                decode_context_lens.append(n)
             else:
                 decode_context_lens.append(start + n)
             sampled.append([self.token_id])
@@ -144,7 +144,8 @@ def _run_decode_instance(trace: Trace, hw: Hardware, shape: ModelShape, config: 
     """`trace` (prompt = transferred KV + token 1) through an engine whose executor never prefills."""
     longest = max(r.prompt_len for r in trace)
     # whole prompts in one step: loading KV is not compute, so the token budget must not chunk or ration it
-    config = dataclasses.replace(config, enable_chunked_prefill=False,
+    # (whatever chunk policy the prefill instances use: SplitFuse needs chunking, so it goes too)
+    config = dataclasses.replace(config, enable_chunked_prefill=False, chunk_policy="sarathi",
                                  max_num_batched_tokens=max(longest, 1) * config.max_num_seqs)
     shape_, model_config = _model(shape, trace, config)
     config = config.resolve(model_config.max_position_embeddings)
@@ -228,6 +229,8 @@ def simulate_disaggregated(trace: Trace, *, hardware: str | Hardware = "A100-80G
     less for fp8 or compressed KV, more to see a bigger model's KV on this link): the transfer only."""
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(f"num_prefill and num_decode must be >= 1, got {num_prefill}, {num_decode}")
+    if transfer_bytes_per_token is not None and not transfer_bytes_per_token >= 0:
+        raise ValueError(f"transfer_bytes_per_token must be >= 0 (None: the model's KV bytes), got {transfer_bytes_per_token!r}")
     hw, shape, lk = _hw(hardware), _shape(model), _link(link)
     prefill_config = _engine_config(engine_config)
     decode_config = _engine_config(decode_engine_config if decode_engine_config is not None else engine_config)

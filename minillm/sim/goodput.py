@@ -118,6 +118,9 @@ def goodput(run: Runner, trace: Trace, slo: SLO, *, attainment: float = ATTAINME
         raise ValueError(f"attainment must be in (0, 1], got {attainment!r}")
     if slo.ttft_ms is None and slo.tpot_ms is None:
         raise ValueError("goodput needs a TTFT or a TPOT SLO (or both)")
+    if not rel_tol > 0 or not 0 < min_rate <= start_rate <= max_rate:  # (rel_tol 0 would bisect forever)
+        raise ValueError(f"goodput needs rel_tol > 0 and 0 < min_rate <= start_rate <= max_rate, got rel_tol={rel_tol!r}, "
+                         f"min_rate={min_rate!r}, start_rate={start_rate!r}, max_rate={max_rate!r}")
     probes: list[tuple[float, float]] = []
     results: dict[float, ServingResult] = {}
 
