@@ -192,7 +192,9 @@ def check_task_2(tp_mlp) -> list[str]:
             if answer[0] == "error":
                 if answer[1] == "NotImplementedError":
                     raise NotImplementedError(answer[2])
-                stuck = any(word in answer[2] for word in ("Connection closed", "imed out", "timeout"))
+                # a peer that never joined shows as a hang (timeout) or, once it has exited, a closed or reset link
+                stuck = any(word in answer[2] for word in ("Connection closed", "Connection reset", "Broken pipe",
+                                                           "imed out", "timeout"))
                 hint = " (do all ranks make the same collectives, in the same order?)" if stuck else ""
                 raise Fail(f"{where}: your tp_mlp raised {answer[1]}: {answer[2]}{hint}")
             out, log = answer[1], answer[2]
