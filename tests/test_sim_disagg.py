@@ -122,7 +122,7 @@ def test_disaggregation_wins_on_a_prefill_heavy_trace_and_a_slow_link_loses() ->
         ("PD 1:1", INFINIBAND_HDR.name, 2), ("PD 1:1", TEN_GBE.name, 2)]
     colocated, chunked = rows[0].per_gpu, rows[1].per_gpu
     per_gpu = {r.link: r.per_gpu for r in rows[2:]}
-    assert colocated > 0 and all(r.goodput == r.per_gpu * r.num_gpus for r in rows)
+    assert colocated > 0
     # colocated, every 2000-token prefill stalls the running decodes past the 40 ms TPOT: PD 1:1 serves more per GPU
     assert per_gpu[NVLINK3_A100.name] > 1.5 * colocated
     # ... and so does chapter 08's cure on one GPU: 512-token chunks keep every step short
