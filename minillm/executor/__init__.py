@@ -1,6 +1,7 @@
 """Executors: who runs the plan (chapter 04; more processes come with the parallelism chapters).
 
-- `abstract.Executor` — the protocol the engine calls: `execute(batch)`, `step_duration_s()`.
+- `abstract.Executor` — the protocol the engine calls: `execute(batch)`, `step_duration_s()`;
+  `abstract.WorkerExecutor` — `execute(batch)` for executors with workers: the plan built as data, forgotten if the step fails.
 - `uniproc.UniProcExecutor` — one worker in this process.
 - `multiproc.MultiprocExecutor` — one spawned process per tensor/pipeline-parallel rank (chapter 12),
   built by `LLM(tensor_parallel_size=..., pipeline_parallel_size=...)`; a failed rank raises

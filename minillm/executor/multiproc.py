@@ -43,8 +43,8 @@ from multiprocessing.connection import wait
 
 from minillm.distributed.layout import output_rank
 from minillm.distributed.worker import WorkerSpec, rank_main
-from minillm.executor.abstract import EngineDeadError
-from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch
+from minillm.executor.abstract import EngineDeadError, WorkerExecutor
+from minillm.scheduler.base import ModelRunnerOutput
 from minillm.scheduler.output import SchedulerOutput, SchedulerOutputBuilder
 
 STARTUP_TIMEOUT_S = 180.0  # spawn, import torch, join the group, load the shard (on 2 shared cores)
@@ -72,7 +72,7 @@ def _stop_processes(processes: list, conns: list, folder: str, polite: bool) -> 
     shutil.rmtree(folder, ignore_errors=True)
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(WorkerExecutor):
     def __init__(self, kv, spec_kwargs: dict, tp: int, pp: int, timeout_s: float) -> None:
         """`kv`: the driver's KV manager (its block tables are what plans describe); `spec_kwargs`: the
         `WorkerSpec` fields but tp, pp, init_file and timeout_s."""
@@ -108,14 +108,6 @@ class MultiprocExecutor:
         return [p.pid for p in self.processes]
 
     # ---- one step --------------------------------------------------------------------------------
-    def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
-        plan = self.plans.build(batch)
-        try:
-            return self.execute_model(plan)
-        except BaseException:
-            self.plans.invalidate(plan)
-            raise
-
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         try:
             self.check_health()

@@ -3,32 +3,25 @@
 The executor is where the plan becomes data: `SchedulerOutputBuilder` turns the scheduler's
 `ScheduledBatch` into a `SchedulerOutput` (ids and plain values only), and the worker sees nothing
 else — exactly what a worker in another process would receive, pickled (tests/test_worker_subprocess.py
-runs one). If the step fails, the builder forgets what the failed plan told the worker, so the
-next plan sends those requests whole.
+runs one). `execute(batch)` and the rollback of a failed plan come from `abstract.WorkerExecutor`,
+shared with the multi-process executor.
 """
 
 from __future__ import annotations
 
 import torch
 
+from minillm.executor.abstract import WorkerExecutor
 from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch
 from minillm.scheduler.output import SchedulerOutput, SchedulerOutputBuilder
 from minillm.worker.model_runner import ModelRunner, StepInputs
 
 
-class UniProcExecutor:
+class UniProcExecutor(WorkerExecutor):
     def __init__(self, worker: ModelRunner, kv) -> None:
         """`kv`: the scheduler's KV manager, whose block tables the plans describe."""
         self.worker = worker
         self.plans = SchedulerOutputBuilder(kv)
-
-    def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
-        plan = self.plans.build(batch)
-        try:
-            return self.execute_model(plan)
-        except BaseException:
-            self.plans.invalidate(plan)
-            raise
 
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(plan)
@@ -79,9 +72,7 @@ class UniProcExecutor:
         gives the plan row of each flattened sequence."""
         plan = self.plans.build(batch)
         self.worker.update_state(plan)
-        inputs = self.worker.prepare(plan)
-        self.last_order = inputs.order  # chapter 04's picture reads it (use prepare(batch).order)
-        return inputs
+        return self.worker.prepare(plan)
 
     def compute_logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[str]]:
         """Run the model on `batch` without sampling: logits of the rows that sample, and their request ids."""
