@@ -16,6 +16,7 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 import importlib.util  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from types import ModuleType  # noqa: E402
 
@@ -105,3 +106,20 @@ def run_numba_script(args: list[str], simulator: bool) -> subprocess.CompletedPr
         env["NUMBA_ENABLE_CUDASIM"] = "1"
     return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
+
+
+def wait_until_healthy(proc: subprocess.Popen, port: int, timeout_s: float) -> None:
+    """Poll a `minillm serve` process's /health until it answers 200; fail with its output if it
+    exits first, or after `timeout_s`."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.2)

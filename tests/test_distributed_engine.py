@@ -32,6 +32,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import wait_until_healthy
 
 from minillm import LLM, SamplingParams
 from minillm.executor.abstract import EngineDeadError
@@ -383,7 +384,6 @@ def test_server_answers_500_and_health_503_once_a_worker_died():
 
 
 def test_minillm_serve_tensor_parallel_2_answers_the_openai_client_as_tp_1():
-    import httpx
     import openai
 
     port = free_port()
@@ -393,16 +393,7 @@ def test_minillm_serve_tensor_parallel_2_answers_the_openai_client_as_tp_1():
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     workers: list[int] = []
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_until_healthy(proc, port, 180)
         workers = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)
                    if "resource_tracker" not in " ".join(c.cmdline())]
         assert len(workers) == 2

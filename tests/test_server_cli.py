@@ -7,10 +7,10 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+from conftest import wait_until_healthy
 
 from minillm.server.serve import engine_knobs
 
@@ -47,16 +47,7 @@ def test_python_dash_m_minillm_serve_starts_and_answers():
                              "--max-num-seqs", "2", "--served-model-name", "toy"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_until_healthy(proc, port, 120)
         url = f"http://127.0.0.1:{port}/v1"
         assert httpx.get(url + "/models").status_code == 401  # the key came from MINILLM_API_KEY
         models = httpx.get(url + "/models", headers={"Authorization": "Bearer k"}).json()
