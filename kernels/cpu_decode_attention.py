@@ -29,9 +29,11 @@ No gather, no padded key run, no [B, H, K] score matrix. In float32 the exp of s
 polynomial over the whole row that LLVM turns into SIMD code (exp(x) = 2^k · e^r with |r| ≤ ln2/2,
 a degree-7 Taylor series for e^r: error below 1e-8 relative, under float32's own rounding): the
 library `exp` is one scalar call per score. float64 keeps `math.exp` (the exactness tests run in
-float64). Measured with `python bench/attention_backends.py` (see docs/results.md): with the keys
-in cache about 1.9× faster than the earlier one-pass, online-softmax kernel on the ladder's shapes
-(14 sequences, ~1,700 keys, 8 query and 4 KV heads of 32), and no slower when they are not.
+float64). Against the earlier one-pass, online-softmax kernel (this file before commit 98ed7b1),
+timed side by side once on the ladder's shapes (14 sequences, ~1,700 keys, 8 query and 4 KV heads
+of 32): about 1.9× faster with the keys in cache, no slower when they are not — and inside the
+engine, where they mostly are not, about 5 % (docs/results.md). `python bench/attention_backends.py`
+measures it against the torch backend.
 
 `fastmath=True` lets LLVM reassociate the D-long dot products and value updates into SIMD lanes;
 the sums come out in a different order than torch's, which is fine: the engine's exactness test is
