@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 from _machine import describe_machine  # noqa: E402
-from router import HEADER, bench, replicas, row  # noqa: E402
+from router import HEADER, bench, colocated, row  # noqa: E402
 
 from minillm.kv_transfer.metrics import read_transfer_stats  # noqa: E402
 from minillm.router.launch import free_port, stop_replicas  # noqa: E402
@@ -76,12 +76,7 @@ def main() -> None:
     print(f"load: random dataset, {args.num_prompts} prompts of {args.input_len} x [{1 - args.range_ratio:.1f}, "
           f"{1 + args.range_ratio:.1f}] tokens -> {args.output_len} tokens, Poisson {args.rate} req/s; "
           f"{describe_machine()}", flush=True)
-    results = {}
-    procs = replicas(1, 2, flags)
-    try:
-        results["colocated 1 x 2 threads"] = bench(procs[0][1], load)
-    finally:
-        stop_replicas(procs)
+    results = {"colocated 1 x 2 threads": colocated(flags, load)}
     proc, url, roles = start_pd(flags)
     try:
         results["PD 1+1 x 1 thread"] = bench(url, load)

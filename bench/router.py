@@ -91,18 +91,23 @@ def row(name: str, r: dict, extra: str = "") -> str:
 HEADER = f"{'':<26} {'done':>4} {'req/s':>8} {'out tok/s':>9} {'p50 TTFT':>9} {'p99 TTFT':>9} {'p99 ITL':>8}"
 
 
+def colocated(flags: list[str], load: list[str]) -> dict:
+    """One server with both threads (the baseline every multi-process layout is set against), benched
+    with `load` and stopped."""
+    procs = replicas(1, 2, flags)
+    try:
+        return bench(procs[0][1], load)
+    finally:
+        stop_replicas(procs)
+
+
 def run_dp(args) -> None:
     flags = ["--max-model-len", "512", "--max-num-seqs", "16"]
     load = ["--num-prompts", str(args.num_prompts), "--request-rate", str(args.rate), "--random-input-len",
             str(args.input_len), "--random-output-len", str(args.output_len), "--seed", "0"]
     print(f"load: random dataset, {args.num_prompts} prompts of {args.input_len} tokens -> {args.output_len} "
           f"tokens, Poisson {args.rate} req/s; {describe_machine()}")
-    results = {}
-    procs = replicas(1, 2, flags)
-    try:
-        results["1 replica x 2 threads"] = bench(procs[0][1], load)
-    finally:
-        stop_replicas(procs)
+    results = {"1 replica x 2 threads": colocated(flags, load)}
     procs = replicas(2, 1, flags)
     router = None
     try:
