@@ -7,6 +7,7 @@ import torch
 
 from minillm import LLM, SamplingParams
 from minillm.kernels import cpu_fused_ops as ops
+from minillm.model import fused
 from minillm.model.rope import RotaryTable
 from minillm.single_sequence import full_logits, incremental_logits
 
@@ -45,11 +46,32 @@ def test_fused_forward_equals_torch_forward_on_the_bundled_model():
     model.fused_ops = True
     torch.testing.assert_close(full_logits(model, tokens), want_full, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(incremental_logits(model, tokens, 5), want_incremental, rtol=1e-4, atol=1e-4)
+    assert model._packed_weights and all(p is not None for p in model._packed_weights.values())  # oneDNN ran
     texts = ["In the beginning", "Blessed are they", "And the king said unto", "Thus saith the LORD"]
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     fused = [o.outputs[0].token_ids for o in llm.generate(texts, greedy, use_tqdm=False)]
     model.fused_ops = False
     assert [o.outputs[0].token_ids for o in llm.generate(texts, greedy, use_tqdm=False)] == fused
+
+
+def test_onednn_linear_equals_f_linear_at_every_row_count(monkeypatch):
+    """fused.linear: oneDNN on a packed weight from ONEDNN_MIN_ROWS rows, F.linear below; both the
+    same matmul up to float32 rounding, with and without a bias, on a column-major weight as
+    LlamaModel keeps them."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(96, 40, generator=g).t().contiguous().t()
+    bias = torch.randn(96, generator=g)
+    packed = {id(w): fused._onednn_pack(w)}
+    assert packed[id(w)] is not None and packed[id(w)].is_mkldnn
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(fused.torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, 2, 3, 16, 17, 300):
+        x = torch.randn(rows, 40, generator=g)
+        for b in (None, bias):
+            want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+            torch.testing.assert_close(fused.linear(x, w, b, packed).double(), want, rtol=1e-5, atol=1e-4)
+    assert sorted(set(calls)) == [r for r in (1, 2, 3, 16, 17, 300) if r >= fused.ONEDNN_MIN_ROWS]
 
 
 def test_float64_models_keep_the_torch_ops():

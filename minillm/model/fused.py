@@ -6,12 +6,55 @@ RMSNorm fused with the residual add before it, RoPE rotated in place in the q|k|
 3-15x faster than the torch ops; SiLU·mul stays torch, which measured faster). What remains per
 layer is four matmuls, the attention, three numba calls and SiLU·mul. The numpy views of the
 constant tensors (norm weights, the RoPE table) are made once, on the first call.
+
+The matmuls go to oneDNN with each weight packed once into its blocked layout
+(`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`: what torch's own compiler
+emits for a CPU linear, and how vLLM's CPU backend runs its linears) instead of `F.linear`'s MKL
+sgemm, whose kernels on this AMD CPU are not its AVX-512 ones. Measured on the bundled target, one
+thread, best of 5, µs per call (F.linear → oneDNN), rows: 1 / 2 / 16 / 200:
+q|k|v 11 → 22 / 20 → 22 / 61 → 54 / 547 → 476, gate|up 27 → 37 / 51 → 39 / 147 → 120 /
+1404 → 1259, lm_head 72 → 78 / 140 → 86 / 536 → 324 / 4576 → 3882 (o and down: within ±20 %
+either way). One row is MKL's matrix-vector path, faster; so oneDNN takes the calls of
+`ONEDNN_MIN_ROWS` rows or more. In the engine (bench/ladder.py's trace, batch 16) a step went
+from 6.5 to 5.0 ms, more than the warm numbers above add up to: the weights come back from
+memory every step, behind 28 MB of KV, and oneDNN's blocked layout streams them better. The first
+call at a new row count builds a oneDNN primitive (~0.5-1 ms, cached for the process). The sums are
+the same products in another order: float32 results differ in the last bits (tests compare the
+greedy tokens with the torch ops: tests/test_cpu_fused_ops.py).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+ONEDNN_MIN_ROWS = 2  # matmuls of this many rows or more go to oneDNN (see above)
+
+
+def _onednn_pack(w: torch.Tensor) -> torch.Tensor | None:
+    """w [out, in] in oneDNN's blocked layout, or None where this torch has no oneDNN linear."""
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 16)  # laid out for ~16 rows: measured best
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def packed_weights(model) -> dict:
+    """Each matmul weight of `model` packed for oneDNN, made on first use and kept on the model."""
+    packed = model._packed_weights
+    if packed is None:
+        packed = {id(w): _onednn_pack(w) for lw in model.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)}
+        packed[id(model.lm_head)] = _onednn_pack(model.lm_head)
+        model._packed_weights = packed
+    return packed
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, packed: dict) -> torch.Tensor:
+    """F.linear(x, w, bias), by oneDNN on w's packed copy (`packed`, by id) from ONEDNN_MIN_ROWS rows."""
+    pw = packed.get(id(w))
+    if pw is not None and x.shape[0] >= ONEDNN_MIN_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, pw, bias, "none", [], "")
+    return F.linear(x, w, bias)
 
 
 def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, attention,
@@ -26,21 +69,22 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, atten
                                       [lw.post_attention_norm.numpy() for lw in model.layers],
                                       model.rope.cos.numpy(), model.rope.sin.numpy())
     norms, post_norms, cos, sin = views
+    packed = packed_weights(model)
     pos = positions.numpy()
     layers, last = model.layers, len(model.layers) - 1
     h = F.embedding(input_ids, model.embed)  # a fresh tensor: the residual stream, updated in place
     x = torch.empty_like(h)
     ops.rms_norm(h.numpy(), norms[0], eps, x.numpy())
     for i, lw in enumerate(layers):
-        qkv = F.linear(x, lw.qkv, lw.qkv_bias).view(num_tokens, hq + 2 * hkv, d)
+        qkv = linear(x, lw.qkv, lw.qkv_bias, packed).view(num_tokens, hq + 2 * hkv, d)
         ops.rotary(qkv.numpy(), hq + hkv, pos, cos, sin)  # q and k, in place
         out = attention(i, qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :])
         if i == last and output_rows is not None:  # as in LlamaModel.forward: only the rows sampled
             out, h = out.index_select(0, output_rows), h.index_select(0, output_rows)
             x = torch.empty_like(h)
-        o = F.linear(out.reshape(h.shape[0], hq * d), lw.o, lw.o_bias)
+        o = linear(out.reshape(h.shape[0], hq * d), lw.o, lw.o_bias, packed)
         ops.add_rms_norm(h.numpy(), o.numpy(), post_norms[i], eps, x.numpy())
-        gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
-        down = F.linear(F.silu(gate).mul_(up), lw.down, lw.down_bias)
+        gate, up = linear(x, lw.gate_up, lw.gate_up_bias, packed).chunk(2, dim=-1)
+        down = linear(F.silu(gate).mul_(up), lw.down, lw.down_bias, packed)
         ops.add_rms_norm(h.numpy(), down.numpy(), norms[i + 1], eps, x.numpy())  # the next layer's norm
     return x

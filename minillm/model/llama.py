@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from minillm.attention.select import numba_installed
 from minillm.model.config import ModelConfig
-from minillm.model.fused import fused_forward
+from minillm.model.fused import fused_forward, linear, packed_weights
 from minillm.model.moe import MoEWeights, sparse_moe
 from minillm.model.rope import RotaryTable, apply_rotary
 
@@ -97,6 +97,7 @@ class LlamaModel:
         self.moe_forward = _single_process_moe
         self.expert_load: list[list[int]] | None = None
         self._fused_views = None  # numpy views of the norm weights and RoPE table, made on first use
+        self._packed_weights = None  # the matmul weights in oneDNN's layout (fused.py), made on first use
 
     @property
     def num_params(self) -> int:
@@ -154,6 +155,8 @@ class LlamaModel:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits [N, vocab] for the rows of `hidden` that need sampling."""
+        if self.fused_ops:
+            return linear(hidden, self.lm_head, None, packed_weights(self))
         return F.linear(hidden, self.lm_head)
 
 
