@@ -26,26 +26,16 @@ Grid (query tiles of the longest sequence, B, H_kv), FlashAttention-2's varlen l
 of a shorter sequence whose tile starts past its queries return at once (the whole block, before
 any barrier).
 
-Regression note (a flaky FAIL, "MQA 6:1 ... logits x30: max |error| 2.0e+00", seen once under
-pytest-xdist on a loaded CPU): the kernel's barriers are complete (tile loaded -> barrier -> read;
-read -> barrier -> next overwrite; whole-block early return). What raced was numba's simulator:
-its `cuda.shared.array` looks the call site up in a dict and, if absent, makes and stores a new
-array without a lock, so two threads of a launch's first block could each get their *own* k_tile
-and see only the keys they loaded themselves. On a GPU a shared array is one per block by
-construction; on the simulator `flash_attention` launches with `_one_shared_array_per_site`,
-which does the same check-and-create under a lock (the GPU path is unchanged).
+On the simulator it launches through `simulated_launch` (kernels/_launch.py: the block's threads
+share one array per `cuda.shared.array` line, made under a lock; its regression note says what raced).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import sys
-import threading
 
-import numpy as np
 import torch
-from minillm.kernels._launch import device_array, simulator
+from minillm.kernels._launch import device_array, simulated_launch, simulator
 from minillm.kernels.varlen_attention import prefill_attention_reference
 from numba import cuda, float32
 
@@ -144,44 +134,6 @@ def kernel_for(block_m: int = BLOCK_M, block_n: int = BLOCK_N):
     return _compiled[block_m, block_n]
 
 
-_SIMULATOR_LAUNCH = threading.Lock()
-
-
-@contextlib.contextmanager
-def _one_shared_array_per_site():
-    """Simulator only: every thread of a block gets the same array from a `cuda.shared.array` line.
-
-    numba's FakeCUDAShared.array keys allocations by the calling (file, line) but checks and inserts
-    without a lock, so threads reaching that line together can each make their own array (seen as a
-    rare wrong result under CPU load). This does the same lookup, keyed the same way, under a lock,
-    for the length of one launch (launches through here are serialised so the swap is undone cleanly).
-    """
-    from numba.core import types
-    from numba.cuda.simulator import kernelapi
-    from numba.np import numpy_support
-
-    original = kernelapi.FakeCUDAShared.array
-    lock = threading.Lock()
-
-    def array(self, shape, dtype, alignment=None):
-        if shape == 0 or alignment is not None:  # dynamic shared memory (one buffer, no race) / unsupported
-            return original(self, shape, dtype, alignment)
-        caller = sys._getframe(1)
-        site = (caller.f_code.co_filename, caller.f_lineno)
-        with lock:
-            if site not in self._allocations:
-                dt = numpy_support.as_dtype(dtype) if isinstance(dtype, types.Type) else np.dtype(dtype)
-                self._allocations[site] = np.empty(shape, dt)  # uninitialised, as on a GPU
-            return self._allocations[site]
-
-    with _SIMULATOR_LAUNCH:
-        kernelapi.FakeCUDAShared.array = array
-        try:
-            yield
-        finally:
-            kernelapi.FakeCUDAShared.array = original
-
-
 def launch_shape(query_start_loc: torch.Tensor, q_heads: int, kv_heads: int, block_m: int) -> tuple:
     """(grid, threads per block): (query tiles of the longest sequence, B, H_kv), BLOCK_M · group threads."""
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
@@ -211,7 +163,7 @@ def flash_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if query.is_cuda and not simulator():
         kernel[grid, threads, cuda.external_stream(torch.cuda.current_stream().cuda_stream)](*args)
     elif simulator():
-        with _one_shared_array_per_site():  # see the module's regression note
+        with simulated_launch():
             kernel[grid, threads](*args)
     else:
         kernel[grid, threads](*args)

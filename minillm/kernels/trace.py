@@ -24,7 +24,6 @@ simulated launch by a small factor: for small grids.
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -149,42 +148,35 @@ class KernelTrace:
 
 @contextlib.contextmanager
 def _instrumented(trace: KernelTrace):
-    """Shared arrays come back traced and barriers are counted, while the block is open."""
-    from numba.core import types
+    """Shared arrays come back traced and barriers are counted, while the block is open. The shared
+    arrays themselves come from `simulated_launch` (kernels/_launch.py: one per kernel line, made
+    under a lock), zeroed so that a trace of a wrong kernel reads the same numbers every run."""
     from numba.cuda.simulator import kernel as sim_kernel
-    from numba.cuda.simulator import kernelapi
-    from numba.np import numpy_support
 
-    original_array, original_sync = kernelapi.FakeCUDAShared.array, sim_kernel.BlockThread.syncthreads
+    from minillm.kernels._launch import simulated_launch
+
     names: dict[tuple, str] = {}
 
-    def array(self, shape, dtype, alignment=None):
-        # the simulator tells allocations apart by the kernel line that makes them: so do we (one
-        # frame further up than numba looks, since this function sits in between)
-        caller = sys._getframe(1)
-        site = (caller.f_code.co_filename, caller.f_lineno)
-        allocations = self._allocations
-        with trace._lock:  # one array per site for the whole block: the first thread makes it
-            if site not in allocations:
-                dt = numpy_support.as_dtype(dtype) if isinstance(dtype, types.Type) else np.dtype(dtype)
-                allocations[site] = np.zeros(shape, dt)
-            name = names.setdefault(site, f"shared{len(names)}")
-            trace.arrays.setdefault(name, allocations[site])
-            trace.kinds[name] = "shared"
-        return Traced(name, allocations[site], trace, kind="shared")
-
-    def syncthreads(self):
-        original_sync(self)
+    def traced(site, shared):
         with trace._lock:
-            trace.barriers[tuple(self.blockIdx), tuple(self.threadIdx)] += 1
+            name = names.setdefault(site, f"shared{len(names)}")
+            trace.arrays.setdefault(name, shared)
+            trace.kinds[name] = "shared"
+        return Traced(name, shared, trace, kind="shared")
 
-    kernelapi.FakeCUDAShared.array = array
-    sim_kernel.BlockThread.syncthreads = syncthreads
-    try:
-        yield
-    finally:
-        kernelapi.FakeCUDAShared.array = original_array
-        sim_kernel.BlockThread.syncthreads = original_sync
+    with simulated_launch(wrap=traced, zeroed=True):
+        original_sync = sim_kernel.BlockThread.syncthreads
+
+        def syncthreads(self):
+            original_sync(self)
+            with trace._lock:
+                trace.barriers[tuple(self.blockIdx), tuple(self.threadIdx)] += 1
+
+        sim_kernel.BlockThread.syncthreads = syncthreads
+        try:
+            yield
+        finally:
+            sim_kernel.BlockThread.syncthreads = original_sync
 
 
 def trace_launch(kernel, grid, block, args: list, names: list[str] | None = None) -> KernelTrace:
