@@ -292,6 +292,27 @@ def test_skip_special_tokens():
         assert ("<|user|>" in d.text) == expect_special and "hi" in d.text
 
 
+def test_decode_stream_gives_the_python_windows_text():
+    """The Rust DecodeStream path and the Python window give the same text, token by token: random
+    ids (special ones included, bytes split across tokens) and a real sentence, both skip settings."""
+    import random
+
+    tok = LLM(max_num_seqs=1, max_model_len=128).tokenizer
+    rng = random.Random(0)
+    sentence = tok("In the beginning God created the heaven and the earth. \u00e9\u4e2d\U0001f600",
+                   add_special_tokens=False).input_ids
+    for ids in ([rng.randrange(tok.vocab_size) for _ in range(600)], sentence):
+        for skip in (True, False):
+            fast, slow = IncrementalDetokenizer(tok, skip), IncrementalDetokenizer(tok, skip)
+            slow._stream = None  # the Python window
+            assert fast._stream is not None
+            for t in ids:
+                fast.append(t)
+                slow.append(t)
+                assert fast.text == slow.text
+            assert fast.text == tok.decode(ids, skip_special_tokens=skip)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(n=0), "n must be an integer >= 1, got 0"),
     (dict(min_p=1.5), "min_p must be in [0, 1], got 1.5"),

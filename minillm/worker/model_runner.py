@@ -107,13 +107,21 @@ class ModelRunner:
         for rid, blocks in plan.blocks_to_swap_out:
             self._copy_out(rid, blocks)
         if plan.blocks_to_zero and self.k_pool is not None:
-            fresh = torch.tensor(plan.blocks_to_zero, dtype=torch.long, device=self.k_pool.device)
-            for pool in (self.k_pool, self.v_pool):
-                pool.view(pool.shape[0], -1, self.block_size * pool.shape[2] * pool.shape[3]).index_fill_(1, fresh, 0)
+            self._zero_blocks(plan.blocks_to_zero)
         for rid, blocks in plan.blocks_to_swap_in:
             self._copy_in(rid, blocks)
         if self.kv_connector is not None:  # remote K/V into freshly zeroed blocks (minillm.kv_transfer)
             self.kv_connector.start_load_kv(self, plan)
+
+    def _zero_blocks(self, blocks: list[int]) -> None:
+        """Zero the K and V of `blocks` in every layer (on a CPU through numpy views: a few µs,
+        where torch's index_fill_ cost ~50 µs a step at batch 64)."""
+        for pool in (self.k_pool, self.v_pool):
+            if pool.device.type == "cpu" and pool.dtype in (torch.float32, torch.float64):  # (numpy has no bf16)
+                pool.numpy().reshape(pool.shape[0], -1, self.block_size * pool.shape[2] * pool.shape[3])[:, blocks] = 0
+            else:
+                fresh = torch.tensor(blocks, dtype=torch.long, device=pool.device)
+                pool.view(pool.shape[0], -1, self.block_size * pool.shape[2] * pool.shape[3]).index_fill_(1, fresh, 0)
 
     def _block_slots(self, blocks: list[int]) -> torch.Tensor:
         bs, device = self.block_size, self.k_pool.device
@@ -155,17 +163,12 @@ class ModelRunner:
         # decode rows first, each part longest first; lexsort is stable: plan order among equals
         order_np = np.lexsort((-lens, ~is_decode))
         order = order_np.tolist()
-        nd = int(np.count_nonzero(is_decode))
+        nd = int(is_decode.sum())
         seq_lens, q_lens = lens[order_np], counts[order_np]
         query_start_np = np.zeros(num_rows + 1, dtype=np.int64)
         np.cumsum(q_lens, out=query_start_np[1:])
         num_tokens = int(query_start_np[-1])
-        spec, new_token_ids = plan.spec_token_ids, plan.new_token_ids
-        token_ids = [new_token_ids[i][0] for i in order[:nd]]  # a decode row brings one known token
-        for i in order[nd:]:
-            token_ids.extend(new_token_ids[i])
-            if spec:
-                token_ids.extend(spec.get(plan.req_ids[i], ()))  # the pending token, then k unverified guesses
+        spec = plan.spec_token_ids
         # position of each flattened token: its row's first new position + its offset in the row
         pos = np.repeat(starts[order_np] - query_start_np[:-1], q_lens) + np.arange(num_tokens, dtype=np.int64)
         # Rows that need logits: the last of each sampling row, all 1+k of a speculative row.
@@ -188,11 +191,16 @@ class ModelRunner:
 
         req_ids = plan.req_ids
         row_ids = self.input_batch.rows_of([req_ids[i] for i in order])
-        width = int(-(-seq_lens.max() // bs))
+        width = -(-int(seq_lens.max()) // bs)
         tables = self.input_batch.block_table.gather(row_ids, width)
         token_row = np.repeat(np.arange(num_rows), q_lens)
+        # The tokens themselves: `update_state` wrote every row's new tokens (and a speculative row's
+        # guesses after them) into the input batch at their positions, so one gather reads them all.
+        token_ids = self.input_batch.token_ids[row_ids[token_row], pos]
         slot_mapping = tables[token_row, pos // bs].astype(np.int64) * bs + pos % bs
-        safe_tables = np.where(tables < 0, self.null_block, tables).astype(np.int64)
+        # torch-side reads (length groups, multi-token rows) send padding entries to the null block
+        safe_tables = (np.where(tables < 0, self.null_block, tables).astype(np.int64)
+                       if decode_groups or nd < num_rows else None)
 
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(device),
@@ -229,7 +237,7 @@ class ModelRunner:
             g.query_index, g.valid = self._query_rows(rows, query_start, q_lens, device, g.q_max)
             g.out_index = g.query_index[g.valid]
             meta.prefill_groups.append(g)
-        return StepInputs(torch.tensor(token_ids, device=device), torch.from_numpy(pos).to(device), meta,
+        return StepInputs(torch.from_numpy(token_ids).to(device), torch.from_numpy(pos).to(device), meta,
                           logits_rows, order, sampled, spans, row_ids[row_of_plan[sampled_np]])
 
     def _group(self, start: int, end: int, seq_lens: np.ndarray, blocks_of: np.ndarray, tables: np.ndarray,
