@@ -34,6 +34,7 @@ from minillm.scheduler.output import SchedulerOutput
 from minillm.spec.rejection import rejection_sample
 from minillm.worker.input_batch import InputBatch
 from minillm.worker.sampler import sample
+from minillm.worker.step_layout import layout_step
 
 # Rows share one attention call while the keys it reads stay within this factor of the keys
 # they have (in blocks); beyond it a new group starts. Grouping trades padded reads for calls.
@@ -151,61 +152,46 @@ class ModelRunner:
 
         Rows are reordered for attention — decode rows longest first, then the rest longest first;
         the logits rows come in plan order (`StepInputs.sampled` holds their plan rows). The
-        per-row work is vectorized (numpy over the rows), so it stays small beside the forward at
-        batch 64. `decode_groups=False` skips the torch backend's length groups of decode rows
+        per-row and per-token arithmetic is one compiled pass (`layout_step`), so it stays small
+        beside the forward at batch 64. `decode_groups=False` skips the torch backend's length groups of decode rows
         (the numba_cpu kernel reads each row's blocks itself and never looks at them)."""
-        device, bs = self.model.device, self.block_size
-        num_rows = len(plan.num_scheduled_tokens)
+        device, bs, batch = self.model.device, self.block_size, self.input_batch
+        req_ids, spec = plan.req_ids, plan.spec_token_ids
         counts = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
-        starts = np.asarray(plan.num_computed_tokens, dtype=np.int64)
-        lens = starts + counts
-        is_decode = np.asarray(plan.is_decode, dtype=bool)
-        # decode rows first, each part longest first; lexsort is stable: plan order among equals
-        order_np = np.lexsort((-lens, ~is_decode))
-        order = order_np.tolist()
-        nd = int(is_decode.sum())
-        seq_lens, q_lens = lens[order_np], counts[order_np]
-        query_start_np = np.zeros(num_rows + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=query_start_np[1:])
-        num_tokens = int(query_start_np[-1])
-        spec = plan.spec_token_ids
-        # position of each flattened token: its row's first new position + its offset in the row
-        pos = np.repeat(starts[order_np] - query_start_np[:-1], q_lens) + np.arange(num_tokens, dtype=np.int64)
-        # Rows that need logits: the last of each sampling row, all 1+k of a speculative row.
-        sampled_np = np.flatnonzero(np.asarray(plan.samples, dtype=bool))
-        sampled = sampled_np.tolist()
-        row_of_plan = np.empty(num_rows, dtype=np.int64)
-        row_of_plan[order_np] = np.arange(num_rows)
-        ends = query_start_np[row_of_plan[sampled_np] + 1]
+        samples = np.asarray(plan.samples, dtype=bool)
+        widths = samples.astype(np.int64)  # logits rows per plan row: 1 if it samples, 1+k if it speculates
         if spec:
-            widths = np.fromiter((1 + len(spec.get(plan.req_ids[i], ())) for i in sampled), np.int64, len(sampled))
+            for i in np.flatnonzero(samples).tolist():
+                widths[i] += len(spec.get(req_ids[i], ()))
+        plan_rows = batch.rows_of(req_ids)  # each plan row's input-batch row
+        is_decode = np.asarray(plan.is_decode, dtype=bool)
+        # The flat layout in one compiled pass (minillm/worker/step_layout.py): the rows' order,
+        # lengths, where each row's tokens start, each token's position, id and K/V slot, the
+        # block tables, and the rows whose logits are needed.
+        order_np, seq_lens, query_start_np, pos, token_ids, slot_mapping, tables, logits_np = layout_step(
+            counts, np.asarray(plan.num_computed_tokens, dtype=np.int64), is_decode, widths, plan_rows,
+            batch.block_table.table, batch.token_ids, bs)
+        num_rows, num_tokens = len(counts), len(token_ids)
+        order, query_start = order_np.tolist(), query_start_np.tolist()
+        nd = int(np.count_nonzero(is_decode))
+        q_lens = counts[order_np]
+        sampled_np = np.flatnonzero(samples)
+        sampled = sampled_np.tolist()
+        logits_rows = logits_np.tolist()
+        if spec:
             firsts = np.zeros(len(sampled), dtype=np.int64)
-            np.cumsum(widths[:-1], out=firsts[1:])
-            logits_rows = (np.repeat(ends - widths - firsts, widths)
-                           + np.arange(int(widths.sum()), dtype=np.int64)).tolist()
-            spans = list(zip(firsts.tolist(), widths.tolist()))
+            np.cumsum(widths[sampled_np][:-1], out=firsts[1:])
+            spans = list(zip(firsts.tolist(), widths[sampled_np].tolist()))
         else:
-            logits_rows = (ends - 1).tolist()
             spans = [(j, 1) for j in range(len(sampled))]
-        query_start = query_start_np.tolist()
-
-        req_ids = plan.req_ids
-        row_ids = self.input_batch.rows_of([req_ids[i] for i in order])
-        width = -(-int(seq_lens.max()) // bs)
-        tables = self.input_batch.block_table.gather(row_ids, width)
-        token_row = np.repeat(np.arange(num_rows), q_lens)
-        # The tokens themselves: `update_state` wrote every row's new tokens (and a speculative row's
-        # guesses after them) into the input batch at their positions, so one gather reads them all.
-        token_ids = self.input_batch.token_ids[row_ids[token_row], pos]
-        slot_mapping = tables[token_row, pos // bs].astype(np.int64) * bs + pos % bs
         # torch-side reads (length groups, multi-token rows) send padding entries to the null block
         safe_tables = (np.where(tables < 0, self.null_block, tables).astype(np.int64)
                        if decode_groups or nd < num_rows else None)
 
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(device),
-            query_start_loc=torch.from_numpy(query_start_np.astype(np.int32)).to(device),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+            query_start_loc=torch.from_numpy(query_start_np).to(device),
+            seq_lens=torch.from_numpy(seq_lens).to(device),
             block_tables=torch.from_numpy(tables).to(device),
             num_decode=nd, block_size=bs, num_tokens=num_tokens)
         blocks_of = -(-seq_lens // bs)
@@ -238,7 +224,7 @@ class ModelRunner:
             g.out_index = g.query_index[g.valid]
             meta.prefill_groups.append(g)
         return StepInputs(torch.from_numpy(token_ids).to(device), torch.from_numpy(pos).to(device), meta,
-                          logits_rows, order, sampled, spans, row_ids[row_of_plan[sampled_np]])
+                          logits_rows, order, sampled, spans, plan_rows[sampled_np])
 
     def _group(self, start: int, end: int, seq_lens: np.ndarray, blocks_of: np.ndarray, tables: np.ndarray,
                device: torch.device, rows: list[int] | None = None) -> RowGroup:
