@@ -20,7 +20,9 @@ from 6.5 to 5.0 ms, more than the warm numbers above add up to: the weights come
 memory every step, behind 28 MB of KV, and oneDNN's blocked layout streams them better. The first
 call at a new row count builds a oneDNN primitive (~0.5-1 ms, cached for the process). The sums are
 the same products in another order: float32 results differ in the last bits (tests compare the
-greedy tokens with the torch ops: tests/test_cpu_fused_ops.py).
+greedy tokens with the torch ops: tests/test_cpu_fused_ops.py). The packed copies are kept beside
+the plain weights (one-row matmuls and the float64 path use those), so a float32 CPU model holds its
+matmul weights twice.
 """
 
 from __future__ import annotations
