@@ -7,9 +7,11 @@ before the torch op that produced its input. Under numba's CUDA simulator (NUMBA
 on a CPU) the same kernels take numpy views of CPU tensors — also zero-copy, so writes land in the
 torch tensor.
 
-Every simulated launch goes through `simulated_launch()`: `launch()` below, `flash_attention`
+minillm's simulated launches go through `simulated_launch()`: `launch()` below, `flash_attention`
 (tiled_attention.py, its own grid) and `trace_launch` (minillm/kernels/trace.py, which adds its
-recording on top). See that function for why.
+recording on top). See that function for why. A kernel launched directly with `kernel[grid, block]`
+on the simulator (chapter 10's small teaching kernels, a learner's own) does not: it keeps
+numba's own allocator.
 """
 
 from __future__ import annotations

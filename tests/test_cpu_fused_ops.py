@@ -46,7 +46,7 @@ def test_fused_forward_equals_torch_forward_on_the_bundled_model():
     model.fused_ops = True
     torch.testing.assert_close(full_logits(model, tokens), want_full, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(incremental_logits(model, tokens, 5), want_incremental, rtol=1e-4, atol=1e-4)
-    assert model._packed_weights and all(p is not None for p in model._packed_weights.values())  # oneDNN ran
+    assert len(model._packed_weights) == 17 and all(e[2] is not None for e in model._packed_weights.values())
     texts = ["In the beginning", "Blessed are they", "And the king said unto", "Thus saith the LORD"]
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     fused = [o.outputs[0].token_ids for o in llm.generate(texts, greedy, use_tqdm=False)]
@@ -61,8 +61,7 @@ def test_onednn_linear_equals_f_linear_at_every_row_count(monkeypatch):
     g = torch.Generator().manual_seed(2)
     w = torch.randn(96, 40, generator=g).t().contiguous().t()
     bias = torch.randn(96, generator=g)
-    packed = {id(w): fused._onednn_pack(w)}
-    assert packed[id(w)] is not None and packed[id(w)].is_mkldnn
+    packed = {}
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(fused.torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[0].shape[0]) or real(*a))
@@ -72,6 +71,20 @@ def test_onednn_linear_equals_f_linear_at_every_row_count(monkeypatch):
             want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
             torch.testing.assert_close(fused.linear(x, w, b, packed).double(), want, rtol=1e-5, atol=1e-4)
     assert sorted(set(calls)) == [r for r in (1, 2, 3, 16, 17, 300) if r >= fused.ONEDNN_MIN_ROWS]
+    assert packed[id(w)][0] is w and packed[id(w)][2].is_mkldnn  # packed once, on first use
+
+
+def test_a_weight_changed_in_place_or_replaced_is_packed_again():
+    llm = LLM(max_num_seqs=4)
+    model = llm.model
+    tokens = llm.tokenizer("In the beginning God created the heaven and the earth").input_ids
+    full_logits(model, tokens)  # packs every weight
+    with torch.no_grad():
+        model.layers[0].gate_up.mul_(0.5)
+    model.layers[1].qkv = model.layers[1].qkv * 1.5
+    got = full_logits(model, tokens)
+    model.fused_ops = False
+    torch.testing.assert_close(got, full_logits(model, tokens), rtol=1e-4, atol=1e-4)
 
 
 def test_float64_models_keep_the_torch_ops():

@@ -313,6 +313,36 @@ def test_decode_stream_gives_the_python_windows_text():
             assert fast.text == tok.decode(ids, skip_special_tokens=skip)
 
 
+def test_decode_stream_falls_back_where_it_raises():
+    """A byte-fallback tokenizer (Llama-2 / Mistral style) fed bytes that are not valid UTF-8 makes
+    tokenizers' DecodeStream raise mid-stream; the detokenizer carries on with the Python window
+    and gives the window's text, token by token."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<0x{i:02X}>": i for i in range(256)}
+    for w in ["\u2581", "\u2581a", "a", "b", "\u00bb", "\u2581\u00bb", "\u4e2d"]:
+        vocab[w] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, fuse_unk=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False)
+    rng = random.Random(0)
+    fell_back = 0
+    for _ in range(300):
+        ids = [rng.choice([rng.randrange(0x80, 0x100), rng.randrange(256, len(vocab))]) for _ in range(12)]
+        fast, slow = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok)
+        slow._stream = None
+        assert fast._stream is not None
+        for t in ids:
+            fast.append(t)
+            slow.append(t)
+            assert fast.text == slow.text
+        fell_back += fast._stream is None
+    assert fell_back > 0  # the case really happened
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(n=0), "n must be an integer >= 1, got 0"),
     (dict(min_p=1.5), "min_p must be in [0, 1], got 1.5"),

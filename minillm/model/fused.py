@@ -7,18 +7,19 @@ RMSNorm fused with the residual add before it, RoPE rotated in place in the q|k|
 layer is four matmuls, the attention, three numba calls and SiLU·mul. The numpy views of the
 constant tensors (norm weights, the RoPE table) are made once, on the first call.
 
-The matmuls go to oneDNN with each weight packed once into its blocked layout
-(`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`: what torch's own compiler
-emits for a CPU linear, and how vLLM's CPU backend runs its linears) instead of `F.linear`'s MKL
-sgemm, whose kernels on this AMD CPU are not its AVX-512 ones. Measured on the bundled target, one
-thread, best of 5, µs per call (F.linear → oneDNN), rows: 1 / 2 / 16 / 200:
-q|k|v 11 → 22 / 20 → 22 / 61 → 54 / 547 → 476, gate|up 27 → 37 / 51 → 39 / 147 → 120 /
-1404 → 1259, lm_head 72 → 78 / 140 → 86 / 536 → 324 / 4576 → 3882 (o and down: within ±20 %
-either way). One row is MKL's matrix-vector path, faster; so oneDNN takes the calls of
-`ONEDNN_MIN_ROWS` rows or more. In the engine (bench/ladder.py's trace, batch 16) a step went
-from 6.5 to 5.0 ms, more than the warm numbers above add up to: the weights come back from
-memory every step, behind 28 MB of KV, and oneDNN's blocked layout streams them better. The first
-call at a new row count builds a oneDNN primitive (~0.5-1 ms, cached for the process). The sums are
+The matmuls go to oneDNN with each weight packed into its blocked layout
+(`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`, the ops torch's compiler
+uses for oneDNN linears; vLLM's CPU backend runs its linears on oneDNN too) instead of `F.linear`'s
+MKL sgemm. On this AMD CPU oneDNN runs AVX-512 kernels (ONEDNN_VERBOSE=1 says so; MKL does not say
+which it picks) and measured faster. One thread, best of 5, µs per call (F.linear → oneDNN), rows
+1 / 2 / 16 / 200: q|k|v 11 → 22 / 20 → 22 / 61 → 54 / 547 → 476, gate|up 27 → 37 / 51 → 39 /
+147 → 120 / 1404 → 1259, lm_head 72 → 78 / 140 → 86 / 536 → 324 / 4576 → 3882 (o and down within
+±20 % either way). One row is MKL's matrix-vector path, faster; so oneDNN takes the calls of
+`ONEDNN_MIN_ROWS` rows or more. On the ladder's trace (bench/ladder.py, batch 16), three runs of each
+interleaved in one process: 6.54 → 5.05 ms CPU per step at best, 6.68 → 5.57 on average (the VM's
+speed drifts; the ladder's own step time, an hour apart: 5.32 → 4.94 ms). The first call at a new
+row count builds a oneDNN primitive (~0.5-1 ms, kept for the process). A weight is packed on first
+use and again if it is changed in place or replaced (`linear` checks its version). The sums are
 the same products in another order: float32 results differ in the last bits (tests compare the
 greedy tokens with the torch ops: tests/test_cpu_fused_ops.py). The packed copies are kept beside
 the plain weights (one-row matmuls and the float64 path use those), so a float32 CPU model holds its
@@ -42,20 +43,28 @@ def _onednn_pack(w: torch.Tensor) -> torch.Tensor | None:
 
 
 def packed_weights(model) -> dict:
-    """Each matmul weight of `model` packed for oneDNN, made on first use and kept on the model."""
-    packed = model._packed_weights
-    if packed is None:
-        packed = {id(w): _onednn_pack(w) for lw in model.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)}
-        packed[id(model.lm_head)] = _onednn_pack(model.lm_head)
-        model._packed_weights = packed
-    return packed
+    """The model's cache of packed weights (`linear` fills it): id(w) -> (w, w's version, packed w)."""
+    if model._packed_weights is None:
+        model._packed_weights = {}
+    return model._packed_weights
+
+
+def _version(w: torch.Tensor) -> int:
+    try:
+        return w._version  # bumped by every in-place change of w
+    except RuntimeError:  # an inference tensor has no version counter (and cannot change outside inference mode)
+        return -1
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, packed: dict) -> torch.Tensor:
-    """F.linear(x, w, bias), by oneDNN on w's packed copy (`packed`, by id) from ONEDNN_MIN_ROWS rows."""
-    pw = packed.get(id(w))
-    if pw is not None and x.shape[0] >= ONEDNN_MIN_ROWS:
-        return torch.ops.mkldnn._linear_pointwise(x, pw, bias, "none", [], "")
+    """F.linear(x, w, bias), by oneDNN on w's packed copy from ONEDNN_MIN_ROWS rows. The copy is made
+    on first use and again whenever w was changed in place (its version) or replaced (the cache
+    holds w itself, so its id cannot be reused by another tensor)."""
+    entry = packed.get(id(w))
+    if entry is None or entry[0] is not w or entry[1] != _version(w):
+        entry = packed[id(w)] = (w, _version(w), _onednn_pack(w))
+    if entry[2] is not None and x.shape[0] >= ONEDNN_MIN_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, entry[2], bias, "none", [], "")
     return F.linear(x, w, bias)
 
 

@@ -34,7 +34,6 @@ from minillm.scheduler.output import SchedulerOutput
 from minillm.spec.rejection import rejection_sample
 from minillm.worker.input_batch import InputBatch
 from minillm.worker.sampler import sample
-from minillm.worker.step_layout import layout_step
 
 # Rows share one attention call while the keys it reads stay within this factor of the keys
 # they have (in blocks); beyond it a new group starts. Grouping trades padded reads for calls.
@@ -155,6 +154,8 @@ class ModelRunner:
         per-row and per-token arithmetic is one compiled pass (`layout_step`), so it stays small
         beside the forward at batch 64. `decode_groups=False` skips the torch backend's length groups of decode rows
         (the numba_cpu kernel reads each row's blocks itself and never looks at them)."""
+        from minillm.worker.step_layout import layout_step  # (numba, imported on first use, not with minillm)
+
         device, bs, batch = self.model.device, self.block_size, self.input_batch
         req_ids, spec = plan.req_ids, plan.spec_token_ids
         counts = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)

@@ -52,6 +52,8 @@ def layout_step(counts, starts, is_decode, widths, batch_rows, block_table, batc
         seq_lens[j] = lens[p]
         query_start[j + 1] = query_start[j] + counts[p]
         width = max(width, (lens[p] + block_size - 1) // block_size)
+    if width > block_table.shape[1] or (num_rows and lens.max() > batch_tokens.shape[1]):
+        raise ValueError("a row needs more blocks or tokens than the input batch holds (a plan out of step)")
     num_tokens = query_start[num_rows]
     tables = np.empty((num_rows, width), np.int32)
     positions = np.empty(num_tokens, np.int64)
