@@ -39,13 +39,9 @@ from minillm.distributed.layout import RankLayout
 from minillm.distributed.linear import ParallelState
 from minillm.distributed.shard_loader import vocab_shard
 from minillm.model.config import ModelConfig
-from minillm.model.llama import LayerWeights, rms_norm
+from minillm.model.llama import LayerWeights, column_major, lay_out_column_major, rms_norm
 from minillm.model.moe import sparse_moe
 from minillm.model.rope import RotaryTable, apply_rotary
-
-
-def _column_major(w: torch.Tensor) -> torch.Tensor:
-    return w.t().contiguous().t()
 
 
 class CommCounter:
@@ -77,17 +73,14 @@ class ParallelLlamaModel:
         c = full_config
         self.full_config, self.layout, self.tp = c, layout, tp
         layers: list[LayerWeights] = weights["layers"]
-        for lw in layers:
-            for name in ("qkv", "o", "gate_up", "down"):
-                if getattr(lw, name) is not None:  # (an MoE layer has no dense gate_up/down)
-                    setattr(lw, name, _column_major(getattr(lw, name)))
+        lay_out_column_major(layers)
         self.layers = layers
         own = layout.layers(c.num_layers)
         self.config = dataclasses.replace(
             c, num_heads=len(layout.q_heads(c)), num_kv_heads=len(layout.kv_heads(c)), num_layers=len(own),
             sliding_windows=tuple(c.sliding_windows[own.start:own.stop]) if c.sliding_windows else ())
         self.embed, self.final_norm = weights["embed"], weights["final_norm"]
-        self.lm_head = None if weights["lm_head"] is None else _column_major(weights["lm_head"])
+        self.lm_head = None if weights["lm_head"] is None else column_major(weights["lm_head"])
         self.vocab_start = weights["vocab_start"]
         self.vocab_rows = vocab_shard(c.vocab_size, layout.tp, layout.tp_rank)[2]  # (padded) rows per rank
         self.dtype = layers[0].qkv.dtype

@@ -109,12 +109,11 @@ class MultiprocExecutor(WorkerExecutor):
 
     # ---- one step --------------------------------------------------------------------------------
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        try:
-            self.check_health()
-        except EngineDeadError as err:
-            if self.dead is None:  # a rank died between steps: stop the others now
-                self._fail(str(err).split(": ", 1)[1])
-            raise
+        if self.dead is not None:
+            self.check_health()  # raises: the executor failed earlier
+        exited = self._exited_rank()
+        if exited is not None:  # a rank died between steps: stop the others now
+            self._fail(exited)
         try:
             self._broadcast(("plan", plan))
             self.num_steps += 1
@@ -199,11 +198,17 @@ class MultiprocExecutor(WorkerExecutor):
         it, the server's /health does); the engine's thread stops the processes at its next step."""
         if self.dead is not None:
             raise EngineDeadError(f"a distributed worker failed, the engine cannot continue: {self.dead}")
+        exited = self._exited_rank()
+        if exited is not None:
+            raise EngineDeadError(f"a distributed worker failed: {exited}")
+
+    def _exited_rank(self) -> str | None:
+        """The first rank whose process has ended, said in words; None while all run."""
         exited = wait([p.sentinel for p in self.processes], timeout=0)  # a sentinel is ready once its process ended
         for rank, process in enumerate(self.processes):
             if process.sentinel in exited:
-                raise EngineDeadError(f"a distributed worker failed: rank {rank} (pid {process.pid}) is no "
-                                      f"longer running (exit code {process.exitcode})")
+                return f"rank {rank} (pid {process.pid}) is no longer running (exit code {process.exitcode})"
+        return None
 
     def shutdown(self, polite: bool = True) -> None:
         """Stop and join every rank (idempotent)."""

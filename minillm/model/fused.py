@@ -42,13 +42,6 @@ def _onednn_pack(w: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def packed_weights(model) -> dict:
-    """The model's cache of packed weights (`linear` fills it): id(w) -> (w, w's version, packed w)."""
-    if model._packed_weights is None:
-        model._packed_weights = {}
-    return model._packed_weights
-
-
 def _version(w: torch.Tensor) -> int:
     try:
         return w._version  # bumped by every in-place change of w
@@ -57,7 +50,8 @@ def _version(w: torch.Tensor) -> int:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, packed: dict) -> torch.Tensor:
-    """F.linear(x, w, bias), by oneDNN on w's packed copy from ONEDNN_MIN_ROWS rows. The copy is made
+    """F.linear(x, w, bias), by oneDNN on w's packed copy from ONEDNN_MIN_ROWS rows. `packed` is the
+    model's cache, id(w) -> (w, w's version, packed w); the copy is made
     on first use and again whenever w was changed in place (its version) or replaced (the cache
     holds w itself, so its id cannot be reused by another tensor)."""
     entry = packed.get(id(w))
@@ -80,7 +74,7 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, atten
                                       [lw.post_attention_norm.numpy() for lw in model.layers],
                                       model.rope.cos.numpy(), model.rope.sin.numpy())
     norms, post_norms, cos, sin = views
-    packed = packed_weights(model)
+    packed = model._packed_weights
     pos = positions.numpy()
     layers, last = model.layers, len(model.layers) - 1
     h = F.embedding(input_ids, model.embed)  # a fresh tensor: the residual stream, updated in place

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from minillm.attention.select import numba_installed
 from minillm.model.config import ModelConfig
-from minillm.model.fused import fused_forward, linear, packed_weights
+from minillm.model.fused import fused_forward, linear
 from minillm.model.moe import MoEWeights, sparse_moe
 from minillm.model.rope import RotaryTable, apply_rotary
 
@@ -50,8 +50,17 @@ class LayerWeights:
     moe: MoEWeights | None = None  # Mixtral: router + experts in place of the MLP (gate_up, down are None)
 
 
-def _column_major(w: torch.Tensor) -> torch.Tensor:
+def column_major(w: torch.Tensor) -> torch.Tensor:
+    """w [out, in] with the storage of w.T (see LlamaModel.__init__)."""
     return w.t().contiguous().t()
+
+
+def lay_out_column_major(layers: list[LayerWeights]) -> None:
+    """Every dense matmul weight of `layers` laid out column-major, in place."""
+    for lw in layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            if getattr(lw, name) is not None:  # (an MoE layer has no dense gate_up/down)
+                setattr(lw, name, column_major(getattr(lw, name)))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,14 +80,11 @@ class LlamaModel:
         # Weights are kept [out, in] as HF stores them, but laid out column-major (the storage of
         # W.T): F.linear then hands the BLAS an untransposed [in, out] matrix, measured 5-25 % faster
         # for the few-row matmuls of a decode step on this CPU, and bit-identical.
-        for lw in layers:
-            for name in ("qkv", "o", "gate_up", "down"):
-                if getattr(lw, name) is not None:  # (an MoE layer has no dense gate_up/down)
-                    setattr(lw, name, _column_major(getattr(lw, name)))
+        lay_out_column_major(layers)
         self.layers = layers
         self.final_norm = final_norm
         self.tied_embeddings = lm_head is embed
-        self.lm_head = _column_major(lm_head)  # a tied head becomes its own copy; the embedding keeps rows
+        self.lm_head = column_major(lm_head)  # a tied head becomes its own copy; the embedding keeps rows
         self.dtype = embed.dtype
         self.device = embed.device
         self.rope = RotaryTable(config.head_dim, config.rope_theta, max_positions, self.dtype,
@@ -97,7 +103,7 @@ class LlamaModel:
         self.moe_forward = _single_process_moe
         self.expert_load: list[list[int]] | None = None
         self._fused_views = None  # numpy views of the norm weights and RoPE table, made on first use
-        self._packed_weights = None  # the matmul weights in oneDNN's layout (fused.py), made on first use
+        self._packed_weights: dict = {}  # the matmul weights in oneDNN's layout (fused.linear fills it)
 
     @property
     def num_params(self) -> int:
@@ -156,7 +162,7 @@ class LlamaModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits [N, vocab] for the rows of `hidden` that need sampling."""
         if self.fused_ops:
-            return linear(hidden, self.lm_head, None, packed_weights(self))
+            return linear(hidden, self.lm_head, None, self._packed_weights)
         return F.linear(hidden, self.lm_head)
 
 

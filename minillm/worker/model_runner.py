@@ -117,11 +117,11 @@ class ModelRunner:
         """Zero the K and V of `blocks` in every layer (on a CPU through numpy views: a few µs,
         where torch's index_fill_ cost ~50 µs a step at batch 64)."""
         for pool in (self.k_pool, self.v_pool):
+            by_block = (pool.shape[0], -1, self.block_size * pool.shape[2] * pool.shape[3])  # [L, blocks, block]
             if pool.device.type == "cpu" and pool.dtype in (torch.float32, torch.float64):  # (numpy has no bf16)
-                pool.numpy().reshape(pool.shape[0], -1, self.block_size * pool.shape[2] * pool.shape[3])[:, blocks] = 0
+                pool.numpy().reshape(by_block)[:, blocks] = 0
             else:
-                fresh = torch.tensor(blocks, dtype=torch.long, device=pool.device)
-                pool.view(pool.shape[0], -1, self.block_size * pool.shape[2] * pool.shape[3]).index_fill_(1, fresh, 0)
+                pool.view(by_block).index_fill_(1, torch.tensor(blocks, dtype=torch.long, device=pool.device), 0)
 
     def _block_slots(self, blocks: list[int]) -> torch.Tensor:
         bs, device = self.block_size, self.k_pool.device
@@ -152,8 +152,9 @@ class ModelRunner:
         Rows are reordered for attention — decode rows longest first, then the rest longest first;
         the logits rows come in plan order (`StepInputs.sampled` holds their plan rows). The
         per-row and per-token arithmetic is one compiled pass (`layout_step`), so it stays small
-        beside the forward at batch 64. `decode_groups=False` skips the torch backend's length groups of decode rows
-        (the numba_cpu kernel reads each row's blocks itself and never looks at them)."""
+        beside the forward at batch 64. `decode_groups=False` skips the torch backend's length
+        groups of decode rows (the numba_cpu kernel reads each row's blocks itself and never looks
+        at them)."""
         from minillm.worker.step_layout import layout_step  # (numba, imported on first use, not with minillm)
 
         device, bs, batch = self.model.device, self.block_size, self.input_batch
@@ -179,10 +180,11 @@ class ModelRunner:
         sampled_np = np.flatnonzero(samples)
         sampled = sampled_np.tolist()
         logits_rows = logits_np.tolist()
-        if spec:
+        if spec:  # per sampled row, where its logits rows start and how many
+            sampled_widths = widths[sampled_np]
             firsts = np.zeros(len(sampled), dtype=np.int64)
-            np.cumsum(widths[sampled_np][:-1], out=firsts[1:])
-            spans = list(zip(firsts.tolist(), widths[sampled_np].tolist()))
+            np.cumsum(sampled_widths[:-1], out=firsts[1:])
+            spans = list(zip(firsts.tolist(), sampled_widths.tolist()))
         else:
             spans = [(j, 1) for j in range(len(sampled))]
         # torch-side reads (length groups, multi-token rows) send padding entries to the null block
