@@ -7,7 +7,8 @@ token can end in the middle of a UTF-8 character — then the decode ends in U+F
 held back until the next token completes the character.
 
 With a Rust ("fast") HF tokenizer the same window algorithm runs inside the `tokenizers` library
-(`tokenizers.decoders.DecodeStream`, which vLLM uses too): 1.6 µs per token here against 10.7 µs
+(`tokenizers.decoders.DecodeStream`, which vLLM uses too): 1.6 µs per token here (timed once, on
+2,000 random ids of the bundled tokenizer) against 10.7 µs
 for two Python-level `tokenizer.decode` calls, about 0.15 ms of a batch-16 decode step. The Python
 window below is the fallback: for slow tokenizers, for ones that clean up spaces after decoding
 (which DecodeStream does not do), and from the token where DecodeStream raises (it refuses a
