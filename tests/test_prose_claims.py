@@ -126,3 +126,10 @@ def test_reshaping_words_and_code_are_not_claims(tmp_path: Path) -> None:
     cells = [_md("The step flattens the new tokens into one tensor; the flattened batch has T rows. "
                  "`latency_grows = faster(x)` is code.\n\n```python\nassert faster\n```")]
     assert _flagged(tmp_path, cells) == []
+
+
+def test_a_ratio_column_of_a_table_is_data_not_a_printed_claim(tmp_path: Path) -> None:
+    """Chapter 04's saved run: a table printing 1759.38 -> 10.25 (0.01x) sat above "TTFT falls about 5×"."""
+    table = _code("print(compare(runs))", "mean TTFT (ms)   1759.38   904.05 (0.51x)   10.25 (0.01x)")
+    claim = _md("TTFT falls about 5× at the mean.")
+    assert _flagged(tmp_path, [table, claim]) == ["TTFT falls about 5× at the mean."]

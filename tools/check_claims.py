@@ -6,13 +6,14 @@ grows, falls, flattens, wins, "3×", "several times", "an order of magnitude", "
 "about the same" -- must rest on a cell that prints that sentence from its numbers or asserts it.
 Prose written after one run and left behind when the engine changed is what this catches.
 
-A sentence is a *claim* when it has a directional word (`DIRECTIONAL`) and names a measured
+A sentence is a *claim* when it has a directional word (`DIRECTIONAL_WORDS`, or a factor such as 3×) and names a measured
 quantity (`QUANTITIES`: time, TTFT, TPOT, ITL, throughput, goodput, utilisation, memory, ...).
 Headings, code and link targets are not prose. A claim is accepted when one of these holds:
 
 1. **A neighbouring code cell backs it.** The code cells right above the markdown cell (up to the
    previous markdown cell) or right below it (up to the next one) contain an `assert` statement, or
-   print a sentence with a directional word (e.g. one built by `minillm.viz.sentences`), and that
+   print a sentence with a directional word (e.g. one built by `minillm.viz.sentences`; a table's
+   ratio column such as "10.25 (0.01x)" is data, not a sentence, and does not count), and that
    assertion or printed line names the same quantity as the claim (a claim about TTFT needs an
    assert or printed line that mentions TTFT; `ttft_ms` counts). So: put the claim next to the cell
    that checks it, e.g. ``assert cb_ttft * 5 < static_ttft, f"continuous batching should cut TTFT
@@ -50,20 +51,22 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-DIRECTIONAL = re.compile(
+DIRECTIONAL_WORDS = re.compile(
     r"\b(?:faster|slower|quicker|grows?|grew|growing|rises?|rose|rising|climbs|climbed|climbing|falls?|fell|"
     r"falling|drops?|dropped|shrinks?|shrank|plateaus?|levels off|saturates?|wins?|won|beats?|"
     r"flattens?(?!\s+(?:their|the|them|it|its|each|a|an|one|all|into)\b)|"
     r"flattened(?!\s+(?:tensor|batch|sequences?|list|view|array|inputs?|tokens?|form)\b)|"
     r"loses|outperforms?|doubles|halves|triples|quadruples|doubled|halved|tripled|quadrupled|several[- ]fold|"
     r"several times|many times|orders? of magnitude|speeds? up|speedup|slowdown|collapses?|explodes?)\b"
-    r"|\b\d+(?:\.\d+)?\s?[×x](?!\w)"
     r"|\b(?:barely|hardly|scarcely) (?:moves?|changes?|grows?|shows?|matters?|costs?|differs?)\b"
     r"|\b(?:about|nearly|roughly) the same\b|\bthe same whatever\b"
     r"|\b(?:much|far) (?:better|worse|higher|lower|faster|slower|cheaper|more|less)\b"
     r"|\b(?:higher|lower|better|worse|cheaper) than\b",
     re.IGNORECASE,
 )
+# A factor ("3.5×", "2x") is directional in prose; in an output it is a table's ratio column, data
+# that does not say which way a claim should read, so only DIRECTIONAL_WORDS count as a printed claim.
+_FACTOR = re.compile(r"\b\d+(?:\.\d+)?\s?[×x](?!\w)")
 
 # Measured quantities, grouped: a claim and its backing must name a quantity of the same group.
 QUANTITIES: dict[str, re.Pattern[str]] = {
@@ -143,8 +146,13 @@ def _assert_statements(source: str) -> list[str]:
     return found
 
 
+def _is_directional(text: str) -> bool:
+    return bool(DIRECTIONAL_WORDS.search(text) or _FACTOR.search(text))
+
+
 def _printed_claims(output: str) -> list[str]:
-    return [line for line in output.splitlines() if DIRECTIONAL.search(line)]
+    """Lines of output that say which way something went ("fell from 1759 ms to 10 ms (172× lower)")."""
+    return [line for line in output.splitlines() if DIRECTIONAL_WORDS.search(line)]
 
 
 def quantities_in(text: str) -> set[str]:
@@ -183,7 +191,7 @@ def _is_open_question(sentence: str) -> bool:
 def claims_in(prose: str) -> list[str]:
     """The sentences of `prose` that draw a direction from a measured quantity."""
     return [s for s in sentences(prose)
-            if DIRECTIONAL.search(s) and quantities_in(s) and not _is_open_question(s)]
+            if _is_directional(s) and quantities_in(s) and not _is_open_question(s)]
 
 
 def _neighbour_code(cells: list[dict], index: int) -> list[dict]:
