@@ -56,7 +56,7 @@ DIRECTIONAL_WORDS = re.compile(
     r"falling|drops?|dropped|shrinks?|shrank|plateaus?|levels off|saturates?|wins?|won|beats?|"
     r"flattens?(?!\s+(?:their|the|them|it|its|each|a|an|one|all|into)\b)|"
     r"flattened(?!\s+(?:tensor|batch|sequences?|list|view|array|inputs?|tokens?|form)\b)|"
-    r"loses|outperforms?|doubles|halves|triples|quadruples|doubled|halved|tripled|quadrupled|several[- ]fold|"
+    r"loses|outperforms?|doubles|(?<!both )(?<!two )(?<!the )halves|triples|quadruples|doubled|halved|tripled|quadrupled|several[- ]fold|"
     r"several times|many times|orders? of magnitude|speeds? up|speedup|slowdown|collapses?|explodes?)\b"
     r"|\b(?:barely|hardly|scarcely) (?:moves?|changes?|grows?|shows?|matters?|costs?|differs?)\b"
     r"|\b(?:about|nearly|roughly) the same\b|\bthe same whatever\b"
@@ -80,7 +80,7 @@ QUANTITIES: dict[str, re.Pattern[str]] = {
         "memory": r"\b(?:memory|kv|gb|gib|mib|bytes?)\b",
         "rate": r"\b(?:req/s|requests? per second|rate)\b",
         "time": r"\b(?:time|times|timings?|durations?|latency|latencies|ms|seconds?|steps?|speed|wall|delay|wait|waits|queue|"
-                r"costs?|p50|p90|p99|mean|median|tail)\b",
+                r"costs?|p50|p90|p99)\b",
     }.items()
 }
 # "several times", "3 times" are directional words, not the quantity "time".
