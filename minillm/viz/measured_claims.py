@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from minillm.viz.sentences import ratio
+from minillm.viz.sentences import change, ratio
 
 
 @dataclass(frozen=True)
@@ -80,3 +80,17 @@ def closeness_verdict(spread: RatioSpread, tolerance: float = 0.15) -> str:
     if spread.low >= 1 - tolerance and spread.high <= 1 + tolerance:
         return f"about the same (within {tolerance:.0%} in every round)"
     return "not settled: the rounds disagree, rerun on a quieter machine"
+
+
+def compared(what: str, before: float, after: float, unit: str = "ms", digits: int = 1,
+             labels: tuple[str, str] = ("before", "after")) -> str:
+    """`sentences.change` that also words a zero ('goodput rose from 0.00 req/s to 14.39 req/s (none
+    before)'), since a run can keep no request within its SLO."""
+    if before < 0 or after < 0:
+        raise ValueError(f"compared: {what} must not be negative, got {before} and {after}")
+    if before > 0 and after > 0:
+        return change(what, before, after, unit=unit, digits=digits)
+    if before == after:
+        return f"{what} stayed at {before:.{digits}f} {unit}"
+    verb, none_side = ("rose", labels[0]) if after > before else ("fell", labels[1])
+    return f"{what} {verb} from {before:.{digits}f} {unit} to {after:.{digits}f} {unit} (none {none_side})"
