@@ -10,7 +10,13 @@ import pytest
 from minillm.metrics import SLO, RequestMetrics, StepRecord
 from minillm.sim.seat_utilisation import seat_utilisation, useful_rows
 from minillm.sim.steady_goodput import late_attainment, steady_goodput
-from minillm.viz.measured_claims import closeness_verdict, compared, growth_sentence, growth_verdict, ratio_spread
+from minillm.viz.measured_claims import (
+    closeness_verdict,
+    compared,
+    growth_sentence,
+    growth_verdict,
+    ratio_spread,
+)
 
 
 def test_ratio_spread_pairs_rounds_and_words_the_verdict() -> None:
