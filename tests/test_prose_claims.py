@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_prose_numbers import _code, _md, _notebook
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted((REPO_ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
@@ -38,21 +39,6 @@ def test_allowlist_entries_cite_a_source_and_are_used() -> None:
         for fragment, source in entries.items():
             assert len(source) > 10, f"chapter {chapter}: allowlisted {fragment!r} needs its source"
             assert fragment.lower() in prose, f"chapter {chapter}: allowlisted {fragment!r} no longer appears"
-
-
-def _notebook(tmp_path: Path, cells: list[dict]) -> Path:
-    path = tmp_path / "99_test.ipynb"
-    path.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
-    return path
-
-
-def _code(source: str, output: str = "") -> dict:
-    return {"cell_type": "code", "source": source, "metadata": {},
-            "outputs": [{"output_type": "stream", "name": "stdout", "text": output}]}
-
-
-def _md(text: str) -> dict:
-    return {"cell_type": "markdown", "source": text, "metadata": {}}
 
 
 def _flagged(tmp_path: Path, cells: list[dict]) -> list[str]:
@@ -82,20 +68,20 @@ def test_the_directional_words_of_issue_26_are_claims(tmp_path: Path, claim: str
 
 def test_an_assert_or_printed_sentence_next_to_it_backs_the_same_quantity(tmp_path: Path) -> None:
     claim = _md("TTFT falls several times with continuous batching.")
-    asserted = _code('assert cb.ttft_ms * 3 < static.ttft_ms, "continuous batching should cut TTFT 3x"')
+    asserted = _code('assert cb.ttft_ms * 3 < static.ttft_ms, "continuous batching should cut TTFT 3x"', "")
     assert _flagged(tmp_path, [claim, asserted]) == []
     assert _flagged(tmp_path, [asserted, claim]) == []
     printed = _code("print(change('mean TTFT', a, b))", "mean TTFT fell from 1759.0 ms to 10.3 ms (172× lower)")
     assert _flagged(tmp_path, [printed, claim]) == []
     # An assert about another quantity, or one two markdown cells away, backs nothing.
-    other = _code('assert cb.throughput > static.throughput, "more tokens per second"')
+    other = _code('assert cb.throughput > static.throughput, "more tokens per second"', "")
     assert _flagged(tmp_path, [claim, other]) == ["TTFT falls several times with continuous batching."]
     assert _flagged(tmp_path, [asserted, _md("Next."), claim]) == [
         "TTFT falls several times with continuous batching."]
 
 
 def test_a_marker_must_name_an_assert_or_output_that_exists(tmp_path: Path) -> None:
-    check = _code('assert ratio > 5, "continuous batching cuts mean TTFT at least 5x"')
+    check = _code('assert ratio > 5, "continuous batching cuts mean TTFT at least 5x"', "")
     question = _md("**Q2.** Why does TTFT fall so much? <!-- claim: cuts mean TTFT at least 5x -->\n\n"
                    "<details><summary>Answer</summary>\n\nTTFT falls because requests join at the next step."
                    " <!-- claim: cuts mean TTFT at least 5x -->\n</details>")

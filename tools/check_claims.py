@@ -43,6 +43,7 @@ Exit status 1 when a claim has nothing behind it; each is listed with its file, 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import sys
@@ -50,6 +51,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_check_prose():
+    """tools/check_prose.py, for the way it reads a cell's source and outputs (tools/ is not a package)."""
+    module = sys.modules.get("check_prose")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("check_prose", Path(__file__).with_name("check_prose.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["check_prose"] = module  # its dataclasses look their module up
+        spec.loader.exec_module(module)
+    return module
+
+
+_check_prose = _load_check_prose()
+_cell_text, _output_text = _check_prose._cell_text, _check_prose._output_text
 
 DIRECTIONAL_WORDS = re.compile(
     r"\b(?:faster|slower|quicker|grows?|grew|growing|rises?|rose|rising|climbs|climbed|climbing|falls?|fell|"
@@ -109,24 +125,6 @@ class Finding:
 
     def __str__(self) -> str:
         return f"{self.path} cell {self.cell}: '{self.sentence}': {self.why}"
-
-
-def _cell_text(cell: dict) -> str:
-    source = cell.get("source", "")
-    return "".join(source) if isinstance(source, list) else source
-
-
-def _output_text(cell: dict) -> str:
-    texts = []
-    for output in cell.get("outputs", []):
-        if output["output_type"] == "stream":
-            texts.append("".join(output["text"]))
-        elif "data" in output:
-            for kind in ("text/plain", "text/markdown", "text/html"):
-                value = output["data"].get(kind)
-                if value:
-                    texts.append("".join(value) if isinstance(value, list) else value)
-    return "\n".join(texts)
 
 
 def _assert_statements(source: str) -> list[str]:
