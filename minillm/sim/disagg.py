@@ -18,7 +18,8 @@ keys are read, nothing is recomputed) — see `DecodeInstanceExecutor`. The KV b
 fp16), moved as one message over a `minillm.sim.network.Link` (NVLink inside a node, InfiniBand
 between nodes); each prefill instance's link carries one prompt's KV at a time, first finished
 first sent, so a slow link also queues. Layer-by-layer overlap with the prefill (Splitwise's
-optimisation) is left out: the transfer here is an upper bound.
+optimisation) is left out here, so the transfer is an upper bound; `minillm.sim.kv_streaming`
+prices that overlap for one request.
 
 Timing as vLLM's disaggregated proxy delivers it: the user gets token 1 when the decode instance
 takes the request over, so TTFT = prefill queue + prefill + transfer + the wait on the decode side
