@@ -71,7 +71,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LlamaModel:
-    """A Llama / Mistral / Qwen2 decoder over flattened batches. Not an nn.Module: inference only."""
+    """A Llama-family decoder over flattened batches. Not an nn.Module: inference only.
+
+    Registered for `llama` (minillm/model/registry.py); the other families subclass it and say, in
+    `hf_config_fields`, what their config.json switches on."""
+
+    is_moe_family = False  # a family whose MLPs are mixtures of experts (Mixtral)
+
+    @classmethod
+    def hf_config_fields(cls, cfg: dict, num_layers: int) -> dict:
+        """The `ModelConfig` fields this family reads its own way. Llama: q/k/v and o biases when
+        `attention_bias`, full attention on every layer, a dense MLP."""
+        expert_keys = [k for k in ("num_experts", "num_local_experts", "n_routed_experts") if cfg.get(k)]
+        if expert_keys and not cls.is_moe_family:
+            raise ValueError(f"unsupported model_type {cfg.get('model_type')!r}: a mixture-of-experts family minillm "
+                             f"does not run (a dense family's name, with experts: {expert_keys})")
+        bias = bool(cfg.get("attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "sliding_windows": (None,) * num_layers}
 
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: torch.Tensor, max_positions: int) -> None:
