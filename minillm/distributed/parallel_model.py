@@ -1,7 +1,7 @@
 """The Llama decoder on one rank of tensor × pipeline parallelism (chapter 12).
 
 The same computation as `minillm.model.llama.LlamaModel.forward` (read that first), on this rank's
-shard (`minillm.distributed.shard_loader`), with the communication Megatron-LM and vLLM put in it:
+shard (`minillm.model.loader`), with the communication Megatron-LM and vLLM put in it:
 
     embedding   vocab-parallel: each rank looks up the tokens of its vocabulary slice, zeros for the
                 others; one all-reduce puts every row together            (first stage only)
@@ -37,7 +37,6 @@ import torch.nn.functional as F
 
 from minillm.distributed.layout import RankLayout
 from minillm.distributed.linear import ParallelState
-from minillm.distributed.shard_loader import vocab_shard
 from minillm.model.config import ModelConfig
 from minillm.model.llama import LayerWeights, column_major, lay_out_column_major, rms_norm
 from minillm.model.moe import sparse_moe
@@ -68,21 +67,21 @@ class ParallelLlamaModel:
     """One rank's share of a Llama-family decoder. Exposes what `ModelRunner` uses: `config` (this
     rank's heads and layers), `dtype`, `device`, `forward`, `compute_logits`."""
 
-    def __init__(self, full_config: ModelConfig, layout: RankLayout, weights: dict, tp: ParallelState,
+    def __init__(self, full_config: ModelConfig, layout: RankLayout, weights, tp: ParallelState,
                  max_positions: int, device: str = "cpu") -> None:
         c = full_config
         self.full_config, self.layout, self.tp = c, layout, tp
-        layers: list[LayerWeights] = weights["layers"]
+        layers: list[LayerWeights] = weights.layers
         lay_out_column_major(layers)
         self.layers = layers
         own = layout.layers(c.num_layers)
         self.config = dataclasses.replace(
             c, num_heads=len(layout.q_heads(c)), num_kv_heads=len(layout.kv_heads(c)), num_layers=len(own),
             sliding_windows=tuple(c.sliding_windows[own.start:own.stop]) if c.sliding_windows else ())
-        self.embed, self.final_norm = weights["embed"], weights["final_norm"]
-        self.lm_head = None if weights["lm_head"] is None else column_major(weights["lm_head"])
-        self.vocab_start = weights["vocab_start"]
-        self.vocab_rows = vocab_shard(c.vocab_size, layout.tp, layout.tp_rank)[2]  # (padded) rows per rank
+        self.embed, self.final_norm = weights.embed, weights.final_norm
+        self.lm_head = None if weights.lm_head is None else column_major(weights.lm_head)
+        self.vocab_start = weights.vocab_start
+        self.vocab_rows = -(-c.vocab_size // layout.tp)  # (padded) rows per rank
         self.dtype = layers[0].qkv.dtype
         self.device = torch.device(device)
         self.rope = RotaryTable(c.head_dim, c.rope_theta, max_positions, self.dtype, self.device, c.rope_scaling)

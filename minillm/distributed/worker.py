@@ -132,7 +132,8 @@ def build_rank(spec: WorkerSpec, rank: int) -> ParallelWorker:
 
     from minillm.distributed.linear import ParallelState
     from minillm.distributed.parallel_model import ParallelLlamaModel
-    from minillm.distributed.shard_loader import load_rank_weights
+    from minillm.model.checkpoint import SafetensorsCheckpoint
+    from minillm.model.loader import Placement, load_weights
 
     world = spec.tp * spec.pp
     on_cuda = spec.device.startswith("cuda")
@@ -144,7 +145,9 @@ def build_rank(spec: WorkerSpec, rank: int) -> ParallelWorker:
     layout = RankLayout(rank, spec.tp, spec.pp)
     groups = [dist.new_group(layout.tp_group_ranks(s)) if 1 < spec.tp < world else None for s in range(spec.pp)]
     tp_state = ParallelState(layout.tp_rank, spec.tp, groups[layout.stage])
-    weights = load_rank_weights(spec.model_dir, spec.model_config, layout, spec.dtype, device, spec.expert_parallel)
+    placement = Placement.of_rank(spec.model_config, layout, spec.expert_parallel)
+    with SafetensorsCheckpoint(spec.model_dir) as checkpoint:
+        weights = load_weights(checkpoint, spec.model_config, placement, spec.dtype, device)
     model = ParallelLlamaModel(spec.model_config, layout, weights, tp_state, spec.max_positions, device)
     if spec.expert_parallel:  # expert parallel over the stage's TP group (ranks hold their experts already)
         from minillm.distributed.moe import shard_model_experts

@@ -37,17 +37,22 @@ class Attention(Protocol):
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(H_q + 2·H_kv)·D, hidden]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [hidden, H_q·D]
-    o_bias: torch.Tensor | None
-    post_attention_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2·intermediate, hidden]
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [hidden, intermediate]
-    down_bias: torch.Tensor | None
-    moe: MoEWeights | None = None  # Mixtral: router + experts in place of the MLP (gate_up, down are None)
+    """One decoder layer's weights (one rank's share of them under tensor parallelism); a part the
+    family does not have is None."""
+
+    input_norm: torch.Tensor | None = None
+    qkv: torch.Tensor | None = None  # [(H_q + 2·H_kv)·D, hidden]
+    qkv_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # [D]: per-head RMSNorm of the queries before RoPE (Qwen3)
+    k_norm: torch.Tensor | None = None
+    o: torch.Tensor | None = None  # [hidden, H_q·D]
+    o_bias: torch.Tensor | None = None
+    post_attention_norm: torch.Tensor | None = None
+    gate_up: torch.Tensor | None = None  # [2·intermediate, hidden]
+    gate_up_bias: torch.Tensor | None = None
+    down: torch.Tensor | None = None  # [hidden, intermediate]
+    down_bias: torch.Tensor | None = None
+    moe: MoEWeights | None = None  # an MoE family: router + experts in place of the MLP (gate_up, down are None)
 
 
 def column_major(w: torch.Tensor) -> torch.Tensor:
@@ -77,6 +82,7 @@ class LlamaModel:
     `hf_config_fields`, what their config.json switches on."""
 
     is_moe_family = False  # a family whose MLPs are mixtures of experts (Mixtral)
+    expert_names = None  # an MoE family: where its checkpoint keeps the experts (minillm.model.moe.ExpertNames)
 
     @classmethod
     def hf_config_fields(cls, cfg: dict, num_layers: int) -> dict:

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from minillm.model.config import expert_counts
 from minillm.model.mistral import MistralModel
+from minillm.model.moe import MIXTRAL_EXPERT_NAMES
 
 
 class MixtralModel(MistralModel):
     is_moe_family = True
+    expert_names = MIXTRAL_EXPERT_NAMES
 
     @classmethod
     def hf_config_fields(cls, cfg: dict, num_layers: int) -> dict:
