@@ -228,5 +228,4 @@ def build_model(config: ModelConfig, state: Mapping[str, torch.Tensor], dtype: t
 
 
 def _model(config: ModelConfig, w: ModelWeights, max_positions: int | None) -> LlamaModel:
-    return model_class(config.model_type)(config, w.embed, w.layers, w.final_norm, w.lm_head,
-                                          max_positions or config.max_position_embeddings)
+    return model_class(config.model_type)(config, w, max_positions or config.max_position_embeddings)
