@@ -79,7 +79,7 @@ class ModelConfig:
         fields = family.hf_config_fields(cfg, num_layers)  # biases, windows, experts, q/k norms: the family's
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
+        common = dict(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -96,8 +96,8 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            **fields,
         )
+        return cls(**{**common, **fields})  # a family's reading wins over the common one
 
 
 def expert_counts(cfg: dict[str, Any], experts_key: str) -> dict[str, int]:
