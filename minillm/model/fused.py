@@ -31,6 +31,8 @@ matmul weights twice.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -75,10 +77,8 @@ class FusedOps:
         self.kernels = cpu_fused_ops
         self.eps, self.cos, self.sin = eps, cos.numpy(), sin.numpy()
         self.packed: dict = {}  # the matmul weights in oneDNN's layout (`linear` fills it)
+        self.linear = functools.partial(linear, packed=self.packed)  # linear(x, w, bias) on this cache
         self._views: dict = {}  # id(norm weight) -> (the weight, its numpy view)
-
-    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return linear(x, w, bias, self.packed)
 
     def _numpy(self, w: torch.Tensor):
         entry = self._views.get(id(w))
