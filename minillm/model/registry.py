@@ -18,6 +18,7 @@ MODELS = {  # model_type -> the class that runs it
     "mistral": "minillm.model.mistral:MistralModel",
     "qwen2": "minillm.model.qwen2:Qwen2Model",
     "mixtral": "minillm.model.mixtral:MixtralModel",
+    "qwen3": "minillm.model.qwen3:Qwen3Model",
 }
 
 # Mixture-of-experts families minillm does not run: their routers differ from the ones it has
