@@ -1,10 +1,13 @@
-"""Qwen3, added through the registry (minillm/model/qwen3.py): token-exact with HF transformers in
-float64, on tiny random configs made here, in every batching mode (static, dynamic, continuous on
-slabs and on pages with both CPU attention backends, chunked + prefix-cached, preempted), and on real
-processes: tensor parallel 2, and pipeline parallel 2 with 3 layers on 2 stages (2 + 1).
+"""Qwen3 and Qwen3-MoE, added through the registry (minillm/model/qwen3.py, qwen3_moe.py): token-exact
+with HF transformers in float64, on tiny random configs made here, in every batching mode (static,
+dynamic, continuous on slabs and on pages with both CPU attention backends, chunked + prefix-cached,
+preempted), and on real processes: tensor parallel 2, pipeline parallel 2 with 3 layers on 2 stages
+(2 + 1), and for the MoE expert parallel 2.
 
 The configs exercise what Qwen3 changes: an RMSNorm over each query and key head before RoPE (its
-weights drawn at random, not left at 1), no q/k/v bias, and head_dim 16 where hidden ÷ heads is 8.
+weights drawn at random, not left at 1), no q/k/v bias, and head_dim 16 where hidden ÷ heads is 8;
+Qwen3-MoE's router with its top-k renormalised (norm_topk_prob=True) and not (False, HF's default),
+and each step's expert load (returned by the forward, recorded per step).
 The multi-process tests share the xdist group of tests/test_distributed_engine.py (one at a time).
 """
 
@@ -21,7 +24,9 @@ from minillm.single_sequence import full_logits, incremental_logits
 MAX_TOKENS = 12
 TINY = dict(vocab_size=160, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
-FAMILIES = {"qwen3": dict()}
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
+FAMILIES = {"qwen3": dict(), "qwen3_moe": dict(MOE, norm_topk_prob=True),
+            "qwen3_moe-unnormalised": dict(MOE, norm_topk_prob=False)}
 MODES = {
     "static": dict(batching="static", max_num_seqs=3),
     "dynamic": dict(batching="dynamic", max_num_seqs=3),
@@ -32,7 +37,10 @@ MODES = {
                                   enable_prefix_caching=True, max_num_seqs=3),
     "preempted": dict(block_size=1, num_kv_blocks=40, max_model_len=40, max_num_seqs=6, kv_watermark=0.0),
 }
-LAYOUTS = {"tp2": dict(tensor_parallel_size=2), "pp2-uneven": dict(pipeline_parallel_size=2)}
+LAYOUTS = {"tp2": dict(tensor_parallel_size=2), "pp2-uneven": dict(pipeline_parallel_size=2),
+           "ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True)}
+PARALLEL_CASES = [("qwen3", "tp2"), ("qwen3", "pp2-uneven"), ("qwen3_moe", "ep2"), ("qwen3_moe", "pp2-uneven"),
+                  ("qwen3_moe-unnormalised", "tp2")]
 
 
 def make_hf_model(family: str, seed: int = 0):
@@ -44,6 +52,7 @@ def make_hf_model(family: str, seed: int = 0):
     torch.manual_seed(seed)
     config = config_cls(**TINY, **FAMILIES[family])
     config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"  # (an MoE's experts one by one, in float64 as asked)
     model = model_cls(config).to(torch.float64).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -103,6 +112,11 @@ def test_greedy_tokens_equal_hf_in_every_batching_mode(family: str, mode: str) -
         assert any(len(s.prefill_chunk_sizes) > 0 and max(s.prefill_chunk_sizes) < 8 for s in steps)
     if mode == "preempted":
         assert sum(s.num_preemptions for s in steps) > 0
+    if family.startswith("qwen3_moe") and mode != "static":  # (static batching computes pad rows too)
+        # Layer 0 routes every computed token to top_k experts: the forward's measure, in the step records.
+        assert all(sum(s.expert_load[0]) == 2 * s.num_computed_tokens and len(s.expert_load) == 3 for s in steps)
+    elif not family.startswith("qwen3_moe"):
+        assert all(s.expert_load is None for s in steps)
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +129,17 @@ def saved(tmp_path_factory):
     return save
 
 
+def test_qwen3_moe_with_dense_layers_is_refused() -> None:
+    from minillm.model.config import ModelConfig
+
+    cfg = make_hf_model("qwen3_moe").config.to_dict()
+    with pytest.raises(ValueError, match=r"layers \[1\] have a dense MLP \(mlp_only_layers=\[1\]"):
+        ModelConfig.from_hf_dict({**cfg, "mlp_only_layers": [1]})
+    assert ModelConfig.from_hf_dict(cfg).moe_renormalize and ModelConfig.from_hf_dict(cfg).intermediate_size == 24
+
+
 @pytest.mark.xdist_group("distributed")
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize(("family", "layout"), PARALLEL_CASES, ids=[f"{f}-{lay}" for f, lay in PARALLEL_CASES])
 def test_parallel_layouts_equal_hf(family: str, layout: str, saved) -> None:
     _, want = reference(family)
     knobs = dict(enable_chunked_prefill=True, max_num_batched_tokens=8, block_size=4, enable_prefix_caching=True,

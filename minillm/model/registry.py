@@ -19,6 +19,7 @@ MODELS = {  # model_type -> the class that runs it
     "qwen2": "minillm.model.qwen2:Qwen2Model",
     "mixtral": "minillm.model.mixtral:MixtralModel",
     "qwen3": "minillm.model.qwen3:Qwen3Model",
+    "qwen3_moe": "minillm.model.qwen3_moe:Qwen3MoeModel",
 }
 
 # Mixture-of-experts families minillm does not run: their routers differ from the ones it has
