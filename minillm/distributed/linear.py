@@ -221,11 +221,10 @@ def shard_mlp(weights: MLPWeights, rank: int, size: int) -> MLPWeights:
 
 
 def mlp_forward(x: torch.Tensor, shard: MLPWeights, tp: ParallelState) -> torch.Tensor:
-    """The MLP on every token of x [T, H] on this rank, whole output [T, H] on every rank."""
-    gate, up = F.linear(x, shard.gate_up, shard.gate_up_bias).chunk(2, dim=-1)
-    partial = F.linear(F.silu(gate) * up, shard.down)  # this rank's features' share of every output
-    y = tp.all_reduce(partial)
-    return y if shard.down_bias is None else y + shard.down_bias
+    """The MLP on every token of x [T, H] on this rank, whole output [T, H] on every rank: the
+    engine's layers, gate|up column-parallel, down row-parallel (its all-reduce, then the bias)."""
+    gate, up = ColumnParallelLinear.from_shard(shard.gate_up, shard.gate_up_bias, tp)(x).chunk(2, dim=-1)
+    return RowParallelLinear.from_shard(shard.down, shard.down_bias, tp)(F.silu(gate) * up)
 
 
 # --- attention: q, k, v column-parallel by heads, o_proj row-parallel ------------------------------
@@ -281,7 +280,7 @@ def attention_forward(x: torch.Tensor, shard: AttentionShard, tp: ParallelState)
     group = shard.num_heads // shard.num_kv_heads
     k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
     heads = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [heads_here, T, D]
-    return tp.all_reduce(F.linear(heads.transpose(0, 1).reshape(tokens, -1), shard.o))
+    return RowParallelLinear.from_shard(shard.o, None, tp)(heads.transpose(0, 1).reshape(tokens, -1))  # o_proj
 
 
 def all_reduce_bytes_per_token(hidden_size: int, dtype_bytes: int, num_layers: int = 1) -> int:
