@@ -165,6 +165,8 @@ class ExpertNames:
     down: str  # [hidden, intermediate]
 
 
+# Mixtral's, kept here rather than in minillm/model/mixtral.py: moe_weights_from_state (chapter 12) reads them
+# by default, and mixtral.py imports this module (the other way round would be an import circle).
 MIXTRAL_EXPERT_NAMES = ExpertNames("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
                                    "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight")
 # transformers 5 keeps every family's experts fused in memory, under these names:
