@@ -48,7 +48,7 @@ class SingleSequence:
         inputs = self.runner.prepare(plan)
         attention = FlatPoolAttention(self.runner.k_pool, self.runner.v_pool, inputs.meta,
                                       self.model.config.sliding_windows)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, attention)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, attention).hidden
         req.num_computed_tokens += len(token_ids)  # no scheduler here: this class is its own
         return self.model.compute_logits(hidden)
 

@@ -19,13 +19,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from minillm.model.loader import read_safetensors  # noqa: E402
 from minillm.model.moe import (  # noqa: E402
+    MIXTRAL_EXPERT_NAMES,
     MoEWeights,
     dispatch,
     expert_ranges,
-    moe_tensor_names,
     moe_weights_from_state,
     route,
     sparse_moe,
+    unfuse_experts,
 )
 
 MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
@@ -144,13 +145,13 @@ def test_in_memory_weights_equal_disk_weights(hf_moe64) -> None:
     _, memory = _hf_block_and_ours(hf_moe64, 1, "memory")
     for name in ("router", "gate_up", "down"):
         assert torch.equal(getattr(disk, name), getattr(memory, name)), name
-    # The names read, for a loader's unused-tensor check: every MoE tensor of the file, nothing else.
-    state = read_safetensors(MOE_DIR)
-    names = [n for layer in (0, 1) for n in moe_tensor_names(state, layer, 4)]
-    assert len(names) == 2 * (1 + 4 * 3) and all(n in state for n in names)
-    assert {n for n in state if "block_sparse_moe" in n} == set(names)
-    in_memory = hf_moe64.state_dict()
-    assert all(n in in_memory for n in moe_tensor_names(in_memory, 1, 4))
+    # The names the loader reads (Mixtral's ExpertNames): every MoE tensor of the file, nothing else; the
+    # in-memory spelling, unfused, is the file's.
+    state, n = read_safetensors(MOE_DIR), MIXTRAL_EXPERT_NAMES
+    names = {f"model.layers.{i}.{t.format(e=e)}" for i in (0, 1) for e in range(4) for t in (n.gate, n.up, n.down)}
+    names |= {f"model.layers.{i}.{n.router}" for i in (0, 1)}
+    assert {k for k in state if "block_sparse_moe" in k} == names
+    assert {k for k in unfuse_experts(hf_moe64.state_dict(), n) if "block_sparse_moe" in k} == names
 
 
 def test_dispatch_groups_rows_by_expert() -> None:

@@ -1,5 +1,6 @@
-"""The fused small ops (kernels/cpu_fused_ops.py) against their torch references, and the float32
-forward that uses them (minillm/model/fused.py) against the plain torch forward."""
+"""The fused small ops (kernels/cpu_fused_ops.py) against their torch references, and the one forward
+run with them (minillm/model/fused.py's FusedOps, float32) against the same forward run with the torch
+ops (TorchOps)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def test_fused_forward_equals_torch_forward_on_the_bundled_model():
     model.fused_ops = True
     torch.testing.assert_close(full_logits(model, tokens), want_full, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(incremental_logits(model, tokens, 5), want_incremental, rtol=1e-4, atol=1e-4)
-    assert len(model._packed_weights) == 17 and all(e[2] is not None for e in model._packed_weights.values())
+    assert len(model.ops.packed) == 17 and all(e[2] is not None for e in model.ops.packed.values())
     texts = ["In the beginning", "Blessed are they", "And the king said unto", "Thus saith the LORD"]
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     fused = [o.outputs[0].token_ids for o in llm.generate(texts, greedy, use_tqdm=False)]
@@ -80,8 +81,8 @@ def test_a_weight_changed_in_place_or_replaced_is_packed_again():
     tokens = llm.tokenizer("In the beginning God created the heaven and the earth").input_ids
     full_logits(model, tokens)  # packs every weight
     with torch.no_grad():
-        model.layers[0].gate_up.mul_(0.5)
-    model.layers[1].qkv = model.layers[1].qkv * 1.5
+        model.layers[0].gate_up.weight.mul_(0.5)
+    model.layers[1].qkv.weight = model.layers[1].qkv.weight * 1.5
     got = full_logits(model, tokens)
     model.fused_ops = False
     torch.testing.assert_close(got, full_logits(model, tokens), rtol=1e-4, atol=1e-4)

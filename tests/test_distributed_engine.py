@@ -328,9 +328,9 @@ def test_each_rank_reads_only_its_shard(tp):
     import torch
 
     from minillm.distributed.layout import RankLayout
-    from minillm.distributed.shard_loader import load_rank_weights
+    from minillm.model.checkpoint import SafetensorsCheckpoint
     from minillm.model.config import ModelConfig
-    from minillm.model.loader import read_hf_config, read_safetensors
+    from minillm.model.loader import Placement, load_weights, read_hf_config, read_safetensors
 
     config = ModelConfig.from_hf_dict(read_hf_config(BUNDLED_TARGET))
     full = read_safetensors(BUNDLED_TARGET)
@@ -338,7 +338,8 @@ def test_each_rank_reads_only_its_shard(tp):
     d, per_q = config.head_dim, config.num_heads // tp
     for rank in (0, tp - 1):
         layout = RankLayout(rank, tp, 1)
-        w = load_rank_weights(BUNDLED_TARGET, config, layout, torch.float32)
+        with SafetensorsCheckpoint(BUNDLED_TARGET) as checkpoint:
+            w = load_weights(checkpoint, config, Placement.of_rank(config, layout), torch.float32)
         a = "model.layers.2.self_attn."
         kv_head = rank * config.num_kv_heads // tp if tp > config.num_kv_heads else None
         q_rows = slice(rank * per_q * d, (rank + 1) * per_q * d)
@@ -346,14 +347,14 @@ def test_each_rank_reads_only_its_shard(tp):
             slice(rank * d * config.num_kv_heads // tp, (rank + 1) * d * config.num_kv_heads // tp)
         want_qkv = torch.cat((full[a + "q_proj.weight"][q_rows], full[a + "k_proj.weight"][kv_rows],
                               full[a + "v_proj.weight"][kv_rows]))
-        assert torch.equal(w["layers"][2].qkv, want_qkv)
-        assert torch.equal(w["layers"][2].o, full[a + "o_proj.weight"][:, q_rows])
+        assert torch.equal(w.layers[2].qkv, want_qkv)
+        assert torch.equal(w.layers[2].o, full[a + "o_proj.weight"][:, q_rows])
         inter = config.intermediate_size // tp
         m = slice(rank * inter, (rank + 1) * inter)
-        assert torch.equal(w["layers"][2].down, full["model.layers.2.mlp.down_proj.weight"][:, m])
+        assert torch.equal(w.layers[2].down, full["model.layers.2.mlp.down_proj.weight"][:, m])
         vocab = config.vocab_size // tp
-        assert torch.equal(w["lm_head"], full["lm_head.weight"][rank * vocab:(rank + 1) * vocab])
-        assert w["bytes_read"] < total / tp * 1.1  # its share (norms are whole), never the whole checkpoint
+        assert torch.equal(w.lm_head, full["lm_head.weight"][rank * vocab:(rank + 1) * vocab])
+        assert w.bytes_read < total / tp * 1.1  # its share (norms are whole), never the whole checkpoint
 
 
 def free_port() -> int:

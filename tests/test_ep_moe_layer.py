@@ -1,5 +1,5 @@
 """Expert parallelism as the engine will call it (minillm/distributed/moe.py: `ep_moe_layer`,
-`shard_model_experts`, `read_expert_shards`): 2 gloo ranks (run_ranks,
+`shard_model_experts`; the loader reading an EP rank's experts): 2 gloo ranks (run_ranks,
 forked, on loopback) hold 2 of the bundled Mixtral's 4 experts each, receive the SAME hidden states
 (as tensor-parallel attention leaves them) and must return what one process computes with all 4,
 in float64 — for one MoE layer, and for the whole engine with every layer's MoE made expert-parallel.
@@ -14,13 +14,22 @@ import pytest
 import torch
 
 from minillm.distributed.launch import run_ranks
-from minillm.distributed.moe import check_expert_parallel, read_expert_shards, shard_experts, token_slices
-from minillm.model.loader import build_model, load_model_dir, read_safetensors
+from minillm.distributed.layout import RankLayout
+from minillm.distributed.moe import check_expert_parallel, shard_experts, token_slices
+from minillm.model.checkpoint import SafetensorsCheckpoint, StateDictCheckpoint
+from minillm.model.loader import Placement, load_model_dir, load_weights, read_safetensors
 from minillm.model.moe import moe_weights_from_state
 
 MOE_DIR = Path(__file__).resolve().parents[1] / "models" / "minillm-moe"
 TIMEOUT_S = 120
 NUM_TOKENS = (1, 3, 30)  # 1: rank 1 has no token of its own (a one-row decode step); 3, 30: uneven slices
+
+
+def read_expert_shards(config, rank: int, world_size: int, dtype=torch.float32) -> list:
+    """The rank's experts of every layer, as the engine's loader reads them for an expert-parallel rank."""
+    placement = Placement.of_rank(config, RankLayout(rank, world_size, 1), expert_parallel=True)
+    with SafetensorsCheckpoint(MOE_DIR) as checkpoint:
+        return [lw.moe for lw in load_weights(checkpoint, config, placement, dtype).layers]
 
 
 def _layer_on_a_rank(rank: int, world_size: int) -> list[dict]:
@@ -30,7 +39,7 @@ def _layer_on_a_rank(rank: int, world_size: int) -> list[dict]:
     from minillm.model.moe import sparse_moe
 
     model = load_model_dir(MOE_DIR, torch.float64)
-    shards = read_expert_shards(MOE_DIR, model.config, rank, world_size, torch.float64)
+    shards = read_expert_shards(model.config, rank, world_size, torch.float64)
     results = []
     for layer in (0, 1):
         full = model.layers[layer].moe
@@ -75,7 +84,7 @@ def _engine_on_a_rank(rank: int, world_size: int, prompts: list[list[int]], knob
 
     llm = LLM(model=str(MOE_DIR), dtype="float64", device="cpu", **knobs)
     # The rank's experts read from the file, or sliced from the whole model the LLM loaded.
-    shards = read_expert_shards(MOE_DIR, llm.model.config, rank, world_size, torch.float64) if from_file else None
+    shards = read_expert_shards(llm.model.config, rank, world_size, torch.float64) if from_file else None
     hook = shard_model_experts(llm.model, dist.group.WORLD, shards)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -114,12 +123,8 @@ def test_token_slices_and_refusals() -> None:
     assert token_slices(1, 2) == [range(0, 1), range(1, 1)]
     assert token_slices(0, 2) == [range(0, 0), range(0, 0)]
     config = load_model_dir(MOE_DIR).config
-    with pytest.raises(ValueError, match="ep_rank=2 must be in"):
-        read_expert_shards(MOE_DIR, config, 2, 2)
-    with pytest.raises(ValueError, match="4 experts cannot be split evenly over 3"):
-        read_expert_shards(MOE_DIR, config, 0, 3)
     full = moe_weights_from_state(read_safetensors(MOE_DIR), 0, 4, 2)
-    assert torch.equal(read_expert_shards(MOE_DIR, config, 1, 4)[0].gate_up, full.gate_up[1:2])
+    assert torch.equal(read_expert_shards(config, 1, 4)[0].gate_up, full.gate_up[1:2])
     with pytest.raises(ValueError, match="4 experts cannot be split evenly over 8"):
         check_expert_parallel(config, 8)
     check_expert_parallel(config, 4)
@@ -128,13 +133,13 @@ def test_token_slices_and_refusals() -> None:
         check_expert_parallel(dense, 2)
 
 
-def test_build_model_takes_the_rank_s_experts_without_reading_the_others() -> None:
+def test_an_expert_parallel_rank_reads_only_its_experts() -> None:
     state = read_safetensors(MOE_DIR)
-    no_experts = {n: t for n, t in state.items() if ".experts." not in n}
+    others = {n: t for n, t in state.items() if not any(f".experts.{e}." in n for e in (0, 1))}  # experts 2, 3 only
     config = load_model_dir(MOE_DIR).config
-    shards = read_expert_shards(MOE_DIR, config, 1, 2, torch.float64)
-    model = build_model(config, no_experts, torch.float64, "cpu", moe_shards=shards)
-    assert [lw.moe.experts for lw in model.layers] == [range(2, 4)] * 2
-    assert torch.equal(model.layers[1].moe.down, moe_weights_from_state(state, 1, 4, 2, torch.float64).down[2:])
-    with pytest.raises(KeyError, match="lacks 12 expert tensors"):  # without shards the experts are required
-        build_model(config, no_experts, torch.float64, "cpu")
+    placement = Placement.of_rank(config, RankLayout(1, 2, 1), expert_parallel=True)
+    layers = load_weights(StateDictCheckpoint(others), config, placement, torch.float64).layers
+    assert [lw.moe.experts for lw in layers] == [range(2, 4)] * 2
+    assert torch.equal(layers[1].moe.down, moe_weights_from_state(state, 1, 4, 2, torch.float64).down[2:])
+    with pytest.raises(KeyError, match="experts.0.w1.weight"):  # one process needs every expert
+        load_weights(StateDictCheckpoint(others), config, Placement.whole(config), torch.float64)

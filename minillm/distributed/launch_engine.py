@@ -6,6 +6,14 @@ The driver reads only the model's config.json: it checks that the model splits o
 accounts but allocates nothing (the pools live on the ranks, each with its heads and layers), and
 hands steps to a `MultiprocExecutor`. Everything else — tokenizer, scheduler, prefix cache,
 preemption, chunked prefill — is the one-process engine's, unchanged: the plan is the same data.
+
+Why this module imports `minillm.executor.multiproc`, a layer above `minillm.distributed`: it is
+not a part of the distributed machinery but the driver-side assembly of an engine over it — the
+`build_engine` of several processes — and assembling one means constructing its executor. The
+import is made inside `build_distributed_engine`, so importing `minillm.distributed` (as the ranks
+and chapter 12 do) never loads the executor; nothing below imports this module (only `minillm.llm`
+does). Its proper home is beside `build_engine` in `minillm/engine/build.py`, where the edge would
+point downward; that move belongs to whoever owns `minillm/engine/`.
 """
 
 from __future__ import annotations

@@ -17,26 +17,56 @@ its query heads and the KV heads they read; with fewer KV heads than ranks, each
 replicated on the ranks whose query heads share it. A vocab-parallel embedding holds a slice of the
 vocabulary's rows; each rank looks up the tokens it owns, zeros for the others, and an all-reduce
 puts every row together. One process is `ParallelState()`: size 1, no communication.
+
+These layers are the ones the engine's decoder is built from (minillm/model/llama.py): at size 1
+each is the plain operation (`F.linear`, `F.embedding`), with no collective. Built from a whole
+weight (`ColumnParallelLinear(weight, bias, tp)`) they cut their share themselves, as exercise 12
+does; the engine's loader reads each rank's share from the checkpoint and hands it over with
+`from_shard`. `forward` takes the matmul to run (`F.linear`, or the fused CPU path's oneDNN one).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
+
+
+class CommCounter:
+    """Collectives a rank called, the bytes it handed them and the wall time it spent in them, over its
+    life (chapter 12 reads them). Time in a recv is mostly waiting for the previous stage: the bubble."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def timed(self, kind: str, tensor: torch.Tensor):
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.bytes[kind] = self.bytes.get(kind, 0) + tensor.numel() * tensor.element_size()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - start
 
 
 @dataclass(frozen=True)
 class ParallelState:
-    """Which rank of how many, and the process group the collectives run on (None: the default one)."""
+    """Which rank of how many, and the process group the collectives run on (None: the default one);
+    `comm`, when given, counts the all-reduces."""
 
     rank: int = 0
     size: int = 1
     group: Any = None
+    comm: CommCounter | None = field(default=None, compare=False)
 
     @classmethod
     def of(cls, group: Any = None) -> ParallelState:
@@ -48,7 +78,11 @@ class ParallelState:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place; nothing to do on one rank."""
         if self.size > 1:
-            dist.all_reduce(tensor, group=self.group)
+            if self.comm is None:
+                dist.all_reduce(tensor, group=self.group)
+            else:
+                with self.comm.timed("all_reduce", tensor):
+                    dist.all_reduce(tensor, group=self.group)
         return tensor
 
 
@@ -86,48 +120,80 @@ def row_shard(weight: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return weight[:, rank * per_rank:(rank + 1) * per_rank].clone(memory_format=torch.contiguous_format)
 
 
-class ColumnParallelLinear(nn.Module):
+Matmul = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+class _LinearShard:
+    tp: ParallelState
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    @classmethod
+    def from_shard(cls, weight: torch.Tensor, bias: torch.Tensor | None, tp: ParallelState):
+        """The layer on this rank's share, already cut (as the engine's loader reads it); for a
+        row-parallel layer `bias` is whole."""
+        layer = cls.__new__(cls)
+        layer.tp, layer.weight, layer.bias = tp, weight, bias
+        return layer
+
+
+class ColumnParallelLinear(_LinearShard):
     """y[:, this rank's slice] = x Wᵀ + b for this rank's rows of W (and of b). No communication."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: ParallelState,
                  part_sizes: list[int] | None = None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(column_shard(weight, tp.rank, tp.size, part_sizes), requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(column_shard(bias, tp.rank, tp.size, part_sizes),
-                                                           requires_grad=False)
+        self.tp = tp
+        self.weight = column_shard(weight, tp.rank, tp.size, part_sizes)
+        self.bias = None if bias is None else column_shard(bias, tp.rank, tp.size, part_sizes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, matmul: Matmul = F.linear) -> torch.Tensor:
+        return matmul(x, self.weight, self.bias)
+
+    __call__ = forward
 
 
-class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_slice W_sliceᵀ) + b: the ranks' partial sums added, the bias added once."""
+class RowParallelLinear(_LinearShard):
+    """y = all_reduce(x_slice W_sliceᵀ) + b: the ranks' partial sums added, the bias added once.
+    On one rank: x Wᵀ + b, one matmul."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: ParallelState) -> None:
-        super().__init__()
         self.tp = tp
-        self.weight = nn.Parameter(row_shard(weight, tp.rank, tp.size), requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias.clone(), requires_grad=False)
+        self.weight = row_shard(weight, tp.rank, tp.size)
+        self.bias = None if bias is None else bias.clone()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+    def forward(self, x: torch.Tensor, matmul: Matmul = F.linear) -> torch.Tensor:
+        if self.tp.size == 1:
+            return matmul(x, self.weight, self.bias)
+        y = self.tp.all_reduce(matmul(x, self.weight, None))
         return y if self.bias is None else y + self.bias
 
+    __call__ = forward
 
-class VocabParallelEmbedding(nn.Module):
+
+class VocabParallelEmbedding:
     """Rank r holds rows [r·V/size, (r+1)·V/size) of the table; every rank gets every token's row."""
 
     def __init__(self, table: torch.Tensor, tp: ParallelState) -> None:
-        super().__init__()
         self.tp = tp
         per_rank = divide(table.shape[0], tp.size, "vocab_size")
         self.start, self.stop = tp.rank * per_rank, (tp.rank + 1) * per_rank
-        self.weight = nn.Parameter(table[self.start:self.stop].clone(), requires_grad=False)
+        self.weight = table[self.start:self.stop].clone()
+
+    @classmethod
+    def from_shard(cls, rows: torch.Tensor, start: int, tp: ParallelState) -> VocabParallelEmbedding:
+        """The rows [start, start + len(rows)) already read for this rank (the last one's zero-padded)."""
+        layer = cls.__new__(cls)
+        layer.tp, layer.weight, layer.start, layer.stop = tp, rows, start, start + rows.shape[0]
+        return layer
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(token_ids, self.weight)
         mine = (token_ids >= self.start) & (token_ids < self.stop)
         rows = F.embedding(torch.where(mine, token_ids - self.start, 0), self.weight)
         return self.tp.all_reduce(rows * mine.unsqueeze(-1).to(rows.dtype))
+
+    __call__ = forward
 
 
 # --- the MLP: gate_up column-parallel, down row-parallel --------------------------------------------
@@ -155,11 +221,10 @@ def shard_mlp(weights: MLPWeights, rank: int, size: int) -> MLPWeights:
 
 
 def mlp_forward(x: torch.Tensor, shard: MLPWeights, tp: ParallelState) -> torch.Tensor:
-    """The MLP on every token of x [T, H] on this rank, whole output [T, H] on every rank."""
-    gate, up = F.linear(x, shard.gate_up, shard.gate_up_bias).chunk(2, dim=-1)
-    partial = F.linear(F.silu(gate) * up, shard.down)  # this rank's features' share of every output
-    y = tp.all_reduce(partial)
-    return y if shard.down_bias is None else y + shard.down_bias
+    """The MLP on every token of x [T, H] on this rank, whole output [T, H] on every rank: the
+    engine's layers, gate|up column-parallel, down row-parallel (its all-reduce, then the bias)."""
+    gate, up = ColumnParallelLinear.from_shard(shard.gate_up, shard.gate_up_bias, tp)(x).chunk(2, dim=-1)
+    return RowParallelLinear.from_shard(shard.down, shard.down_bias, tp)(F.silu(gate) * up)
 
 
 # --- attention: q, k, v column-parallel by heads, o_proj row-parallel ------------------------------
@@ -215,7 +280,7 @@ def attention_forward(x: torch.Tensor, shard: AttentionShard, tp: ParallelState)
     group = shard.num_heads // shard.num_kv_heads
     k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
     heads = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [heads_here, T, D]
-    return tp.all_reduce(F.linear(heads.transpose(0, 1).reshape(tokens, -1), shard.o))
+    return RowParallelLinear.from_shard(shard.o, None, tp)(heads.transpose(0, 1).reshape(tokens, -1))  # o_proj
 
 
 def all_reduce_bytes_per_token(hidden_size: int, dtype_bytes: int, num_layers: int = 1) -> int:

@@ -21,20 +21,16 @@ the per-layer call for that case: rank r takes its contiguous slice of the T tok
 steps above on it, and an all-gather puts the T rows back together on every rank; the per-expert
 counts are summed over ranks (all-reduce), so every rank reports the whole layer's histogram.
 `ExpertParallelMoE` plugs it into `LlamaModel.moe_forward`; `shard_model_experts` swaps a loaded
-model's experts for the rank's own, `read_expert_shards` reads only those from the safetensors file.
+model's experts for the rank's own (the loader reads only those: `minillm.model.loader.Placement.of_rank`).
 How an engine calls them on every rank: `tests/test_ep_moe_layer.py` (`_engine_on_a_rank`, 2 gloo ranks).
 """
 
 from __future__ import annotations
 
-import json
-from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 
 from minillm.model.moe import MoEWeights, dispatch, expert_mlp, expert_ranges, route
 
@@ -163,7 +159,7 @@ class ExpertParallelMoE:
 def shard_model_experts(model, group: dist.ProcessGroup | None = None,
                         shards: list[ExpertShard] | None = None) -> ExpertParallelMoE:
     """Make a loaded MoE `LlamaModel` expert-parallel on `group`: each layer keeps only this rank's
-    experts (`shards`, e.g. from `read_expert_shards`, or sliced from the weights it holds), and its
+    experts (`shards`, or sliced from the weights it holds), and its
     forward calls `ep_moe_layer`. Every rank of the group must do the same, then run the same forwards."""
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     moe_layers = [lw for lw in model.layers if lw.moe is not None]
@@ -174,43 +170,10 @@ def shard_model_experts(model, group: dist.ProcessGroup | None = None,
     for i, lw in enumerate(moe_layers):
         if shards is not None:
             lw.moe = shards[i]
-        elif not isinstance(lw.moe, ExpertShard):  # (one built with build_model(..., moe_shards=...) already is)
+        elif not isinstance(lw.moe, ExpertShard):  # (one loaded for an expert-parallel rank already is)
             lw.moe = shard_experts(lw.moe, rank, ep)
         if lw.moe.experts != expert_ranges(lw.moe.router.shape[0], ep)[rank]:
             raise ValueError(f"EP rank {rank} of {ep} must hold experts {expert_ranges(lw.moe.router.shape[0], ep)[rank]}, "
                              f"this layer's shard holds {lw.moe.experts}")
     model.moe_forward = ExpertParallelMoE(group)
     return model.moe_forward
-
-
-def read_expert_shards(model_dir: str | Path, config, ep_rank: int, ep_size: int,
-                       dtype: torch.dtype = torch.float32, device: str = "cpu") -> list[ExpertShard]:
-    """This rank's experts of every layer, read from the safetensors file(s) one tensor at a time: the
-    other ranks' experts are never read (a Mixtral checkpoint on disk: `block_sparse_moe.experts.{e}.w1|w2|w3`)."""
-    if not 0 <= ep_rank < ep_size:
-        raise ValueError(f"ep_rank={ep_rank} must be in [0, {ep_size})")
-    own = expert_ranges(config.num_experts, ep_size)[ep_rank]
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    where = ({name: model_dir / file for name, file in json.loads(index.read_text())["weight_map"].items()}
-             if index.is_file() else {})
-    shards = []
-    with ExitStack() as stack:
-        handles: dict[Path, object] = {}
-
-        def get(name: str) -> torch.Tensor:
-            file = where.get(name, model_dir / "model.safetensors")
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
-            if name not in handles[file].keys():  # noqa: SIM118 - safe_open has no __contains__
-                raise KeyError(f"{file.name} has no tensor {name!r} (expected a Mixtral checkpoint)")
-            return handles[file].get_tensor(name).to(device=device, dtype=dtype)
-
-        for layer in range(config.num_layers):
-            p = f"model.layers.{layer}.block_sparse_moe."
-            gate_up = torch.stack([torch.cat([get(f"{p}experts.{e}.w1.weight"), get(f"{p}experts.{e}.w3.weight")])
-                                   for e in own])
-            down = torch.stack([get(f"{p}experts.{e}.w2.weight") for e in own])
-            shards.append(ExpertShard(router=get(p + "gate.weight"), gate_up=gate_up.contiguous(),
-                                      down=down.contiguous(), experts=own, top_k=config.num_experts_per_tok))
-    return shards

@@ -70,11 +70,11 @@ class ParallelWorker(ModelRunner):
             return super().execute_model(plan)
         self.update_state(plan)
         if plan.padded is not None:  # static / dynamic batching's padded rectangle
-            self.compute_padded_logits(plan)
+            _, load = self.compute_padded_logits(plan)
         else:
-            self.compute_logits(plan)  # this rank's part of the forward and the logits gather
+            load = self.compute_logits(plan)[1].expert_load  # this rank's part of the forward and the logits gather
         # An earlier stage of an MoE model answers with its layers' expert load (the driver joins the stages').
-        return self.model.expert_load if self.layout.tp_rank == 0 else None
+        return load if self.layout.tp_rank == 0 else None
 
     def compute_logits(self, plan: SchedulerOutput) -> tuple[torch.Tensor | None, StepInputs]:
         groups = micro_batch_rows(plan.num_scheduled_tokens, self.micro_batches)
@@ -83,8 +83,8 @@ class ParallelWorker(ModelRunner):
         parts, sampled, spans, sampled_rows, inputs, first, load = [], [], [], [], None, 0, None
         for start, end in groups:
             logits, inputs = super().compute_logits(rows_of_plan(plan, start, end))
-            if self.model.expert_load is not None:  # MoE: the step's load is the micro-batches' sum
-                part = torch.tensor(self.model.expert_load)
+            if inputs.expert_load is not None:  # MoE: the step's load is the micro-batches' sum
+                part = torch.tensor(inputs.expert_load)
                 load = part if load is None else load + part
             if logits is not None:
                 parts.append(logits)
@@ -92,9 +92,8 @@ class ParallelWorker(ModelRunner):
             spans += [(first + j, width) for j, width in inputs.spans]  # (1+k logits rows for a speculative row)
             first += len(inputs.logits_rows)
             sampled_rows.append(inputs.sampled_rows)
-        whole = dataclasses.replace(inputs, sampled=sampled, spans=spans, sampled_rows=np.concatenate(sampled_rows))
-        if load is not None:
-            self.model.expert_load = load.tolist()
+        whole = dataclasses.replace(inputs, sampled=sampled, spans=spans, sampled_rows=np.concatenate(sampled_rows),
+                                    expert_load=None if load is None else load.tolist())
         return (torch.cat(parts) if parts else None), whole
 
 
@@ -131,8 +130,9 @@ def build_rank(spec: WorkerSpec, rank: int) -> ParallelWorker:
     import torch.distributed as dist
 
     from minillm.distributed.linear import ParallelState
-    from minillm.distributed.parallel_model import ParallelLlamaModel
-    from minillm.distributed.shard_loader import load_rank_weights
+    from minillm.model.checkpoint import SafetensorsCheckpoint
+    from minillm.model.loader import Placement, load_weights
+    from minillm.model.registry import model_class
 
     world = spec.tp * spec.pp
     on_cuda = spec.device.startswith("cuda")
@@ -144,8 +144,10 @@ def build_rank(spec: WorkerSpec, rank: int) -> ParallelWorker:
     layout = RankLayout(rank, spec.tp, spec.pp)
     groups = [dist.new_group(layout.tp_group_ranks(s)) if 1 < spec.tp < world else None for s in range(spec.pp)]
     tp_state = ParallelState(layout.tp_rank, spec.tp, groups[layout.stage])
-    weights = load_rank_weights(spec.model_dir, spec.model_config, layout, spec.dtype, device, spec.expert_parallel)
-    model = ParallelLlamaModel(spec.model_config, layout, weights, tp_state, spec.max_positions, device)
+    placement = Placement.of_rank(spec.model_config, layout, spec.expert_parallel)
+    with SafetensorsCheckpoint(spec.model_dir) as checkpoint:
+        weights = load_weights(checkpoint, spec.model_config, placement, spec.dtype, device)
+    model = model_class(spec.model_config.model_type)(spec.model_config, weights, spec.max_positions, layout, tp_state)
     if spec.expert_parallel:  # expert parallel over the stage's TP group (ranks hold their experts already)
         from minillm.distributed.moe import shard_model_experts
 

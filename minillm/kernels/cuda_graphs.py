@@ -96,7 +96,7 @@ def decode_forward(model, k_pool: torch.Tensor, v_pool: torch.Tensor, inputs: De
     from minillm.attention.numba_paged import NumbaPagedAttention
 
     attention = NumbaPagedAttention(k_pool, v_pool, decode_metadata(inputs, block_size), model.config.sliding_windows)
-    return model.compute_logits(model.forward(inputs.input_ids, inputs.positions, attention))
+    return model.compute_logits(model.forward(inputs.input_ids, inputs.positions, attention).hidden)
 
 
 class DecodeGraphs:

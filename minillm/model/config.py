@@ -4,18 +4,16 @@ minillm runs the Llama family itself. Llama, Mistral and Qwen2 differ only in a 
 (q/k/v bias, tied embeddings, sliding windows, RoPE scaling), so one dataclass describes them all.
 Mixtral is Mistral with a mixture-of-experts MLP (chapter 12): `num_experts` SwiGLU experts of
 `intermediate_size` each and a router that picks `num_experts_per_tok` of them per token.
+
+What is common to every family is read here; what a family's config.json means beyond it (which
+switches it sets, how it names its experts' count) is asked of the family's class through the
+registry (`minillm.model.registry`): no model type is compared by name in this file.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
-# Mixture-of-experts families minillm does not run: their routers differ from Mixtral's (shared
-# experts, grouped or biased top-k, no renormalisation...), so they are refused by name.
-OTHER_MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "dbrx", "jamba", "olmoe",
-                         "granitemoe", "phimoe", "llama4", "gpt_oss")
 
 
 @dataclass(frozen=True)
@@ -41,6 +39,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     num_experts: int = 0  # Mixtral's num_local_experts; 0 = a dense MLP
     num_experts_per_tok: int = 0  # experts each token is routed to (top-k)
+    moe_renormalize: bool = True  # the top-k probabilities renormalised to sum to 1 (Mixtral; Qwen3-MoE: norm_topk_prob)
+    qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
 
     @property
     def is_moe(self) -> bool:
@@ -56,17 +56,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        from minillm.model.registry import model_class
+
         model_type = cfg.get("model_type")
-        expert_keys = [k for k in ("num_experts", "num_local_experts", "n_routed_experts") if cfg.get(k)]
-        if model_type in OTHER_MOE_MODEL_TYPES or (expert_keys and model_type != "mixtral"):
-            raise ValueError(
-                f"unsupported model_type {model_type!r}: a mixture-of-experts family minillm does not run; "
-                "of MoE models minillm runs only 'mixtral' (softmax router, top-k renormalised, no shared experts)"
-            )
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; minillm runs {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        family = model_class(model_type)  # raises, listing the supported types, for any other
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         num_kv_heads = cfg.get("num_key_value_heads") or num_heads
@@ -83,11 +76,10 @@ class ModelConfig:
         rope_scaling = dict(scaling) if rope_type == "llama3" else None
 
         num_layers = cfg["num_hidden_layers"]
-        num_experts, top_k = _experts(cfg, model_type)
-        windows = _sliding_windows(cfg, model_type, num_layers)
+        fields = family.hf_config_fields(cfg, num_layers)  # biases, windows, experts, q/k norms: the family's
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
+        common = dict(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -100,42 +92,31 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            o_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             rope_scaling=rope_scaling,
-            sliding_windows=windows,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            num_experts=num_experts,
-            num_experts_per_tok=top_k,
         )
+        return cls(**{**common, **fields})  # a family's reading wins over the common one
 
 
-def _experts(cfg: dict[str, Any], model_type: str) -> tuple[int, int]:
-    """(num_experts, experts per token) of a Mixtral config; (0, 0) for the dense families."""
-    if model_type != "mixtral":
-        return 0, 0
-    num_experts, top_k = cfg.get("num_local_experts"), cfg.get("num_experts_per_tok")
+def expert_counts(cfg: dict[str, Any], experts_key: str) -> dict[str, int]:
+    """num_experts and num_experts_per_tok of an MoE config whose expert count is `experts_key`, checked."""
+    num_experts, top_k = cfg.get(experts_key), cfg.get("num_experts_per_tok")
     if not isinstance(num_experts, int) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise ValueError(
-            f"mixtral config: num_local_experts={num_experts!r}, num_experts_per_tok={top_k!r}; expected integers "
-            "with 1 <= num_experts_per_tok <= num_local_experts"
+            f"{cfg.get('model_type')} config: {experts_key}={num_experts!r}, num_experts_per_tok={top_k!r}; expected "
+            f"integers with 1 <= num_experts_per_tok <= {experts_key}"
         )
-    return num_experts, top_k
+    return {"num_experts": num_experts, "num_experts_per_tok": top_k}
 
 
-def _sliding_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, ...]:
-    """Which layers look only at the last `sliding_window` tokens (Mistral; Qwen2 when enabled)."""
-    window = cfg.get("sliding_window")
-    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
-        window = None
-    if model_type == "llama" or window is None:
+def sliding_windows(cfg: dict[str, Any], num_layers: int, window: int | None) -> tuple[int | None, ...]:
+    """Per layer, the window it attends over (None: every earlier token): `layer_types` when the config
+    lists them, else `window` on every layer."""
+    if window is None:
         return (None,) * num_layers
     layer_types = cfg.get("layer_types")
     if layer_types:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    if model_type == "qwen2":
-        first = cfg.get("max_window_layers", num_layers)
-        return tuple(window if i >= first else None for i in range(num_layers))
     return (window,) * num_layers

@@ -1,11 +1,13 @@
-"""The decoder's forward with its small ops fused by numba (float32 on a CPU; chapter 10).
+"""The decoder's operations fused by numba, for float32 on a CPU (chapter 10).
 
-The same computation as `LlamaModel.forward` (minillm/model/llama.py, the one to read first), with
-the token-wise ops between the matmuls done by `kernels/cpu_fused_ops.py` in one pass each:
-RMSNorm fused with the residual add before it, RoPE rotated in place in the q|k|v output (measured
-3-15x faster than the torch ops; SiLU·mul stays torch, which measured faster). What remains per
-layer is four matmuls, the attention, three numba calls and SiLU·mul. The numpy views of the
-constant tensors (norm weights, the RoPE table) are made once, on the first call.
+`LlamaModel.forward` (minillm/model/llama.py, the one to read first) runs one sequence of steps
+for every model and layout; what each step computes with is a choice of operations. `TorchOps`
+(in llama.py) are HF's ops, op for op; `FusedOps` here do the same computation with the
+token-wise ops between the matmuls done by `kernels/cpu_fused_ops.py` in one pass each: RMSNorm
+fused with the residual add before it, RoPE rotated in place in the q|k|v output (measured 3-15x
+faster than the torch ops; SiLU·mul stays torch, which measured faster). What remains per layer is
+four matmuls, the attention, three numba calls and SiLU·mul. The numpy views of the constant
+tensors (norm weights, the RoPE table) are made once, on first use.
 
 The matmuls go to oneDNN with each weight packed into its blocked layout
 (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`, the ops torch's compiler
@@ -28,6 +30,8 @@ matmul weights twice.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -63,34 +67,49 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, packed: 
     return F.linear(x, w, bias)
 
 
-def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, attention,
-                  output_rows: torch.Tensor | None = None) -> torch.Tensor:
-    from minillm.kernels import cpu_fused_ops as ops
+class FusedOps:
+    """The forward's operations, fused (see the module docstring). The residual stream `h` is updated
+    in place: the forward hands these ops only tensors it made itself."""
 
-    num_tokens = input_ids.shape[0]
-    hq, hkv, d, eps = model._q_heads, model._kv_heads, model._head_dim, model._eps
-    views = model._fused_views
-    if views is None:  # [input norm of each layer..., final norm], post-attention norms, cos, sin
-        views = model._fused_views = ([lw.input_norm.numpy() for lw in model.layers] + [model.final_norm.numpy()],
-                                      [lw.post_attention_norm.numpy() for lw in model.layers],
-                                      model.rope.cos.numpy(), model.rope.sin.numpy())
-    norms, post_norms, cos, sin = views
-    packed = model._packed_weights
-    pos = positions.numpy()
-    layers, last = model.layers, len(model.layers) - 1
-    h = F.embedding(input_ids, model.embed)  # a fresh tensor: the residual stream, updated in place
-    x = torch.empty_like(h)
-    ops.rms_norm(h.numpy(), norms[0], eps, x.numpy())
-    for i, lw in enumerate(layers):
-        qkv = linear(x, lw.qkv, lw.qkv_bias, packed).view(num_tokens, hq + 2 * hkv, d)
-        ops.rotary(qkv.numpy(), hq + hkv, pos, cos, sin)  # q and k, in place
-        out = attention(i, qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :])
-        if i == last and output_rows is not None:  # as in LlamaModel.forward: only the rows sampled
-            out, h = out.index_select(0, output_rows), h.index_select(0, output_rows)
+    def __init__(self, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        from minillm.kernels import cpu_fused_ops
+
+        self.kernels = cpu_fused_ops
+        self.eps, self.cos, self.sin = eps, cos.numpy(), sin.numpy()
+        self.packed: dict = {}  # the matmul weights in oneDNN's layout (`linear` fills it)
+        self.linear = functools.partial(linear, packed=self.packed)  # linear(x, w, bias) on this cache
+        self._views: dict = {}  # id(norm weight) -> (the weight, its numpy view)
+
+    def _numpy(self, w: torch.Tensor):
+        entry = self._views.get(id(w))
+        if entry is None or entry[0] is not w:
+            entry = self._views[id(w)] = (w, w.numpy())
+        return entry[1]
+
+    def norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x = torch.empty_like(h)
+        self.kernels.rms_norm(h.numpy(), self._numpy(weight), self.eps, x.numpy())
+        return x
+
+    def add_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | None,
+                 x: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h += delta; then rms_norm(h) · weight written into x (reused while its shape fits)."""
+        if weight is None:
+            return h.add_(delta), None
+        if x is None or x.shape != h.shape:
             x = torch.empty_like(h)
-        o = linear(out.reshape(h.shape[0], hq * d), lw.o, lw.o_bias, packed)
-        ops.add_rms_norm(h.numpy(), o.numpy(), post_norms[i], eps, x.numpy())
-        gate, up = linear(x, lw.gate_up, lw.gate_up_bias, packed).chunk(2, dim=-1)
-        down = linear(F.silu(gate).mul_(up), lw.down, lw.down_bias, packed)
-        ops.add_rms_norm(h.numpy(), down.numpy(), norms[i + 1], eps, x.numpy())  # the next layer's norm
-    return x
+        self.kernels.add_rms_norm(h.numpy(), delta.numpy(), self._numpy(weight), self.eps, x.numpy())
+        return h, x
+
+    def rotation(self, positions: torch.Tensor):
+        """rotate(qkv, n): the first n heads of qkv [T, heads, D] rotated in place, returned as a view."""
+        pos, cos, sin, rotary = positions.numpy(), self.cos, self.sin, self.kernels.rotary
+
+        def rotate(qkv: torch.Tensor, n: int) -> torch.Tensor:
+            rotary(qkv.numpy(), n, pos, cos, sin)
+            return qkv[:, :n]
+        return rotate
+
+    @staticmethod
+    def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate).mul_(up)

@@ -15,10 +15,10 @@ parallelism sends with one all-to-all: rank r owns a contiguous range of experts
 its experts are one slice of the sorted buffer. `tokens_per_expert` — the router's load histogram —
 is returned for the step records: an expert that gets most tokens makes its rank the straggler.
 
-`minillm.model.llama.LlamaModel.forward` runs it in place of the MLP of a Mixtral layer (through
-`LlamaModel.moe_forward`, which expert parallelism replaces: minillm/distributed/moe.py) and keeps
-each step's histogram for the step records; the weights of an HF Mixtral checkpoint, on disk or in
-memory, are read by `moe_weights_from_state`.
+`minillm.model.llama.LlamaModel.forward` runs it in place of the MLP of an MoE layer (through
+`LlamaModel.moe_forward`, which expert parallelism replaces: minillm/distributed/moe.py) and returns
+each step's histogram for the step records. A family names its experts' tensors once (`ExpertNames`);
+`read_experts` reads them for the loader, `moe_weights_from_state` for one layer of a state dict.
 """
 
 from __future__ import annotations
@@ -154,46 +154,74 @@ def expert_ranges(num_experts: int, ep_size: int) -> list[range]:
     return [range(r * per_rank, (r + 1) * per_rank) for r in range(ep_size)]
 
 
-def moe_tensor_names(state: Mapping[str, torch.Tensor], layer: int, num_experts: int) -> list[str]:
-    """The names `moe_weights_from_state` reads for `layer` (for a loader's unused-tensor check)."""
-    disk, memory = f"model.layers.{layer}.block_sparse_moe.", f"model.layers.{layer}.mlp."
-    if disk + "gate.weight" in state:
-        return [disk + "gate.weight"] + [f"{disk}experts.{e}.{n}.weight" for e in range(num_experts)
-                                         for n in ("w1", "w2", "w3")]
-    return [memory + "gate.weight", memory + "experts.gate_up_proj", memory + "experts.down_proj"]
+@dataclass(frozen=True)
+class ExpertNames:
+    """Where a family's checkpoint keeps one layer's router and experts, under `model.layers.{i}.`;
+    `{e}` stands for the expert's number. A family spells them once, in its model file."""
+
+    router: str  # [E, hidden]
+    gate: str  # [intermediate, hidden], one per expert
+    up: str
+    down: str  # [hidden, intermediate]
+
+
+# Mixtral's, kept here rather than in minillm/model/mixtral.py: moe_weights_from_state (chapter 12) reads them
+# by default, and mixtral.py imports this module (the other way round would be an import circle).
+MIXTRAL_EXPERT_NAMES = ExpertNames("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
+                                   "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight")
+# transformers 5 keeps every family's experts fused in memory, under these names:
+# gate_up_proj [E, 2·I, H] (gate rows first) and down_proj [E, H, I].
+FUSED_ROUTER, FUSED_GATE_UP, FUSED_DOWN = "mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+
+
+def unfuse_experts(state: Mapping[str, torch.Tensor], names: ExpertNames) -> dict[str, torch.Tensor]:
+    """`state` with transformers' fused in-memory experts under the checkpoint's per-expert `names`
+    (views, no copy); a state already spelled that way (read from disk) comes back as it is."""
+    out = dict(state)
+    for key in [k for k in state if k.endswith(FUSED_GATE_UP)]:
+        layer = key[: -len(FUSED_GATE_UP)]  # "model.layers.{i}."
+        gate_up, down, router = out.pop(key), out.pop(layer + FUSED_DOWN), out.pop(layer + FUSED_ROUTER)
+        out[layer + names.router] = router
+        inter = down.shape[2]
+        for e in range(gate_up.shape[0]):
+            out[layer + names.gate.format(e=e)] = gate_up[e, :inter]
+            out[layer + names.up.format(e=e)] = gate_up[e, inter:]
+            out[layer + names.down.format(e=e)] = down[e]
+    return out
+
+
+def read_experts(read, layer: int, names: ExpertNames, experts: range) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Layer `layer`'s router and the experts `experts` ([E', 2·I, H] gate|up, gate rows first; [E', H, I]
+    down), each tensor got from `read(name, axes)` (the loader's: it checks the shape and cuts the axes
+    a rank splits; `axes` names them)."""
+    p = f"model.layers.{layer}."
+    router = read(p + names.router, ("experts", "hidden"))
+    gate_up = torch.stack([torch.cat((read(p + names.gate.format(e=e), ("expert_mlp", "hidden")),
+                                      read(p + names.up.format(e=e), ("expert_mlp", "hidden")))) for e in experts])
+    down = torch.stack([read(p + names.down.format(e=e), ("hidden", "expert_mlp")) for e in experts])
+    return router, gate_up.contiguous(), down.contiguous()
 
 
 def moe_weights_from_state(state: Mapping[str, torch.Tensor], layer: int, num_experts: int, top_k: int,
                            dtype: torch.dtype | None = None, renormalize: bool = True,
-                           device: str | torch.device | None = None) -> MoEWeights:
-    """Layer `layer`'s MoE weights from a Mixtral state dict, in either spelling:
+                           device: str | torch.device | None = None,
+                           names: ExpertNames = MIXTRAL_EXPERT_NAMES) -> MoEWeights:
+    """Layer `layer`'s MoE weights from a state dict (Mixtral's names by default), read from disk
+    (`block_sparse_moe.experts.{e}.w1|w2|w3`: w1 = gate, w3 = up, w2 = down) or from a transformers
+    model in memory (fused: `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`)."""
+    state, p = unfuse_experts(state, names), f"model.layers.{layer}."
+    if p + names.router not in state:
+        raise KeyError(f"no MoE weights for layer {layer}: expected {p}{names.router} (safetensors) or "
+                       f"{p}{FUSED_ROUTER} + {p}{FUSED_GATE_UP} (transformers in memory)")
+    first = state[p + names.router]
+    if first.shape[0] != num_experts:
+        raise ValueError(f"layer {layer}: router has {first.shape[0]} experts, the config says {num_experts}")
+    dtype, device = dtype or first.dtype, device or first.device
 
-    - on disk (safetensors, the original Mixtral names): `model.layers.{i}.block_sparse_moe.gate.weight`
-      and `...block_sparse_moe.experts.{e}.w1|w2|w3.weight` (w1 = gate, w3 = up, w2 = down);
-    - in memory (transformers 5 fuses experts): `model.layers.{i}.mlp.gate.weight`,
-      `...mlp.experts.gate_up_proj` [E, 2·I, H] (gate rows first) and `...mlp.experts.down_proj` [E, H, I].
-    """
-    disk, memory = f"model.layers.{layer}.block_sparse_moe.", f"model.layers.{layer}.mlp."
-    if disk + "gate.weight" in state:
-        router = state[disk + "gate.weight"]
-        missing = [f"{disk}experts.{e}.{n}.weight" for e in range(num_experts) for n in ("w1", "w2", "w3")
-                   if f"{disk}experts.{e}.{n}.weight" not in state]
-        if missing:
-            raise KeyError(f"checkpoint lacks {len(missing)} expert tensors, e.g. {missing[0]!r}")
-        expert = [{n: state[f"{disk}experts.{e}.{n}.weight"] for n in ("w1", "w2", "w3")} for e in range(num_experts)]
-        gate_up = torch.stack([torch.cat([x["w1"], x["w3"]], dim=0) for x in expert])
-        down = torch.stack([x["w2"] for x in expert])
-    elif memory + "gate.weight" in state and memory + "experts.gate_up_proj" in state:
-        router = state[memory + "gate.weight"]
-        gate_up, down = state[memory + "experts.gate_up_proj"], state[memory + "experts.down_proj"]
-    else:
-        raise KeyError(
-            f"no MoE weights for layer {layer}: expected {disk}gate.weight (safetensors) or "
-            f"{memory}gate.weight + {memory}experts.gate_up_proj (transformers in memory)"
-        )
-    if router.shape[0] != num_experts:
-        raise ValueError(f"layer {layer}: router has {router.shape[0]} experts, the config says {num_experts}")
-    dtype, device = dtype or router.dtype, device or router.device
-    return MoEWeights(router=router.to(device=device, dtype=dtype),
-                      gate_up=gate_up.to(device=device, dtype=dtype).contiguous(),
-                      down=down.to(device=device, dtype=dtype).contiguous(), top_k=top_k, renormalize=renormalize)
+    def read(name: str, axes: tuple[str, ...]) -> torch.Tensor:
+        if name not in state:
+            raise KeyError(f"checkpoint lacks the expert tensor {name!r}")
+        return state[name].to(device=device, dtype=dtype)
+
+    router, gate_up, down = read_experts(read, layer, names, range(num_experts))
+    return MoEWeights(router=router, gate_up=gate_up, down=down, top_k=top_k, renormalize=renormalize)

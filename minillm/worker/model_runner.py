@@ -66,6 +66,7 @@ class StepInputs:
     sampled: list[int] = field(default_factory=list)  # plan rows that sample, in plan order
     spans: list[tuple[int, int]] = field(default_factory=list)  # per sampled row: (first logits row, width)
     sampled_rows: np.ndarray | None = None  # per sampled row: its input-batch row
+    expert_load: list[list[int]] | None = None  # what the forward measured (MoE), for ModelRunnerOutput
 
     def __iter__(self):
         """Unpacks as (input_ids, positions, meta, logits_rows), as chapter 04 prints them."""
@@ -259,12 +260,13 @@ class ModelRunner:
         self.update_state(plan)
         batch = self.input_batch
         if plan.padded is not None:
-            logits = self.compute_padded_logits(plan)
+            logits, expert_load = self.compute_padded_logits(plan)
             sampled = [i for i in range(len(plan.req_ids))]
             rows = batch.rows_of(plan.req_ids)
         else:
             logits, inputs = self.compute_logits(plan)
             sampled, rows = inputs.sampled, inputs.sampled_rows  # (prepare looked the rows up)
+            expert_load = inputs.expert_load
             if plan.spec_token_ids:
                 return self._verify(plan, logits, inputs)
         req_ids = [plan.req_ids[i] for i in sampled]
@@ -278,7 +280,7 @@ class ModelRunner:
             logprobs = [None] * len(plan.req_ids)
             for i, lp in zip(sampled, sampled_logprobs(logits, states, tokens)):
                 logprobs[i] = lp
-        return ModelRunnerOutput(out, logprobs, self.model.expert_load)
+        return ModelRunnerOutput(out, logprobs, expert_load)
 
     def _verify(self, plan: SchedulerOutput, logits: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
         """A step with speculative rows: plain rows sample as usual, speculative rows go through the
@@ -311,11 +313,12 @@ class ModelRunner:
                     # the target's logprobs at each emitted position (before temperature, as for plain rows)
                     m = len(out[i])
                     logprobs[i] = [e[0] for e in sampled_logprobs(logits[start : start + m], [state] * m, out[i])]
-        return ModelRunnerOutput(out, logprobs, self.model.expert_load)
+        return ModelRunnerOutput(out, logprobs, inputs.expert_load)
 
-    def compute_padded_logits(self, plan: SchedulerOutput) -> torch.Tensor:
+    def compute_padded_logits(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[list[int]] | None]:
         """A static/dynamic step: every row of the rectangle is computed, pads and finished rows too.
-        Logits come for the live rows (those with tokens), in row order — the plan's order."""
+        Logits come for the live rows (those with tokens), in row order — the plan's order; with the
+        forward's expert load (MoE)."""
         step, device, c = plan.padded, self.model.device, self.cache_spec
         if step.is_prefill:
             self.padded_cache = PaddedBatchCache(c.num_layers, len(step.row_req_ids), step.max_len, c.num_kv_heads,
@@ -336,11 +339,11 @@ class ModelRunner:
         positions = (real_so_far - 1).clamp(min=0)
         last = torch.tensor([i * width + width - 1 for i in live_rows], dtype=torch.long, device=device)
         start = time.perf_counter()
-        hidden = self.model.forward(ids.to(device).flatten(), positions.flatten(), attention, output_rows=last)
+        forward = self.model.forward(ids.to(device).flatten(), positions.flatten(), attention, output_rows=last)
         attention.finish_step()
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(forward.hidden)
         self.model_time_s += time.perf_counter() - start
-        return logits
+        return logits, forward.expert_load
 
     def compute_logits(self, plan: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
         """Run the model on a step whose diffs were applied; logits [N, vocab] of the sampled rows
@@ -350,7 +353,8 @@ class ModelRunner:
                                    self.model.config.sliding_windows)
         rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=inputs.input_ids.device)
         start = time.perf_counter()
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, attention, output_rows=rows)
-        logits = self.model.compute_logits(hidden)
+        forward = self.model.forward(inputs.input_ids, inputs.positions, attention, output_rows=rows)
+        logits = self.model.compute_logits(forward.hidden)
         self.model_time_s += time.perf_counter() - start
+        inputs.expert_load = forward.expert_load
         return logits, inputs
