@@ -67,8 +67,22 @@ class EngineConfig:
     # stages, so a stage works on one while the next works on the previous (GPipe within a step; minillm's knob,
     # not vLLM's: vLLM keeps several steps in flight instead, its "virtual engines").
     pipeline_micro_batches: int = 1
+    # One half of a prefill/decode pair (chapter 13; minillm.kv_transfer): vLLM's KVTransferConfig, as a
+    # KVTransferConfig, its dict or its JSON. The engine builds the connector's scheduler side, every worker its
+    # worker side.
+    kv_transfer_config: Any = None
 
     def __post_init__(self) -> None:
+        if self.kv_transfer_config is not None:
+            from minillm.kv_transfer.config import KVTransferConfig, parse_kv_transfer_config
+
+            if not isinstance(self.kv_transfer_config, KVTransferConfig):
+                self.kv_transfer_config = parse_kv_transfer_config(self.kv_transfer_config)
+            if self.batching != "continuous" or self.kv_layout != "paged":
+                raise ValueError("kv_transfer_config needs continuous batching over the paged KV cache "
+                                 "(batching='continuous', kv_layout='paged', the defaults)")
+            if self.speculative_config is not None:
+                raise ValueError("kv_transfer_config cannot be combined with speculative_config")
         if self.speculative_config is not None:
             from minillm.spec.config import SpeculativeConfig
 

@@ -27,6 +27,7 @@ from minillm.attention.flat_pool import AttentionMetadata, RowGroup
 from minillm.attention.padded import PaddedAttention, PaddedBatchCache
 from minillm.attention.select import make_attention, resolve_backend
 from minillm.kv.base import KVCacheSpec
+from minillm.kv_transfer.base import KVConnectorBase, KVConnectorOutput
 from minillm.model.llama import LlamaModel
 from minillm.sampling import sampled_logprobs
 from minillm.scheduler.base import ModelRunnerOutput
@@ -73,9 +74,10 @@ class StepInputs:
 
 
 class ModelRunner:
-    kv_connector = None  # a KV connector's worker side (minillm.kv_transfer): loads remote K/V into blocks
-
-    def __init__(self, model: LlamaModel, cache_spec: KVCacheSpec, attention_backend: str = "auto") -> None:
+    def __init__(self, model: LlamaModel, cache_spec: KVCacheSpec, attention_backend: str = "auto",
+                 kv_connector: KVConnectorBase | None = None) -> None:
+        """`kv_connector`: a KV connector's worker side (minillm.kv_transfer), which loads remote K/V into
+        this worker's blocks when the plan's `kv_connector_metadata` says so."""
         self.model = model
         self.cache_spec = cache_spec
         self.attention_backend = resolve_backend(attention_backend, model.device, cache_spec.dtype)
@@ -91,11 +93,15 @@ class ModelRunner:
         self.keys_read = 0  # decode attention, over the runner's life: keys gathered ...
         self.keys_exist = 0  # ... and keys the rows really have
         self.model_time_s = 0.0  # wall time in the model's forward and lm_head (CPU; a GPU would need syncs)
+        self.kv_connector = kv_connector
+        if kv_connector is not None:
+            kv_connector.register_kv_caches(self.k_pool, self.v_pool, self.block_size)
 
     # ---- the plan's diffs and KV moves -----------------------------------------------------------
-    def update_state(self, plan: SchedulerOutput) -> None:
+    def update_state(self, plan: SchedulerOutput) -> KVConnectorOutput | None:
         """Apply the plan to the input batch, then its KV moves, in the only safe order: copy
-        victims out before their blocks are zeroed or rewritten, zero fresh blocks, copy back in."""
+        victims out before their blocks are zeroed or rewritten, zero fresh blocks, copy back in,
+        then load remote K/V (a KV connector's); returns what the connector loaded, if anything."""
         for rid in plan.finished_req_ids:
             self.swapped.pop(rid, None)
         if self.swapped:  # a host copy is dropped once its request runs without needing it
@@ -110,8 +116,9 @@ class ModelRunner:
             self._zero_blocks(plan.blocks_to_zero)
         for rid, blocks in plan.blocks_to_swap_in:
             self._copy_in(rid, blocks)
-        if self.kv_connector is not None:  # remote K/V into freshly zeroed blocks (minillm.kv_transfer)
-            self.kv_connector.start_load_kv(self, plan)
+        if plan.kv_connector_metadata is not None:  # remote K/V into freshly zeroed blocks (minillm.kv_transfer)
+            return self.kv_connector.start_load_kv(plan.kv_connector_metadata)
+        return None
 
     def _zero_blocks(self, blocks: list[int]) -> None:
         """Zero the K and V of `blocks` in every layer (on a CPU through numpy views: a few µs,
@@ -256,7 +263,7 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------------------
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; per plan row, the token ids it sampled (and their logprobs)."""
-        self.update_state(plan)
+        loaded = self.update_state(plan)
         batch = self.input_batch
         if plan.padded is not None:
             logits = self.compute_padded_logits(plan)
@@ -266,7 +273,7 @@ class ModelRunner:
             logits, inputs = self.compute_logits(plan)
             sampled, rows = inputs.sampled, inputs.sampled_rows  # (prepare looked the rows up)
             if plan.spec_token_ids:
-                return self._verify(plan, logits, inputs)
+                return self._verify(plan, logits, inputs)  # (no KV connector with speculative decoding)
         req_ids = [plan.req_ids[i] for i in sampled]
         states = [batch.requests[rid] for rid in req_ids]
         tokens = sample(logits, batch, rows, states)
@@ -278,7 +285,7 @@ class ModelRunner:
             logprobs = [None] * len(plan.req_ids)
             for i, lp in zip(sampled, sampled_logprobs(logits, states, tokens)):
                 logprobs[i] = lp
-        return ModelRunnerOutput(out, logprobs, self.model.expert_load)
+        return ModelRunnerOutput(out, logprobs, self.model.expert_load, loaded)
 
     def _verify(self, plan: SchedulerOutput, logits: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
         """A step with speculative rows: plain rows sample as usual, speculative rows go through the
