@@ -20,7 +20,6 @@ import json
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import httpx
