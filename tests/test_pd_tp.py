@@ -17,15 +17,11 @@ cores, most of it six processes importing torch.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import threading
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
-from test_pd import _kv, _wait
+from test_pd import _kv, _wait, kill_decode_mid_transfer
 from test_router import _four_answers, _openai, launched, scrape
 from test_server import running_server
 
@@ -92,34 +88,7 @@ def test_pd_with_tp2_on_both_sides_gives_a_plain_servers_greedy_outputs(pd_tp):
 
 def test_decode_killed_mid_transfer_frees_the_prefill_sides_blocks_with_tp2(pd_tp):
     """Last: it breaks the pair."""
-    url, (prefill, _), (_, decode_pid) = pd_tp["url"], pd_tp["prefill"], pd_tp["decode"]
-    sent_before = _kv(prefill, "blocks_total", "kv_producer")
-    prompt = " ".join(["And the earth was without form, and void;"] * 30)  # ~300 tokens: ~19 blocks, ~1 s of link
-    result: dict = {}
-
-    def client():
-        try:
-            with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
-                    "model": "minillm", "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True}) as r:
-                result["status"] = r.status_code
-                result["body"] = r.read().decode()
-        except httpx.HTTPError as err:
-            result["error"] = err
-
-    thread = threading.Thread(target=client)
-    thread.start()
-    _wait(lambda: _kv(prefill, "blocks_total", "kv_producer") > sent_before, "the transfer to start", 60)
-    assert scrape(prefill)['vllm:kv_cache_usage_perc{model_name="minillm"}'] > 0  # pinned while it crosses
-    os.kill(decode_pid, signal.SIGKILL)  # its ranks leave when their pipe to it closes
-    thread.join(60)
-    assert not thread.is_alive(), "the client hung"
-    assert "error" in result or result["status"] >= 500 or '"error"' in result["body"], result
-    _wait(lambda: scrape(prefill)['vllm:kv_cache_usage_perc{model_name="minillm"}'] == 0, "prefill KV usage 0")
-    p = scrape(prefill)
-    assert p['minillm:kv_transfer_link_up{role="kv_producer"}'] == 0
-    assert p['minillm:kv_transfer_requests_total{result="failed",role="kv_producer"}'] >= 1
-    _wait(lambda: httpx.get(url + "/health", timeout=10).status_code == 503, "the router to see the decode died")
-    r = httpx.post(url + "/v1/completions", timeout=30, json={"model": "minillm", "prompt": "In", "max_tokens": 2})
-    assert r.status_code == 503 and "decode" in r.json()["error"]["message"]
+    kill_decode_mid_transfer(pd_tp["url"], pd_tp["prefill"][0], pd_tp["decode"][1])
+    # the dead decode instance's ranks leave once their pipe to it closes
     _wait(lambda: not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
                           for pid in pd_tp["ranks"]["decode"]), "the dead decode instance's ranks to leave", 30)

@@ -196,7 +196,7 @@ def serve(worker: ParallelWorker, conn) -> None:
             elif kind == "stats":
                 comm = worker.model.comm
                 reply = {"calls": dict(comm.calls), "bytes": dict(comm.bytes), "seconds": dict(comm.seconds),
-                         "model_time_s": worker.model_time_s}
+                         "model_time_s": worker.model_time_s, "worker": worker.stats(reset=message[1])}
             else:
                 raise ValueError(f"unknown message {kind!r}")
             payload = ("ok", reply)

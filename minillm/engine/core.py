@@ -29,16 +29,13 @@ from minillm.engine.input import InputProcessor
 from minillm.engine.output import OutputProcessor
 from minillm.engine.parts import make_kv_manager, make_scheduler
 from minillm.engine.threaded import ADD_FAILED, OutputSink, ThreadedEngine
-from minillm.executor.uniproc import UniProcExecutor
 from minillm.kv.base import KVUsage
-from minillm.kv_transfer import make_scheduler_connector, make_worker_connector
+from minillm.kv_transfer import make_scheduler_connector
 from minillm.metrics import MetricsCollector, StepRecord
 from minillm.model.config import ModelConfig
-from minillm.model.llama import LlamaModel
 from minillm.request import Request, RequestStatus, SamplingParams
 from minillm.scheduler.base import RequestUpdate, ScheduledBatch, Scheduler
 from minillm.scheduler.continuous import ContinuousScheduler
-from minillm.worker.model_runner import ModelRunner
 
 
 class StepUpdates(list):
@@ -60,23 +57,27 @@ class EngineLoad:
 
 
 class LLMEngine(ThreadedEngine):
-    def __init__(self, model_config: ModelConfig, config: EngineConfig, *, model: LlamaModel | None = None,
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, *, model: Any = None,
                  tokenizer: Any = None, kv=None, scheduler: Scheduler | None = None, executor=None,
                  clock=None, proposer=None) -> None:
         """Every part can be injected (an exercise's scheduler, the simulator's executor and clock);
-        by default the real model runs with the KV layout and scheduler the config names."""
+        the KV layout and scheduler default to what the config names. `executor` runs the plans: the
+        real model's worker (`build_engine` makes one for a model) or a stand-in (the simulator's)."""
         self.model_config = model_config
         self.model = model
         self.tokenizer = tokenizer
         self.config = config.resolve(model_config.max_position_embeddings)
-        if model is None and (kv is None or executor is None):
-            raise ValueError("without a model, pass both kv= and executor= (the simulator does)")
+        if executor is None:
+            raise ValueError("pass executor= (build_engine builds the worker for a model; the simulator passes "
+                             "its own)")
+        if model is None and kv is None:
+            raise ValueError("without a model, pass kv= (the simulator does)")
         self.kv = kv if kv is not None else make_kv_manager(self.config, model_config, model.dtype,
                                                             str(model.device))
         self.scheduler = scheduler if scheduler is not None else make_scheduler(self.config, self.kv)
         self._init_inbox()
         # A prefill/decode pair's KV connector (chapter 13): its scheduler side here, its worker side in
-        # every worker; they talk only through the plan and the worker's output.
+        # every worker (the executor's); they talk only through the plan and the worker's output.
         transfer = self.config.kv_transfer_config
         self.kv_connector = None
         if transfer is not None:
@@ -86,11 +87,6 @@ class LLMEngine(ThreadedEngine):
                 transfer, self.kv.cache_spec, self.config.tensor_parallel_size * self.config.pipeline_parallel_size,
                 self.kv.cached_prefix_tokens, partial(self.call_soon, self._apply_connector_events))
             self.scheduler.connector = self.kv_connector
-        # The executor turns a plan into next tokens: the real model, or the simulator's stand-in.
-        if executor is None:
-            worker_connector = None if transfer is None else make_worker_connector(transfer)
-            executor = UniProcExecutor(ModelRunner(model, self.kv.cache_spec, self.config.attention_backend,
-                                                   worker_connector), self.kv)
         self.executor = executor
         self.device = model.device if model is not None else "cpu"
         # Speculative decoding: who guesses the next tokens (chapter 09). A draft model is loaded by LLM.
@@ -264,17 +260,13 @@ class LLMEngine(ThreadedEngine):
     def check_health(self) -> None:
         """Raise (`EngineDeadError`) if the executor can run no more steps: a worker process died or
         hung (vLLM's `check_health`). In-process executors and stand-ins have nothing to check."""
-        check = getattr(self.executor, "check_health", None)
-        if check is not None:
-            check()
+        self.executor.check_health()
 
     def shutdown(self) -> None:
         """Stop the executor's worker processes, if it has any, and the KV connector's threads."""
         if self.kv_connector is not None:
             self.kv_connector.stop()
-        stop = getattr(self.executor, "shutdown", None)
-        if stop is not None:
-            stop()
+        self.executor.shutdown()
 
     def load_snapshot(self) -> EngineLoad:
         return EngineLoad(self.scheduler.num_running, self.scheduler.num_waiting, len(self._pending), self.kv.usage())

@@ -63,7 +63,8 @@ class PaddedStepData:
 
 @dataclass
 class SchedulerOutput:
-    """One step's plan as data. Rows are in plan order (decode rows first)."""
+    """One step's plan as data (vLLM's `SchedulerOutput`): what the scheduler's own plan
+    (`ScheduledBatch`, live requests) becomes for the workers. Rows are in plan order (decode rows first)."""
 
     new_requests: list[NewRequestData]
     req_ids: list[str]

@@ -92,7 +92,7 @@ def build_app(args: argparse.Namespace):
     if args.max_num_queued_reqs is not None and args.max_num_queued_reqs < 1:
         raise ValueError(f"--max-num-queued-reqs must be >= 1, got {args.max_num_queued_reqs}")
     kv_transfer = None
-    if getattr(args, "kv_transfer_config", None) is not None:
+    if args.kv_transfer_config is not None:
         from minillm.kv_transfer import parse_kv_transfer_config
 
         kv_transfer = parse_kv_transfer_config(args.kv_transfer_config)  # a bad config fails before the model loads
