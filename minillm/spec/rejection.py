@@ -15,10 +15,14 @@ random numbers come from its own generator, so batching never changes what a req
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from minillm.sampling import SamplingState, filtered_probs
-from minillm.worker.input_batch import CachedRequestState
+
+if TYPE_CHECKING:  # (the worker imports this module: a runtime import back would be a circle)
+    from minillm.worker.input_batch import CachedRequestState
 
 
 def target_probs(logits: torch.Tensor, request: SamplingState) -> torch.Tensor:
