@@ -55,7 +55,7 @@ MAX_TRANSFER_ID_LEN = 128
 
 def kv_transfer_params(request: Request) -> dict | None:
     """The request's `kv_transfer_params`, checked; None if it has none. ValueError names what is wrong."""
-    extra = getattr(request.params, "extra_args", None) or {}
+    extra = request.params.extra_args or {}
     params = extra.get("kv_transfer_params")
     if params is None:
         return None
