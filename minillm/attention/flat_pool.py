@@ -22,6 +22,8 @@ Everything else in the layer ran on the flattened batch: Orca's "selective batch
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -53,28 +55,35 @@ def build_row_groups(layout: StepLayout, decode_slack: float = KEY_READ_SLACK) -
     with several new tokens after a cached context (prefill chunks, speculative rows, recomputes)."""
     meta = layout.flat_metadata()
     device, bs, nd = layout.device, layout.block_size, layout.num_decode
-    seq_lens, q_lens, query_start = layout.seq_lens, layout.query_lens, layout.query_start_loc.tolist()
+    seq_lens, q_lens = layout.seq_lens, layout.query_lens
     num_rows = len(seq_lens)
+    query_start = layout.query_start_loc.tolist() if nd < num_rows else []
     # padded reads (length groups, multi-token rows) go to the null block
     tables = np.where(layout.block_tables < 0, layout.null_block, layout.block_tables).astype(np.int64)
     blocks_of = -(-seq_lens // bs)
 
-    def group(rows: list[int]) -> RowGroup:
-        # rows read the longest one's blocks each; one block or less (a slab) only as far as the longest row goes
-        nb = int(blocks_of[rows].max())
-        key_len = int(seq_lens[rows].max()) if nb == 1 else nb * bs
-        ids = torch.from_numpy(np.ascontiguousarray(tables[rows, :nb]).reshape(-1)).to(device)
-        return RowGroup(first_row=rows[0], num_rows=len(rows), key_len=key_len, block_ids=ids,
-                        seq_lens=torch.from_numpy(seq_lens[rows][:, None]).to(device))
+    def group(start: int, end: int, rows: list[int] | None = None) -> RowGroup:
+        # rows start … end-1 (or `rows`) read the longest one's blocks each; one block or less (a slab)
+        # only as far as the longest row goes. (A run of rows is sliced, not gathered: a decode group of
+        # 64 rows costs a few µs.)
+        sel = slice(start, end) if rows is None else rows
+        nb = int(blocks_of[sel].max())
+        key_len = int(seq_lens[sel].max()) if nb == 1 else nb * bs
+        ids = torch.from_numpy(np.ascontiguousarray(tables[sel, :nb]).reshape(-1)).to(device)
+        return RowGroup(first_row=start, num_rows=end - start if rows is None else len(rows), key_len=key_len,
+                        block_ids=ids, seq_lens=torch.from_numpy(seq_lens[sel][:, None]).to(device))
 
-    for start, end in group_by_length(blocks_of[:nd].tolist(), decode_slack):
-        meta.decode_groups.append(group(list(range(start, end))))
+    spans = [(0, nd)] if nd and math.isinf(decode_slack) else group_by_length(blocks_of[:nd].tolist(), decode_slack)
+    for start, end in spans:
+        meta.decode_groups.append(group(start, end))
     meta.keys_read = sum(g.num_rows * g.key_len for g in meta.decode_groups)
+    if nd == num_rows:  # a decode-only step (most steps): nothing more to group
+        return meta
     windowed = any(w is not None for w in layout.sliding_windows)
     fresh = [j for j in range(nd, num_rows) if seq_lens[j] == q_lens[j]]
     cached = [j for j in range(nd, num_rows) if seq_lens[j] != q_lens[j]]
     for j in fresh:
-        g = group([j])
+        g = group(j, j + 1)
         g.fresh_causal, g.token_slice = True, slice(query_start[j], query_start[j + 1])
         if windowed:  # a sliding-window layer cannot take the plain causal path: give it the general form
             g.q_max, g.query_lens = int(q_lens[j]), torch.tensor([[int(q_lens[j])]], device=device)
@@ -84,7 +93,7 @@ def build_row_groups(layout: StepLayout, decode_slack: float = KEY_READ_SLACK) -
     work = [int(q_lens[j] * blocks_of[j]) for j in cached]
     for a, b in group_by_length(work):
         rows = cached[a:b]
-        g = group(rows)
+        g = group(rows[0], rows[0] + 1, rows)
         g.q_max = int(q_lens[rows].max())
         g.query_lens = torch.from_numpy(q_lens[rows][:, None]).to(device)
         g.query_index, g.valid = _query_rows(rows, query_start, q_lens, device, g.q_max)
