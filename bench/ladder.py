@@ -281,9 +281,8 @@ def run_minillm(llm: LLM, batching: str, trace: Trace) -> Run:
 def make_measured_llm(model_dir: Path, device: str, batching: str, batch_size: int, **knobs) -> LLM:
     """`make_llm` with the runner's counters zeroed after the warm-up."""
     llm = make_llm(model_dir, device, batching, batch_size, **knobs)
-    runner, engine = llm.engine.executor, llm.engine
-    runner.keys_read = runner.keys_exist = 0
-    runner.model_time_s = engine.time_in_steps_s = 0.0
+    llm.engine.executor.stats(reset=True)
+    llm.engine.time_in_steps_s = 0.0
     return llm
 
 
@@ -291,20 +290,21 @@ def engine_shares(run: Run) -> str:
     """Where a minillm step's wall time goes: the model (forward + lm_head) vs everything else
     (scheduling, building inputs, sampling, updating requests, metrics)."""
     engine = run.engine
-    runner = engine.executor
+    stats = engine.executor.stats()
     steps = engine.time_in_steps_s
-    outside = 1 - runner.model_time_s / steps
+    outside = 1 - stats.model_time_s / steps
     return (f"{len(run.steps)} steps, {1e3 * steps / len(run.steps):.2f} ms per step, of which "
-            f"{1e3 * runner.model_time_s / len(run.steps):.2f} ms in the model: share outside the forward pass "
-            f"{outside:.3f}; decode attention keys read / keys that exist {keys_read_ratio(runner)}")
+            f"{1e3 * stats.model_time_s / len(run.steps):.2f} ms in the model: share outside the forward pass "
+            f"{outside:.3f}; decode attention keys read / keys that exist {keys_read_ratio(stats)}")
 
 
-def keys_read_ratio(runner) -> str:
-    """Keys decode attention reads per key that exists. The torch backend reads each length group's
-    longest run (the runner counts it); the numba_cpu kernel walks each row's blocks to its length."""
-    if runner.attention_backend == "numba_cpu":
+def keys_read_ratio(stats) -> str:
+    """Keys decode attention reads per key that exists (`stats`: the executor's `WorkerStats`). The torch
+    backend reads each length group's longest run (the runner counts it); the numba_cpu kernel walks
+    each row's blocks to its length."""
+    if stats.attention_backend == "numba_cpu":
         return "1.000 (numba_cpu kernel: each key once)"
-    return f"{runner.keys_read / runner.keys_exist:.3f}"
+    return f"{stats.keys_read / stats.keys_exist:.3f}"
 
 
 def profile_minillm(model_dir: Path, device: str, trace: Trace, batch_size: int, top: int = 30) -> str:

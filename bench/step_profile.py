@@ -83,7 +83,7 @@ def main() -> None:
         engine = plain.engine
         num_steps = len(plain.steps)
         step_ms = 1e3 * engine.time_in_steps_s / num_steps
-        model_ms = 1e3 * engine.executor.model_time_s / num_steps
+        model_ms = 1e3 * engine.executor.stats().model_time_s / num_steps
         llm = ladder.make_measured_llm(args.model, "cpu", "continuous", batch)
         with numba_calls_in_ranges(), profile(activities=[ProfilerActivity.CPU]) as prof:
             ladder.run_minillm(llm, "continuous", trace)
@@ -96,7 +96,7 @@ def main() -> None:
         for label, _ in [*CATEGORIES, ("other model ops (norms, RoPE, SiLU, …)", ())]:
             share = seconds.get(label, 0.0) / total
             print(f"  {label:<66} {model_ms * share:6.2f} ms  {model_ms * share / step_ms:6.1%}")
-        print(f"  decode attention: keys read / keys that exist {ladder.keys_read_ratio(engine.executor)}\n",
+        print(f"  decode attention: keys read / keys that exist {ladder.keys_read_ratio(engine.executor.stats())}\n",
               flush=True)
 
 

@@ -10,13 +10,14 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from minillm.attention.registry import backend_names  # the backends' names (one line each there)
+
 BATCHING_MODES = ("static", "dynamic", "continuous")
 KV_LAYOUTS = ("paged", "slab")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREFIX_CACHES = ("hash", "radix")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "numba", "numba_cpu")  # minillm.attention.select
 CHUNK_POLICIES = ("sarathi", "splitfuse")  # minillm.scheduler.chunk_policy
 EXECUTOR_BACKENDS = ("uni", "mp")  # minillm.executor: in this process, or one spawned process per rank
 
@@ -49,7 +50,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     seed: int = 0  # seeds requests that sample without their own seed
     # "torch", "numba" (chapter 10's CUDA kernels), "numba_cpu" (its @njit CPU decode kernel) or "auto":
-    # numba on CUDA, numba_cpu on a CPU (minillm.attention.select says why)
+    # numba on CUDA, numba_cpu on a CPU (minillm.attention.select says why); any name in minillm.attention.registry
     attention_backend: str = "auto"
     # Speculative decoding (chapter 09), vLLM's dict: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
     speculative_config: Any = None
@@ -67,8 +68,22 @@ class EngineConfig:
     # stages, so a stage works on one while the next works on the previous (GPipe within a step; minillm's knob,
     # not vLLM's: vLLM keeps several steps in flight instead, its "virtual engines").
     pipeline_micro_batches: int = 1
+    # One half of a prefill/decode pair (chapter 13; minillm.kv_transfer): vLLM's KVTransferConfig, as a
+    # KVTransferConfig, its dict or its JSON. The engine builds the connector's scheduler side, every worker its
+    # worker side.
+    kv_transfer_config: Any = None
 
     def __post_init__(self) -> None:
+        if self.kv_transfer_config is not None:
+            from minillm.kv_transfer.config import KVTransferConfig, parse_kv_transfer_config
+
+            if not isinstance(self.kv_transfer_config, KVTransferConfig):
+                self.kv_transfer_config = parse_kv_transfer_config(self.kv_transfer_config)
+            if self.batching != "continuous" or self.kv_layout != "paged":
+                raise ValueError("kv_transfer_config needs continuous batching over the paged KV cache "
+                                 "(batching='continuous', kv_layout='paged', the defaults)")
+            if self.speculative_config is not None:
+                raise ValueError("kv_transfer_config cannot be combined with speculative_config")
         if self.speculative_config is not None:
             from minillm.spec.config import SpeculativeConfig
 
@@ -76,8 +91,8 @@ class EngineConfig:
             if self.batching != "continuous":
                 raise ValueError(f"speculative_config needs batching='continuous' (got {self.batching!r})")
         self._check_parallel()
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend={self.attention_backend!r}; choose one of {ATTENTION_BACKENDS}")
+        if self.attention_backend not in backend_names():
+            raise ValueError(f"attention_backend={self.attention_backend!r}; choose one of {backend_names()}")
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching={self.batching!r}; choose one of {BATCHING_MODES}")
         if self.kv_layout not in KV_LAYOUTS:

@@ -12,6 +12,13 @@ it adds every request, then steps until all have finished. `n > 1` fans a prompt
 requests (vLLM's parallel sampling) and gathers them back into one `RequestOutput`. `chat` renders
 messages with the tokenizer's chat template (the bundled tokenizer has one; a tokenizer without
 one gets `DEFAULT_CHAT_TEMPLATE`). `get_metrics()` reads vLLM-named Prometheus metrics back.
+
+Why this module imports from the server package (`minillm.server.metrics`): vLLM's offline `LLM`
+and its server report the same Prometheus series, so there is one collector, `PrometheusMetrics`,
+fed by the engine's observers; it lives with the server because `/metrics` is where it is served
+and taught (chapter 11). `minillm.server.metrics` needs neither FastAPI nor uvicorn and imports
+nothing above the engine; the server app in turn imports `chat_prompt_ids` from here: the two
+packages use each other, the modules form no circle (tests/test_import_cycles.py).
 """
 
 from __future__ import annotations

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from minillm import LLM, SamplingParams
-from minillm.attention.flat_pool import FlatPoolAttention
+from minillm.attention.flat_pool import FlatPoolAttention, group_by_length
 from minillm.kv.block_manager import BlockManager
 from minillm.request import Request
-from minillm.runner import ModelRunner, group_by_length
 from minillm.scheduler.base import ScheduledBatch
 from minillm.scheduler.output import SchedulerOutputBuilder
+from minillm.worker.model_runner import ModelRunner
 
 
 def reference(q, k_pool, v_pool, table, ctx, n, bs, window):
@@ -61,7 +61,7 @@ def test_grouped_rows_equal_per_row_attention(block_size, window):
         class config:  # noqa: N801 - stands in for a ModelConfig
             sliding_windows = (window,)
 
-    runner = ModelRunner(Stub(), kv.cache_spec)
+    runner = ModelRunner(Stub(), kv.cache_spec, "torch")  # the torch backend builds length groups
     step = SchedulerOutputBuilder(kv).build(plan)
     runner.update_state(step)
     k_pool, v_pool = runner.k_pool, runner.v_pool
@@ -108,3 +108,51 @@ def test_uninitialised_pool_memory_never_reaches_a_result():
     worker.v_pool[:, :real_slots] = float("nan")
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     assert got == clean  # tails of partial blocks and -1 padding read zeros, never NaN
+
+
+def _doc_backend_module():
+    """docs/engine.md's "Adding an attention backend" example, as a module of its own."""
+    import re
+    import sys
+    import types
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "engine.md").read_text()
+    section = text[text.index("## Adding an attention backend"):]
+    source = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    module = types.ModuleType("doc_attention_backend")
+    exec(compile(source, "docs/engine.md", "exec"), module.__dict__)  # noqa: S102 - the doc's own example
+    sys.modules[module.__name__] = module
+    return module
+
+
+def test_a_backend_is_one_file_and_one_registry_line(monkeypatch):
+    """The docs' example backend, registered with one line, runs the real engine token-exact with HF
+    (float64; chunked prefill with prefix caching, so rows with several new tokens after a cached
+    context run too), and neither the worker nor the config names it anywhere else."""
+    from conftest import hf_greedy, make_tiny_hf_model
+
+    from minillm.attention import registry
+    from minillm.workload import make_trace
+
+    module = _doc_backend_module()
+    monkeypatch.setitem(registry.BACKENDS, "per_row", f"{module.__name__}:PerRowAttention")
+    hf = make_tiny_hf_model("llama-gqa")
+    trace = make_trace(6, seed=5, vocab_size=160, rate_per_s=float("inf"), prompt_len=("uniform", 2, 30),
+                       output_len=("uniform", 4, 12), max_output_len=12, token_id_range=(3, 160))
+    shared = list(range(10, 30))  # 5 full blocks of 4: cached after the first pass
+    prompts = [r.prompt_token_ids for r in trace] + [shared]
+    again = [shared + [7, 8, 9], shared[:9]]  # the second pass: a cached prefix, then new tokens
+    refs = [hf_greedy(hf, p, 10) for p in prompts + again]
+    llm = LLM(hf, dtype="float64", device="cpu", max_num_seqs=4, max_model_len=64, attention_backend="per_row",
+              enable_chunked_prefill=True, max_num_batched_tokens=16, block_size=4, enable_prefix_caching=True)
+    assert llm.engine.executor.attention_backend == "per_row"
+    assert llm.engine.executor.worker.backend is module.PerRowAttention
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outs = [o for batch in (prompts, again) for o in
+            llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert all(o.metrics.num_cached_prompt_tokens > 0 for o in outs[-2:])  # (the second pass hit the cache)
+    with pytest.raises(ValueError, match="per_row"):  # gone from the registry: refused by name, with the choices
+        monkeypatch.delitem(registry.BACKENDS, "per_row")
+        LLM(hf, dtype="float64", device="cpu", attention_backend="per_row")

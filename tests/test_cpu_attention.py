@@ -23,9 +23,9 @@ from minillm.attention.select import resolve_backend
 from minillm.kernels import paged_attention_decode_cpu
 from minillm.kv.block_manager import BlockManager
 from minillm.request import Request
-from minillm.runner import ModelRunner
 from minillm.scheduler.base import ScheduledBatch
 from minillm.scheduler.output import SchedulerOutputBuilder
+from minillm.worker.model_runner import ModelRunner
 from minillm.workload import make_trace
 
 

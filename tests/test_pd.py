@@ -148,7 +148,14 @@ def test_pd_refuses_what_one_transfer_cannot_carry_and_passes_bad_input_to_the_s
 
 def test_decode_killed_mid_transfer_frees_the_prefill_sides_blocks(pd):
     """Last: it breaks the pair."""
-    url, (prefill, _), (_, decode_pid) = pd["url"], pd["prefill"], pd["decode"]
+    kill_decode_mid_transfer(pd["url"], pd["prefill"][0], pd["decode"][1])
+
+
+def kill_decode_mid_transfer(url: str, prefill: str, decode_pid: int) -> None:
+    """Start a long streamed request through the PD router at `url`, SIGKILL the decode instance while
+    its blocks cross, and check: the client gets an error, the prefill instance frees the blocks (KV
+    usage 0, link down, a failed transfer counted, nothing running), and the router answers 503.
+    (tests/test_pd_tp.py runs it with tensor parallelism on both sides.)"""
     sent_before = _kv(prefill, "blocks_total", "kv_producer")
     prompt = " ".join(["And the earth was without form, and void;"] * 30)  # ~300 tokens: ~19 blocks, ~1 s of link
     result: dict = {}

@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from minillm import LLM
-from minillm.kv_transfer import attach_kv_connector, parse_kv_transfer_config
+from minillm.kv_transfer import parse_kv_transfer_config
 from minillm.router.launch import free_port
 from minillm.server.app import create_app
 
@@ -26,11 +26,10 @@ def _metrics(client: TestClient) -> dict[str, float]:
 
 @pytest.mark.timeout(120)
 def test_pinned_blocks_nobody_pulls_are_freed_after_the_timeout():
-    llm = LLM(max_model_len=256, max_num_seqs=4)
     config = parse_kv_transfer_config({"kv_connector": "TorchDistConnector", "kv_role": "kv_producer",
                                        "kv_port": free_port(), "kv_connector_extra_config": {
                                            "abort_timeout_s": 8.0, "connect_timeout_s": 30}})
-    connector = attach_kv_connector(llm, config)
+    llm = LLM(max_model_len=256, max_num_seqs=4, kv_transfer_config=config)
     usage = 'vllm:kv_cache_usage_perc{model_name="minillm"}'
     try:
         with TestClient(create_app(llm)) as client:
@@ -59,4 +58,4 @@ def test_pinned_blocks_nobody_pulls_are_freed_after_the_timeout():
                                                      "kv_transfer_params": {"do_remote_decode": True}})
             assert r.status_code == 400 and "transfer_id" in r.json()["error"]["message"]
     finally:
-        connector.stop()
+        llm.shutdown()

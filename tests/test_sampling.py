@@ -9,10 +9,22 @@ from conftest import make_tiny_hf_model
 from minillm import LLM, SamplingParams
 from minillm.request import Request
 from minillm.sampling import filtered_probs, sample
+from minillm.scheduler.output import new_request_data
+from minillm.worker.input_batch import InputBatch
 
 
-def _req(**kw) -> Request:
-    return Request("r", [1], SamplingParams(**kw), 0.0, default_seed=kw.get("seed") or 0)
+def _req(request_id: str = "r", **kw) -> Request:
+    return Request(request_id, [1], SamplingParams(**kw), 0.0, default_seed=kw.get("seed") or 0)
+
+
+def _sampler(requests: list[Request]):
+    """The worker's view of `requests` (an input batch holding them), and a function sampling their rows."""
+    batch = InputBatch(max_blocks_per_seq=4)
+    for r in requests:
+        batch.add(new_request_data(r))
+    rows = batch.rows_of([r.request_id for r in requests])
+    states = [batch.requests[r.request_id] for r in requests]
+    return lambda logits: sample(logits, batch, rows, states)
 
 
 def test_top_k_and_top_p_keep_the_right_tokens():
@@ -28,18 +40,18 @@ def test_top_k_and_top_p_keep_the_right_tokens():
 
 def test_temperature_sampling_follows_softmax():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
-    req = _req(temperature=0.7, seed=3)
+    draw = _sampler([_req(temperature=0.7, seed=3)])
     counts = torch.zeros(4)
     for _ in range(4000):
-        counts[sample(logits, [req])[0]] += 1
+        counts[draw(logits)[0]] += 1
     expected = torch.softmax(logits[0] / 0.7, -1)
     assert torch.allclose(counts / 4000, expected, atol=0.025)
 
 
 def test_greedy_is_argmax_and_ignores_seed():
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
-    reqs = [_req(temperature=0.0) for _ in range(5)]
-    assert sample(logits, reqs) == logits.argmax(-1).tolist()
+    reqs = [_req(f"r{i}", temperature=0.0, seed=i) for i in range(5)]
+    assert _sampler(reqs)(logits) == logits.argmax(-1).tolist()
 
 
 @pytest.fixture(scope="module")

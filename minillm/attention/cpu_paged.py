@@ -7,8 +7,10 @@ through the block table (online softmax, the G query heads of a KV head sharing 
 torch backend instead gathers each length group's blocks into a padded run and calls SDPA on it:
 two extra passes over the keys and values, and one call per group. Rows with several new tokens
 (prefill chunks, speculative rows, recomputes) stay on the torch backend's batched SDPA, which
-measures faster for them here. Everything else (the K/V write, the metadata) is shared with
-`FlatPoolAttention`.
+measures faster for them here. Everything else (the K/V write, the prefill groups) is shared with
+`FlatPoolAttention`; its metadata builder puts every decode row in one group (the kernel's one
+call; a torch backend handed this metadata would still compute the same result, padded) and counts
+each key read once.
 """
 
 from __future__ import annotations
@@ -17,10 +19,25 @@ import math
 
 import torch
 
-from minillm.attention.flat_pool import AttentionMetadata, FlatPoolAttention
+from minillm.attention.flat_pool import FlatPoolAttention, build_row_groups
+from minillm.attention.metadata import AttentionMetadata, StepLayout
+
+KERNEL_DTYPES = (torch.float32, torch.float64)
 
 
 class NumbaCpuAttention(FlatPoolAttention):
+    @staticmethod
+    def check(device: torch.device, dtype: torch.dtype) -> None:
+        if torch.device(device).type == "cuda" or dtype not in KERNEL_DTYPES:
+            raise ValueError(f"attention_backend='numba_cpu' runs on a CPU in float32 or float64, not on "
+                             f"{torch.device(device)} in {dtype}: use 'torch' or 'auto'")
+
+    @staticmethod
+    def build_metadata(layout: StepLayout) -> AttentionMetadata:
+        meta = build_row_groups(layout, decode_slack=math.inf)
+        meta.keys_read = int(layout.seq_lens[: layout.num_decode].sum())  # the kernel walks each row to its length
+        return meta
+
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
                  sliding_windows: tuple[int | None, ...] = ()) -> None:
         super().__init__(k_pool, v_pool, meta, sliding_windows)

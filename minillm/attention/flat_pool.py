@@ -13,53 +13,106 @@ paged attention, `minillm.kernels` in chapter 10):
 
 Decode rows (one query after a cached context) come first. This torch backend reads K/V by whole
 blocks through the block table and, since one SDPA call pads every row to its longest key run,
-it groups rows of similar length (the runner decides the groups, so that keys read ÷ keys that
-exist stays near 1). Rows that bring several new tokens after a cached context — a prefill
-chunk, a speculative row of 1+k, a recompute — run batched too, with an offset causal mask.
+it groups rows of similar length (`build_row_groups`, its metadata builder, decides the groups, so
+that keys read ÷ keys that exist stays near 1). Rows that bring several new tokens after a cached
+context — a prefill chunk, a speculative row of 1+k, a recompute — run batched too, with an offset
+causal mask.
 Everything else in the layer ran on the flattened batch: Orca's "selective batching".
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from minillm.attention.metadata import AttentionMetadata, RowGroup, StepLayout
 
-@dataclass
-class RowGroup:
-    """Rows that one SDPA call serves. Decode: `rows` are consecutive query rows. Multi-token:
-    `query_index` [b * q_max] gathers (padded) query rows, `out_rows` / `out_index` scatter back."""
-
-    first_row: int  # index into the step's sequences (the B dimension)
-    num_rows: int
-    key_len: int  # keys per row read (num_blocks * block_size, or less for one partial block)
-    block_ids: torch.Tensor  # [num_rows * num_blocks] pool blocks, padding → the null block
-    seq_lens: torch.Tensor  # [num_rows, 1]
-    q_max: int = 1
-    query_index: torch.Tensor | None = None  # multi-token groups: [num_rows * q_max] rows of q
-    query_lens: torch.Tensor | None = None  # [num_rows, 1]
-    out_index: torch.Tensor | None = None  # rows of the output the valid queries go to
-    valid: torch.Tensor | None = None  # [num_rows * q_max] which gathered queries are real
-    fresh_causal: bool = False  # one whole prompt, nothing cached: its keys are this step's own
-    token_slice: slice | None = None  # its rows of the flattened batch, when fresh_causal
-    _masks: dict = field(default_factory=dict)
+# Rows share one attention call while the keys it reads stay within this factor of the keys
+# they have (in blocks); beyond it a new group starts. Grouping trades padded reads for calls.
+KEY_READ_SLACK = 1.25
 
 
-@dataclass
-class AttentionMetadata:
-    """The step's layout, in the varlen form kernels use, plus the torch backend's row groups."""
+def group_by_length(num_blocks: list[int], slack: float = KEY_READ_SLACK) -> list[tuple[int, int]]:
+    """Split rows sorted by length (longest first) into runs [start, end) whose padded reads
+    (rows × longest) stay within `slack` × their real block counts."""
+    groups, start, total = [], 0, 0
+    for i, nb in enumerate(num_blocks):
+        if i > start and (i - start + 1) * num_blocks[start] > slack * (total + nb):
+            groups.append((start, i))
+            start, total = i, 0
+        total += nb
+    if num_blocks:
+        groups.append((start, len(num_blocks)))
+    return groups
 
-    slot_mapping: torch.Tensor  # [T] int64
-    query_start_loc: torch.Tensor  # [B+1] int32
-    seq_lens: torch.Tensor  # [B] int32
-    block_tables: torch.Tensor  # [B, max_blocks] int32, -1 padded
-    num_decode: int  # sequences 0 … num_decode-1 are decode rows (token row == sequence index)
-    block_size: int
-    decode_groups: list[RowGroup] = field(default_factory=list)
-    prefill_groups: list[RowGroup] = field(default_factory=list)
-    num_tokens: int = 0
+
+def build_row_groups(layout: StepLayout, decode_slack: float = KEY_READ_SLACK) -> AttentionMetadata:
+    """The torch backend's metadata: the flat layout, plus the decode rows cut into length groups
+    (`decode_slack`; infinite: one group) and one group per fresh prompt or per similar run of rows
+    with several new tokens after a cached context (prefill chunks, speculative rows, recomputes)."""
+    meta = layout.flat_metadata()
+    device, bs, nd = layout.device, layout.block_size, layout.num_decode
+    seq_lens, q_lens = layout.seq_lens, layout.query_lens
+    num_rows = len(seq_lens)
+    query_start = layout.query_start_loc.tolist() if nd < num_rows else []
+    # padded reads (length groups, multi-token rows) go to the null block
+    tables = np.where(layout.block_tables < 0, layout.null_block, layout.block_tables).astype(np.int64)
+    blocks_of = -(-seq_lens // bs)
+
+    def group(start: int, end: int, rows: list[int] | None = None) -> RowGroup:
+        # rows start … end-1 (or `rows`) read the longest one's blocks each; one block or less (a slab)
+        # only as far as the longest row goes. (A run of rows is sliced, not gathered: a decode group of
+        # 64 rows costs a few µs.)
+        sel = slice(start, end) if rows is None else rows
+        nb = int(blocks_of[sel].max())
+        key_len = int(seq_lens[sel].max()) if nb == 1 else nb * bs
+        ids = torch.from_numpy(np.ascontiguousarray(tables[sel, :nb]).reshape(-1)).to(device)
+        return RowGroup(first_row=start, num_rows=end - start if rows is None else len(rows), key_len=key_len,
+                        block_ids=ids, seq_lens=torch.from_numpy(seq_lens[sel][:, None]).to(device))
+
+    spans = [(0, nd)] if nd and math.isinf(decode_slack) else group_by_length(blocks_of[:nd].tolist(), decode_slack)
+    for start, end in spans:
+        meta.decode_groups.append(group(start, end))
+    meta.keys_read = sum(g.num_rows * g.key_len for g in meta.decode_groups)
+    if nd == num_rows:  # a decode-only step (most steps): nothing more to group
+        return meta
+    windowed = any(w is not None for w in layout.sliding_windows)
+    fresh = [j for j in range(nd, num_rows) if seq_lens[j] == q_lens[j]]
+    cached = [j for j in range(nd, num_rows) if seq_lens[j] != q_lens[j]]
+    for j in fresh:
+        g = group(j, j + 1)
+        g.fresh_causal, g.token_slice = True, slice(query_start[j], query_start[j + 1])
+        if windowed:  # a sliding-window layer cannot take the plain causal path: give it the general form
+            g.q_max, g.query_lens = int(q_lens[j]), torch.tensor([[int(q_lens[j])]], device=device)
+            g.query_index, g.valid = _query_rows([j], query_start, q_lens, device)
+            g.out_index = g.query_index
+        meta.prefill_groups.append(g)
+    work = [int(q_lens[j] * blocks_of[j]) for j in cached]
+    for a, b in group_by_length(work):
+        rows = cached[a:b]
+        g = group(rows[0], rows[0] + 1, rows)
+        g.q_max = int(q_lens[rows].max())
+        g.query_lens = torch.from_numpy(q_lens[rows][:, None]).to(device)
+        g.query_index, g.valid = _query_rows(rows, query_start, q_lens, device, g.q_max)
+        g.out_index = g.query_index[g.valid]
+        meta.prefill_groups.append(g)
+    return meta
+
+
+def _query_rows(rows: list[int], query_start: list[int], q_lens: np.ndarray, device: torch.device,
+                q_max: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    q_max = q_max or int(q_lens[rows].max())
+    idx = np.zeros((len(rows), q_max), dtype=np.int64)
+    valid = np.zeros((len(rows), q_max), dtype=bool)
+    for k, j in enumerate(rows):
+        n = int(q_lens[j])
+        idx[k, :n] = np.arange(query_start[j], query_start[j] + n)
+        idx[k, n:] = query_start[j]
+        valid[k, :n] = True
+    return torch.from_numpy(idx.reshape(-1)).to(device), torch.from_numpy(valid.reshape(-1)).to(device)
 
 
 def decode_mask(group: RowGroup, window: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -95,6 +148,14 @@ def multi_token_mask(group: RowGroup, window: int | None) -> torch.Tensor:
 
 class FlatPoolAttention:
     """Callable the model uses per layer: write this step's K/V, attend through the block tables."""
+
+    @staticmethod
+    def check(device: torch.device, dtype: torch.dtype) -> None:
+        """Plain torch: any device, any dtype."""
+
+    @staticmethod
+    def build_metadata(layout: StepLayout) -> AttentionMetadata:
+        return build_row_groups(layout)
 
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
                  sliding_windows: tuple[int | None, ...] = ()) -> None:

@@ -1,7 +1,7 @@
 """Attention through minillm's numba.cuda kernels: the GPU backend (chapter 10).
 
-Same metadata as the torch backend (`minillm.attention.flat_pool.AttentionMetadata`), handed to
-the kernels as they are: `reshape_and_cache` writes the step's K/V through `slot_mapping`;
+The step's flat metadata (`minillm.attention.metadata.AttentionMetadata`, no row groups), handed
+to the kernels as it is: `reshape_and_cache` writes the step's K/V through `slot_mapping`;
 `paged_attention_decode` serves the decode rows (the first `num_decode` sequences, one query each)
 and `prefill_attention` the rest, both reading K/V through `block_tables` with an online softmax
 — no gathers, no padded key runs. Chosen with `attention_backend="numba"` (the default on CUDA);
@@ -14,10 +14,19 @@ import math
 
 import torch
 
-from minillm.attention.flat_pool import AttentionMetadata
+from minillm.attention.metadata import AttentionMetadata, StepLayout
 
 
 class NumbaPagedAttention:
+    @staticmethod
+    def check(device: torch.device, dtype: torch.dtype) -> None:
+        """CUDA, or a CPU under numba's simulator (NUMBA_ENABLE_CUDASIM=1): the kernels check the rest."""
+
+    @staticmethod
+    def build_metadata(layout: StepLayout) -> AttentionMetadata:
+        """The flat layout as it is: the kernels read block tables directly, each key once."""
+        return layout.flat_metadata()
+
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
                  sliding_windows: tuple[int | None, ...] = ()) -> None:
         if any(w is not None for w in sliding_windows):

@@ -19,6 +19,7 @@ import os
 import pickle
 import traceback
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,6 +50,7 @@ class WorkerSpec:
     micro_batches: int = 1  # pipeline stages: micro-batches per step (EngineConfig.pipeline_micro_batches)
     expert_parallel: bool = False  # MoE: whole experts per rank (all-to-all) instead of sliced ones (all-reduce)
     num_threads: int = 1
+    kv_transfer_config: Any = None  # a prefill/decode pair: this rank builds the KV connector's worker side
 
 
 class ParallelWorker(ModelRunner):
@@ -60,8 +62,8 @@ class ParallelWorker(ModelRunner):
     one step). Every rank cuts the same plan the same way, so sends and receives pair up."""
 
     def __init__(self, model, cache_spec: KVCacheSpec, attention_backend: str, layout: RankLayout,
-                 micro_batches: int = 1) -> None:
-        super().__init__(model, cache_spec, attention_backend)
+                 micro_batches: int = 1, kv_connector=None) -> None:
+        super().__init__(model, cache_spec, attention_backend, kv_connector)
         self.layout = layout
         self.micro_batches = micro_batches if layout.pp > 1 else 1
 
@@ -152,8 +154,13 @@ def build_rank(spec: WorkerSpec, rank: int) -> ParallelWorker:
         from minillm.distributed.moe import shard_model_experts
 
         shard_model_experts(model, groups[layout.stage] if groups[layout.stage] is not None else dist.group.WORLD)
+    kv_connector = None
+    if spec.kv_transfer_config is not None:  # rank r moves its own layers' and heads' K/V, to/from rank r
+        from minillm.kv_transfer import make_worker_connector
+
+        kv_connector = make_worker_connector(spec.kv_transfer_config, rank, world)
     return ParallelWorker(model, rank_cache_spec(spec.cache_spec, model), spec.attention_backend, layout,
-                          spec.micro_batches)
+                          spec.micro_batches, kv_connector)
 
 
 def rank_main(rank: int, spec: WorkerSpec, conn) -> None:
@@ -191,7 +198,7 @@ def serve(worker: ParallelWorker, conn) -> None:
             elif kind == "stats":
                 comm = worker.model.comm
                 reply = {"calls": dict(comm.calls), "bytes": dict(comm.bytes), "seconds": dict(comm.seconds),
-                         "model_time_s": worker.model_time_s}
+                         "model_time_s": worker.model_time_s, "worker": worker.stats(reset=message[1])}
             else:
                 raise ValueError(f"unknown message {kind!r}")
             payload = ("ok", reply)

@@ -2,7 +2,9 @@
 
 `LLM` (the real model), the simulator (a cost model instead of a model) and the graders (a
 stand-in executor and a learner's scheduler) all build their engine here; only the parts they
-pass differ. The KV layout and the scheduler follow the config unless given.
+pass differ. The KV layout and the scheduler follow the config unless given; for a model, the
+executor is one worker in this process (`UniProcExecutor`). This module sits above the engine
+core, the executor and the worker (it wires them), so the core imports neither.
 """
 
 from __future__ import annotations
@@ -32,5 +34,14 @@ def build_engine(config: EngineConfig, model_config: ModelConfig, *, model: Any 
         else:
             kv = make_kv_manager(resolved, model_config, allocate_pool=False)
     scheduler = (scheduler_factory or make_scheduler)(resolved, kv)
+    if executor is None and model is not None:  # the real model, in a worker in this process
+        from minillm.executor.uniproc import UniProcExecutor
+        from minillm.kv_transfer import make_worker_connector
+        from minillm.worker.model_runner import ModelRunner
+
+        transfer = resolved.kv_transfer_config
+        worker = ModelRunner(model, kv.cache_spec, resolved.attention_backend,
+                             None if transfer is None else make_worker_connector(transfer))
+        executor = UniProcExecutor(worker, kv)
     return LLMEngine(model_config, config, model=model, tokenizer=tokenizer, kv=kv, scheduler=scheduler,
                      executor=executor, clock=clock, proposer=proposer)

@@ -20,6 +20,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from minillm.clock import WallClock
@@ -27,15 +28,14 @@ from minillm.config import EngineConfig
 from minillm.engine.input import InputProcessor
 from minillm.engine.output import OutputProcessor
 from minillm.engine.parts import make_kv_manager, make_scheduler
-from minillm.engine.threaded import OutputSink, ThreadedEngine
-from minillm.executor.uniproc import UniProcExecutor
+from minillm.engine.threaded import ADD_FAILED, OutputSink, ThreadedEngine
 from minillm.kv.base import KVUsage
+from minillm.kv_transfer import make_scheduler_connector
 from minillm.metrics import MetricsCollector, StepRecord
 from minillm.model.config import ModelConfig
-from minillm.model.llama import LlamaModel
 from minillm.request import Request, RequestStatus, SamplingParams
 from minillm.scheduler.base import RequestUpdate, ScheduledBatch, Scheduler
-from minillm.worker.model_runner import ModelRunner
+from minillm.scheduler.continuous import ContinuousScheduler
 
 
 class StepUpdates(list):
@@ -57,25 +57,36 @@ class EngineLoad:
 
 
 class LLMEngine(ThreadedEngine):
-    kv_connector = None  # a prefill/decode pair's KV connector (minillm.kv_transfer), set by attach_kv_connector
-
-    def __init__(self, model_config: ModelConfig, config: EngineConfig, *, model: LlamaModel | None = None,
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, *, model: Any = None,
                  tokenizer: Any = None, kv=None, scheduler: Scheduler | None = None, executor=None,
                  clock=None, proposer=None) -> None:
         """Every part can be injected (an exercise's scheduler, the simulator's executor and clock);
-        by default the real model runs with the KV layout and scheduler the config names."""
+        the KV layout and scheduler default to what the config names. `executor` runs the plans: the
+        real model's worker (`build_engine` makes one for a model) or a stand-in (the simulator's)."""
         self.model_config = model_config
         self.model = model
         self.tokenizer = tokenizer
         self.config = config.resolve(model_config.max_position_embeddings)
-        if model is None and (kv is None or executor is None):
-            raise ValueError("without a model, pass both kv= and executor= (the simulator does)")
+        if executor is None:
+            raise ValueError("pass executor= (build_engine builds the worker for a model; the simulator passes "
+                             "its own)")
+        if model is None and kv is None:
+            raise ValueError("without a model, pass kv= (the simulator does)")
         self.kv = kv if kv is not None else make_kv_manager(self.config, model_config, model.dtype,
                                                             str(model.device))
         self.scheduler = scheduler if scheduler is not None else make_scheduler(self.config, self.kv)
-        # The executor turns a plan into next tokens: the real model, or the simulator's stand-in.
-        if executor is None:
-            executor = UniProcExecutor(ModelRunner(model, self.kv.cache_spec, self.config.attention_backend), self.kv)
+        self._init_inbox()
+        # A prefill/decode pair's KV connector (chapter 13): its scheduler side here, its worker side in
+        # every worker (the executor's); they talk only through the plan and the worker's output.
+        transfer = self.config.kv_transfer_config
+        self.kv_connector = None
+        if transfer is not None:
+            if not isinstance(self.scheduler, ContinuousScheduler):
+                raise ValueError("kv_transfer_config needs the continuous scheduler (batching='continuous')")
+            self.kv_connector = make_scheduler_connector(
+                transfer, self.kv.cache_spec, self.config.tensor_parallel_size * self.config.pipeline_parallel_size,
+                self.kv.cached_prefix_tokens, partial(self.call_soon, self._apply_connector_events))
+            self.scheduler.connector = self.kv_connector
         self.executor = executor
         self.device = model.device if model is not None else "cpu"
         # Speculative decoding: who guesses the next tokens (chapter 09). A draft model is loaded by LLM.
@@ -90,7 +101,6 @@ class LLMEngine(ThreadedEngine):
         self.proposer = proposer
         self.clock = clock or WallClock()
         self.metrics = MetricsCollector()
-        self._init_inbox()
         self.inputs = InputProcessor(self.config, model_config, tokenizer, self.device)
         self.outputs = OutputProcessor(tokenizer)
         self.eos_token_ids = tuple(model_config.eos_token_ids)
@@ -106,6 +116,9 @@ class LLMEngine(ThreadedEngine):
         # Online (a server) more requests may always come; `LLM.generate` clears this while it
         # replays a fixed set, so a static batcher need not wait for a batch that will never fill.
         self.expect_more_requests = True
+        if self.kv_connector is not None:
+            self.metrics.add_observer(self.kv_connector.on_step)
+            self.kv_connector.start()
 
 
     # ---- requests in -------------------------------------------------------------------------
@@ -247,15 +260,13 @@ class LLMEngine(ThreadedEngine):
     def check_health(self) -> None:
         """Raise (`EngineDeadError`) if the executor can run no more steps: a worker process died or
         hung (vLLM's `check_health`). In-process executors and stand-ins have nothing to check."""
-        check = getattr(self.executor, "check_health", None)
-        if check is not None:
-            check()
+        self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Stop the executor's worker processes, if it has any."""
-        stop = getattr(self.executor, "shutdown", None)
-        if stop is not None:
-            stop()
+        """Stop the executor's worker processes, if it has any, and the KV connector's threads."""
+        if self.kv_connector is not None:
+            self.kv_connector.stop()
+        self.executor.shutdown()
 
     def load_snapshot(self) -> EngineLoad:
         return EngineLoad(self.scheduler.num_running, self.scheduler.num_waiting, len(self._pending), self.kv.usage())
@@ -292,6 +303,28 @@ class LLMEngine(ThreadedEngine):
             return False
         self.clock.wait_until(min(times))
         return True
+
+    def _apply_connector_events(self) -> None:
+        """What the KV connector's threads learned, applied on the engine thread (queued by its `notify`)."""
+        events = self.kv_connector.take_events()
+        for req in events.release:  # a finished prefill's pinned blocks: pulled, expired, or the link broke
+            self.kv.free(req)
+        for req, message in events.failed:
+            if self.requests.get(req.request_id) is req:
+                req.error = f"{ADD_FAILED}: {message}"  # the server answers 500: not the client's fault
+                self.abort_request(req.request_id)
+        for req, first_token in events.ready:  # held requests whose prompt's K/V can now be loaded
+            if self.requests.get(req.request_id) is not req:
+                self.kv_connector.request_finished(req, [])  # aborted meanwhile: the producer may free its blocks
+                continue
+            req.append_token(first_token)  # the prefill's sampled token: the client gets it now
+            status = req.check_stop(first_token, self.config.max_model_len)
+            if status is not None:
+                req.status = status
+                self.kv_connector.request_finished(req, [])
+            else:
+                self.scheduler.add_request(req)
+            self._on_update(RequestUpdate(req, [first_token], status), self.clock.now())
 
     def _on_update(self, update: RequestUpdate, t: float) -> None:
         req = update.request

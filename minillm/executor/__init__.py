@@ -1,6 +1,7 @@
 """Executors: who runs the plan (chapter 04; more processes come with the parallelism chapters).
 
-- `abstract.Executor` — the protocol the engine calls: `execute(batch)`, `step_duration_s()`;
+- `abstract.Executor` — the protocol the engine calls: `execute(batch)`, `step_duration_s()`, `check_health()`,
+  `shutdown()`, `stats()`; `abstract.ExecutorBase` — their defaults for a stand-in;
   `abstract.WorkerExecutor` — `execute(batch)` for executors with workers: the plan built as data, forgotten if the step fails.
 - `uniproc.UniProcExecutor` — one worker in this process.
 - `multiproc.MultiprocExecutor` — one spawned process per tensor/pipeline-parallel rank (chapter 12),
@@ -12,7 +13,7 @@ same protocol and reads the scheduler's plan directly; an executor with workers 
 data that crosses, `SchedulerOutput`, and calls `execute_model(plan)` on each worker.
 """
 
-from minillm.executor.abstract import Executor
+from minillm.executor.abstract import Executor, ExecutorBase
 from minillm.executor.uniproc import UniProcExecutor
 
-__all__ = ["Executor", "UniProcExecutor"]
+__all__ = ["Executor", "ExecutorBase", "UniProcExecutor"]

@@ -46,6 +46,7 @@ from minillm.distributed.worker import WorkerSpec, rank_main
 from minillm.executor.abstract import EngineDeadError, WorkerExecutor
 from minillm.scheduler.base import ModelRunnerOutput
 from minillm.scheduler.output import SchedulerOutput, SchedulerOutputBuilder
+from minillm.worker.model_runner import WorkerStats
 
 STARTUP_TIMEOUT_S = 180.0  # spawn, import torch, join the group, load the shard (on 2 shared cores)
 STOP_TIMEOUT_S = 10.0
@@ -130,15 +131,17 @@ class MultiprocExecutor(WorkerExecutor):
                 self.shutdown(polite=False)
             raise
 
-    def step_duration_s(self) -> float:
-        return 0.0
-
-    def collective_stats(self) -> list[dict]:
+    def collective_stats(self, reset: bool = False) -> list[dict]:
         """Per rank: collectives called, bytes handed to them, wall seconds in them (`{"calls": {...},
-        "bytes": {...}, "seconds": {...}}`), and the rank's time in the forward (`model_time_s`)."""
+        "bytes": {...}, "seconds": {...}}`), the rank's time in the forward (`model_time_s`) and its
+        worker counters (`"worker"`: a `WorkerStats`; `reset` zeroes those after reading)."""
         self.check_health()
-        self._broadcast(("stats",))
+        self._broadcast(("stats", reset))
         return self._gather("stats", self.timeout_s)
+
+    def stats(self, reset: bool = False) -> WorkerStats:
+        """The sampling rank's worker counters (its forward time includes waiting on the others)."""
+        return self.collective_stats(reset)[self.output_rank]["worker"]
 
     def _broadcast(self, message: tuple) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # pickled once, written to every rank

@@ -14,7 +14,7 @@ import torch
 from minillm.executor.abstract import WorkerExecutor
 from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch
 from minillm.scheduler.output import SchedulerOutput, SchedulerOutputBuilder
-from minillm.worker.model_runner import ModelRunner, StepInputs
+from minillm.worker.model_runner import ModelRunner, StepInputs, WorkerStats
 
 
 class UniProcExecutor(WorkerExecutor):
@@ -26,34 +26,9 @@ class UniProcExecutor(WorkerExecutor):
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(plan)
 
-    def step_duration_s(self) -> float:
-        """Real time passes by itself: nothing to charge a clock."""
-        return 0.0
-
-    # The worker's counters, read (and zeroed) by bench/ladder.py through the engine's executor.
-    @property
-    def model_time_s(self) -> float:
-        return self.worker.model_time_s
-
-    @model_time_s.setter
-    def model_time_s(self, value: float) -> None:
-        self.worker.model_time_s = value
-
-    @property
-    def keys_read(self) -> int:
-        return self.worker.keys_read
-
-    @keys_read.setter
-    def keys_read(self, value: int) -> None:
-        self.worker.keys_read = value
-
-    @property
-    def keys_exist(self) -> int:
-        return self.worker.keys_exist
-
-    @keys_exist.setter
-    def keys_exist(self, value: int) -> None:
-        self.worker.keys_exist = value
+    def stats(self, reset: bool = False) -> WorkerStats:
+        """The worker's counters (bench/ladder.py reads them, zeroed after its warm-up)."""
+        return self.worker.stats(reset)
 
     @property
     def attention_backend(self) -> str:

@@ -21,6 +21,12 @@ bucket ≥ B:
 forward against the unpadded one, in the simulator: tests/kernel_checks.py). `DecodeGraphs` needs
 CUDA; bench/gpu.py measures it. The engine does not use it yet: that needs a hook in the model
 runner's decode path (run `DecodeGraphs.run` when a step is decode-only and fits a bucket).
+
+Why this module imports upward (kernels → attention): unlike its neighbours it is not a kernel
+but a way of running the whole decode forward through the numba attention backend, so it needs
+that backend and its metadata type (`minillm.attention.metadata`, the one shared by every
+backend; nothing in `minillm.attention` imports it back). It lives here because chapter 10
+teaches it with the kernels; the engine hook above would move it to the worker.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.attention.flat_pool import AttentionMetadata
+from minillm.attention.metadata import AttentionMetadata
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 

@@ -1,17 +1,23 @@
-"""The KV link: a 2-rank torch.distributed process group between a prefill and a decode instance (chapter 13).
+"""The KV links: 2-rank torch.distributed process groups between a prefill and a decode instance (chapter 13).
 
-Rank 0 is the producer (the prefill instance), rank 1 the consumer (the decode instance). They
-agree on nothing but an address: the producer hosts a `TCPStore` on `kv_ip:kv_port`, the consumer
-connects to it, and the store's rendezvous builds the group — gloo on CPU; with the KV pool on
-CUDA the same calls build NCCL (which needs the two ranks on different GPUs). The group is private
-(`ProcessGroupGloo(store, rank, 2)`, not `init_process_group`), so it does not take the process's
-default group that tensor or pipeline parallelism would use.
+Rank 0 of every pair is the producer (the prefill instance), rank 1 the consumer (the decode
+instance). They agree on nothing but an address: the producer's engine process hosts a
+`TCPStore` on `kv_ip:kv_port`; everyone else connects to it as a client. One store carries
+several private groups, each under its own prefix (`PrefixStore`):
+
+    "control"          the two engine processes: which transfer, its block ids, the first token, done
+    "data-{r}-of-{n}"  worker rank r of the prefill instance and worker rank r of the decode
+                       instance (n ranks each): the blocks of rank r's KV heads and layers
+
+Each group is gloo on CPU; with the KV pool on CUDA the same calls build NCCL (which needs the
+two ranks on different GPUs). The groups are private (`ProcessGroupGloo(store, rank, 2)`, not
+`init_process_group`), so they do not take the process's default group that tensor or pipeline
+parallelism use.
 
 Everything that crosses is a tensor sent with `send`/`recv` (point to point, tagged): a fixed
-header of int64 first (what follows: the request's id, its block count, dtype and shape), then
-the payload. No home-made socket protocol: framing, addressing and errors are torch.distributed's.
-A peer that dies makes the next send or recv raise (the connection is gone), which is how each
-side learns it.
+header of int64 first, then the payload. No home-made socket protocol: framing, addressing and
+errors are torch.distributed's. A peer that dies makes the next send or recv raise (the connection
+is gone), which is how each side learns it.
 """
 
 from __future__ import annotations
@@ -27,28 +33,38 @@ DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 HEADER_LEN = 12
 
 
-class KVLink:
-    """One end of the pair: `send`/`recv` of tensors to the other rank, over a private group."""
+def connect_store(host: str, port: int, host_it: bool, timeout_s: float) -> dist.TCPStore:
+    """The pair's rendezvous store: hosted (`host_it`, the producer's engine process) or joined.
+    A client retries until the host is up or `timeout_s` passed (then RuntimeError)."""
+    return dist.TCPStore(host, port, None, host_it, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
 
-    def __init__(self, rank: int, host: str, port: int, device: str = "cpu", timeout_s: float = 600.0,
+
+def data_link_name(rank: int, world_size: int) -> str:
+    return f"data-{rank}-of-{world_size}"
+
+
+class KVLink:
+    """One end of a pair: `send`/`recv` of tensors to the other rank, over a private group."""
+
+    def __init__(self, store: dist.Store, name: str, rank: int, device: str = "cpu",
                  op_timeout_s: float = 86400.0) -> None:
-        """Blocks until the other end has joined (or `timeout_s` passed: RuntimeError from the store).
-        `op_timeout_s` bounds one send or recv; the producer waits that long for the next pull."""
+        """Blocks until the other end has joined group `name` of `store`. `op_timeout_s` bounds one
+        send or recv; the producer waits that long for the next message."""
         if rank not in (PRODUCER_RANK, CONSUMER_RANK):
             raise ValueError(f"kv rank must be {PRODUCER_RANK} (producer) or {CONSUMER_RANK} (consumer), got {rank}")
-        self.rank, self.peer = rank, 1 - rank
+        self.rank, self.peer, self.name = rank, 1 - rank, name
         self.device = torch.device(device)
-        self.store = dist.TCPStore(host, port, 2, rank == PRODUCER_RANK,
-                                   timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=True)
+        prefixed = dist.PrefixStore(name, store)
         op_timeout = datetime.timedelta(seconds=op_timeout_s)
         if self.device.type == "cuda":
             self.backend = "nccl"
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = op_timeout
-            self.group = dist.ProcessGroupNCCL(self.store, rank, 2, opts)
+            self.group = dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
         else:
             self.backend = "gloo"
-            self.group = dist.ProcessGroupGloo(self.store, rank, 2, op_timeout)
+            self.group = dist.ProcessGroupGloo(prefixed, rank, 2, op_timeout)
 
     def send(self, tensor: torch.Tensor, tag: int = 0) -> None:
         self.group.send([tensor.contiguous()], self.peer, tag).wait()
@@ -69,18 +85,21 @@ class KVLink:
     def recv_header(self) -> list[int]:
         return self.recv(torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)).tolist()
 
+    def send_ids(self, ids: list[int]) -> None:
+        """A list of ints: its length, then the list (nothing more when it is empty)."""
+        self.send_header(len(ids))
+        if ids:
+            self.send(torch.tensor(ids, dtype=torch.int64, device=self.device))
+
+    def recv_ids(self) -> list[int]:
+        n = self.recv_header()[0]
+        return self.recv(torch.empty(n, dtype=torch.int64, device=self.device)).tolist() if n else []
+
     def send_text(self, text: str) -> None:
-        data = text.encode()
-        self.send_header(len(data))
-        if data:
-            self.send(torch.tensor(list(data), dtype=torch.uint8, device=self.device))
+        self.send_ids(list(text.encode()))
 
     def recv_text(self) -> str:
-        n = self.recv_header()[0]
-        if not n:
-            return ""
-        return bytes(self.recv(torch.empty(n, dtype=torch.uint8, device=self.device)).tolist()).decode()
+        return bytes(self.recv_ids()).decode()
 
     def close(self) -> None:
         self.group = None
-        self.store = None

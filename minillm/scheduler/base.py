@@ -28,7 +28,10 @@ from minillm.request import Request, RequestStatus
 
 @dataclass
 class ScheduledBatch:
-    """One step's plan (vLLM's SchedulerOutput)."""
+    """One step's plan as the scheduler made it: live `Request` objects, for the engine core only.
+    What crosses to a worker is this plan turned into data (`minillm.scheduler.output.SchedulerOutput`,
+    vLLM's class of that name); vLLM's scheduler builds that data directly, minillm keeps the two
+    apart so chapter 04 can show the plan before it becomes ids and diffs."""
 
     requests: list[Request]  # decode rows first, then rows with several new tokens
     num_new_tokens: list[int]
@@ -42,6 +45,8 @@ class ScheduledBatch:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # For rollback: requests admitted by this plan, with the status they had before.
     admitted: list[tuple[Request, RequestStatus]] = field(default_factory=list)
+    # A KV connector's orders for the workers this step (minillm.kv_transfer.base.KVConnectorMetadata)
+    kv_connector_metadata: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +75,8 @@ class ModelRunnerOutput:
     logprobs: list[list[dict[int, float]] | None] | None = None
     # MoE models: rows each expert computed in this step, [layer][expert] (the step records' histogram).
     expert_load: list[list[int]] | None = None
+    # A KV connector's worker side: what it loaded this step (minillm.kv_transfer.base.KVConnectorOutput)
+    kv_connector_output: Any = None
 
     @classmethod
     def from_rows(cls, plan: ScheduledBatch, rows: list[Request], tokens: list[int]) -> ModelRunnerOutput:
@@ -137,6 +144,7 @@ class SchedulerBase:
     config: Any
     kv: Any
     waiting: Any
+    connector: Any = None  # a KV connector's scheduler side (minillm.kv_transfer), if this engine has one
 
     @property
     def num_waiting(self) -> int:
@@ -148,6 +156,8 @@ class SchedulerBase:
 
     def update_from_output(self, plan: ScheduledBatch, output: ModelRunnerOutput) -> list[RequestUpdate]:
         self.kv.commit_step()
+        if output.kv_connector_output is not None:
+            self.connector.update_connector_output(output.kv_connector_output)
         max_model_len = self.config.max_model_len
         logprobs = output.logprobs or [None] * len(plan.requests)
         updates: list[RequestUpdate] = []

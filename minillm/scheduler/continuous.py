@@ -32,9 +32,9 @@ LPM_MAX_WAITING = 128
 
 
 class ContinuousScheduler(SchedulerBase):
-    connector = None  # a KV connector's scheduler side (minillm.kv_transfer): remote tokens, pinned blocks
-
-    def __init__(self, config: EngineConfig, kv: KVManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVManager, connector=None) -> None:
+        """`connector`: a KV connector's scheduler side (minillm.kv_transfer): remote tokens, pinned blocks."""
+        self.connector = connector
         self.config = config
         self.kv = kv
         self.waiting = WaitingQueue(by_priority=config.scheduling_policy == "priority")
@@ -111,6 +111,8 @@ class ContinuousScheduler(SchedulerBase):
         rows = sorted(planned.values(), key=lambda row: not (row[1] == 1 and row[0].num_computed_tokens))
         plan.requests = [r for r, _ in rows]
         plan.num_new_tokens = [n for _, n in rows]
+        if self.connector is not None:  # what the workers load this step travels in the plan
+            plan.kv_connector_metadata = self.connector.build_connector_meta(plan)
         return plan
 
     def _chunk(self, num_tokens: int, budget: int) -> int:
@@ -231,8 +233,10 @@ class ContinuousScheduler(SchedulerBase):
             if req is None:
                 return None
             self.running.remove(req)
+        req.status = RequestStatus.FINISHED_ABORTED
+        if self.connector is not None:  # (an aborted request pins nothing; a pending load is dropped)
+            self.connector.request_finished(req, self.kv.block_ids_of(req.request_id))
         self.kv.free(req)
         self.kv.drop_swapped(req)
         self.waiting.forget(req)
-        req.status = RequestStatus.FINISHED_ABORTED
         return req

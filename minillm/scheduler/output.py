@@ -11,7 +11,9 @@ ids and plain values only, as vLLM V1's `SchedulerOutput` does:
   themselves, where its computed tokens end, blocks kept and blocks appended (a block table only
   grows at its end, or is cut back: speculative rejection, preemption, a failed step);
 - finished ids (the worker forgets them), KV moves (swap out, zero, swap in), and the per-row facts
-  every consumer needs — is it a decode row, does it sample — computed here, once.
+  every consumer needs — is it a decode row, does it sample — computed here, once;
+- a KV connector's orders (`kv_connector_metadata`: which remote blocks to load into which local
+  ones), written by its scheduler side, read by its worker side on every rank.
 
 A worker that sees only the stream of plans can rebuild everything it needs: `minillm.worker`.
 The builder keeps what it has told the worker (tokens are not needed: each step sends the tokens
@@ -61,7 +63,8 @@ class PaddedStepData:
 
 @dataclass
 class SchedulerOutput:
-    """One step's plan as data. Rows are in plan order (decode rows first)."""
+    """One step's plan as data (vLLM's `SchedulerOutput`): what the scheduler's own plan
+    (`ScheduledBatch`, live requests) becomes for the workers. Rows are in plan order (decode rows first)."""
 
     new_requests: list[NewRequestData]
     req_ids: list[str]
@@ -82,6 +85,9 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
     padded: PaddedStepData | None = None
     num_padding_tokens: int = 0
+    # A KV connector's orders for every worker's connector side (minillm.kv_transfer.base.KVConnectorMetadata):
+    # the scheduler side writes them, each rank reads them and moves its own share of the blocks.
+    kv_connector_metadata: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -122,7 +128,7 @@ class SchedulerOutputBuilder:
             num_computed_tokens=[r.num_computed_tokens for r in reqs], new_token_ids=[], is_decode=[], samples=[],
             finished_req_ids=finished, spec_token_ids=dict(spec),
             blocks_to_swap_out=list(batch.blocks_to_swap_out), blocks_to_swap_in=list(batch.blocks_to_swap_in),
-            num_padding_tokens=batch.num_padding_tokens)
+            num_padding_tokens=batch.num_padding_tokens, kv_connector_metadata=batch.kv_connector_metadata)
         known, new_token_ids, is_decode, samples = self.known, plan.new_token_ids, plan.is_decode, plan.samples
         for req, n in zip(reqs, batch.num_new_tokens):
             if req.request_id not in known:

@@ -102,6 +102,10 @@ class PrometheusMetrics(Collector):
             self.histograms["inter_token_latency_seconds"]
         self.registry = CollectorRegistry()
         self.registry.register(self)
+        if engine.kv_connector is not None:  # one half of a prefill/decode pair: its minillm:kv_transfer_* series
+            from minillm.kv_transfer.metrics import KVTransferCollector
+
+            self.registry.register(KVTransferCollector(engine.kv_connector))
         engine.metrics.add_observer(self.on_step)
         engine.metrics.add_request_observer(self)
         engine.command_observers.append(self.refresh)

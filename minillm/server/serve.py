@@ -92,16 +92,15 @@ def build_app(args: argparse.Namespace):
     if args.max_num_queued_reqs is not None and args.max_num_queued_reqs < 1:
         raise ValueError(f"--max-num-queued-reqs must be >= 1, got {args.max_num_queued_reqs}")
     kv_transfer = None
-    if getattr(args, "kv_transfer_config", None) is not None:
+    if args.kv_transfer_config is not None:
         from minillm.kv_transfer import parse_kv_transfer_config
 
         kv_transfer = parse_kv_transfer_config(args.kv_transfer_config)  # a bad config fails before the model loads
     model = args.model or args.model_tag
-    llm = LLM(model, dtype=args.dtype, device=args.device, **engine_knobs(args))
+    knobs = engine_knobs(args)
     if kv_transfer is not None:
-        from minillm.kv_transfer import attach_kv_connector
-
-        attach_kv_connector(llm, kv_transfer)
+        knobs["kv_transfer_config"] = kv_transfer
+    llm = LLM(model, dtype=args.dtype, device=args.device, **knobs)
     api_key = args.api_key or os.environ.get("MINILLM_API_KEY") or None
     name = args.served_model_name or "minillm"
     return create_app(llm, served_model_name=name, api_key=api_key, max_num_queued_reqs=args.max_num_queued_reqs)

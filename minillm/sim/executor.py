@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from minillm.executor.abstract import ExecutorBase
 from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch
 from minillm.sim.cost_model import StepCost, step_time
 from minillm.sim.hardware import Hardware
@@ -27,7 +28,7 @@ from minillm.sim.model_shapes import ModelShape
 from minillm.sim.spec_cost import draft_time_s
 
 
-class SimExecutor:
+class SimExecutor(ExecutorBase):
     def __init__(self, hw: Hardware, shape: ModelShape, token_id: int = 0, block_size: int = 16,
                  draft_shape: ModelShape | None = None, layout: InstanceLayout | None = None) -> None:
         """`token_id`: the dummy token every sampled row receives (keep it a non-EOS id);

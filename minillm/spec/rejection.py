@@ -15,22 +15,28 @@ random numbers come from its own generator, so batching never changes what a req
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from minillm.request import Request
-from minillm.sampling import filtered_probs
+from minillm.sampling import SamplingState, filtered_probs
+
+if TYPE_CHECKING:  # (the worker imports this module: a runtime import back would be a circle)
+    from minillm.worker.input_batch import CachedRequestState
 
 
-def target_probs(logits: torch.Tensor, request: Request) -> torch.Tensor:
-    """[n, vocab] probabilities in vocabulary order after the request's temperature/top-k/top-p."""
+def target_probs(logits: torch.Tensor, request: SamplingState) -> torch.Tensor:
+    """[n, vocab] probabilities in vocabulary order after the request's temperature/top-k/top-p
+    (`request`: the worker's `CachedRequestState`, or a `Request` for the driver-side draft proposer)."""
     probs, order = filtered_probs(logits.float(), [request] * logits.shape[0])
     return torch.zeros_like(probs).scatter_(1, order, probs)
 
 
-def rejection_sample(request: Request, logits: torch.Tensor, draft: list[int],
+def rejection_sample(request: CachedRequestState, logits: torch.Tensor, draft: list[int],
                      draft_probs: torch.Tensor | None = None) -> list[int]:
-    """Tokens to emit (1 … k+1) for one request: `logits` [k+1, vocab] are the target's at the pending
-    token and at each draft token; `draft_probs` [k, vocab] the proposer's q (None: one-hot)."""
+    """Tokens to emit (1 … k+1) for one request (the worker's state of it: its parameters and random
+    stream): `logits` [k+1, vocab] are the target's at the pending token and at each draft token;
+    `draft_probs` [k, vocab] the proposer's q (None: one-hot)."""
     k = len(draft)
     if request.params.greedy:
         best = logits.argmax(dim=-1).tolist()

@@ -23,35 +23,28 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from minillm.attention.flat_pool import AttentionMetadata, RowGroup
+from minillm.attention.metadata import AttentionMetadata, StepLayout
 from minillm.attention.padded import PaddedAttention, PaddedBatchCache
-from minillm.attention.select import make_attention, resolve_backend
+from minillm.attention.registry import backend_class
+from minillm.attention.select import resolve_backend
 from minillm.kv.base import KVCacheSpec
+from minillm.kv_transfer.base import KVConnectorBase, KVConnectorOutput
 from minillm.model.llama import LlamaModel
-from minillm.sampling import sampled_logprobs
+from minillm.sampling import sample, sampled_logprobs
 from minillm.scheduler.base import ModelRunnerOutput
 from minillm.scheduler.output import SchedulerOutput
 from minillm.spec.rejection import rejection_sample
 from minillm.worker.input_batch import InputBatch
-from minillm.worker.sampler import sample
-
-# Rows share one attention call while the keys it reads stay within this factor of the keys
-# they have (in blocks); beyond it a new group starts. Grouping trades padded reads for calls.
-KEY_READ_SLACK = 1.25
 
 
-def group_by_length(num_blocks: list[int], slack: float = KEY_READ_SLACK) -> list[tuple[int, int]]:
-    """Split rows sorted by length (longest first) into runs [start, end) whose padded reads
-    (rows × longest) stay within `slack` × their real block counts."""
-    groups, start, total = [], 0, 0
-    for i, nb in enumerate(num_blocks):
-        if i > start and (i - start + 1) * num_blocks[start] > slack * (total + nb):
-            groups.append((start, i))
-            start, total = i, 0
-        total += nb
-    if num_blocks:
-        groups.append((start, len(num_blocks)))
-    return groups
+@dataclass(frozen=True)
+class WorkerStats:
+    """A worker's counters, returned in one value (`ModelRunner.stats`, `Executor.stats`)."""
+
+    model_time_s: float  # wall time in the model's forward and lm_head (CPU; a GPU would need syncs)
+    keys_read: int  # decode attention: keys gathered ...
+    keys_exist: int  # ... and keys the rows really have (their ratio: the torch backend's padded reads)
+    attention_backend: str  # what "auto" resolved to
 
 
 @dataclass
@@ -60,7 +53,7 @@ class StepInputs:
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
+    meta: AttentionMetadata  # what the attention backend built (its `build_metadata`)
     logits_rows: list[int]  # flattened token rows whose logits are computed
     order: list[int]  # order[j]: the plan row of flattened sequence j (decode rows first, longest first)
     sampled: list[int] = field(default_factory=list)  # plan rows that sample, in plan order
@@ -74,12 +67,14 @@ class StepInputs:
 
 
 class ModelRunner:
-    kv_connector = None  # a KV connector's worker side (minillm.kv_transfer): loads remote K/V into blocks
-
-    def __init__(self, model: LlamaModel, cache_spec: KVCacheSpec, attention_backend: str = "auto") -> None:
+    def __init__(self, model: LlamaModel, cache_spec: KVCacheSpec, attention_backend: str = "auto",
+                 kv_connector: KVConnectorBase | None = None) -> None:
+        """`kv_connector`: a KV connector's worker side (minillm.kv_transfer), which loads remote K/V into
+        this worker's blocks when the plan's `kv_connector_metadata` says so."""
         self.model = model
         self.cache_spec = cache_spec
         self.attention_backend = resolve_backend(attention_backend, model.device, cache_spec.dtype)
+        self.backend = backend_class(self.attention_backend)  # builds its metadata, then runs each layer
         self.block_size = cache_spec.block_size
         self.null_block = cache_spec.null_block
         self.k_pool = self.v_pool = None
@@ -92,11 +87,22 @@ class ModelRunner:
         self.keys_read = 0  # decode attention, over the runner's life: keys gathered ...
         self.keys_exist = 0  # ... and keys the rows really have
         self.model_time_s = 0.0  # wall time in the model's forward and lm_head (CPU; a GPU would need syncs)
+        self.kv_connector = kv_connector
+        if kv_connector is not None:
+            kv_connector.register_kv_caches(self.k_pool, self.v_pool, self.block_size)
+
+    def stats(self, reset: bool = False) -> WorkerStats:
+        """The counters since start (or the last reset); `reset` zeroes them after reading."""
+        out = WorkerStats(self.model_time_s, self.keys_read, self.keys_exist, self.attention_backend)
+        if reset:
+            self.model_time_s, self.keys_read, self.keys_exist = 0.0, 0, 0
+        return out
 
     # ---- the plan's diffs and KV moves -----------------------------------------------------------
-    def update_state(self, plan: SchedulerOutput) -> None:
+    def update_state(self, plan: SchedulerOutput) -> KVConnectorOutput | None:
         """Apply the plan to the input batch, then its KV moves, in the only safe order: copy
-        victims out before their blocks are zeroed or rewritten, zero fresh blocks, copy back in."""
+        victims out before their blocks are zeroed or rewritten, zero fresh blocks, copy back in,
+        then load remote K/V (a KV connector's); returns what the connector loaded, if anything."""
         for rid in plan.finished_req_ids:
             self.swapped.pop(rid, None)
         if self.swapped:  # a host copy is dropped once its request runs without needing it
@@ -111,8 +117,9 @@ class ModelRunner:
             self._zero_blocks(plan.blocks_to_zero)
         for rid, blocks in plan.blocks_to_swap_in:
             self._copy_in(rid, blocks)
-        if self.kv_connector is not None:  # remote K/V into freshly zeroed blocks (minillm.kv_transfer)
-            self.kv_connector.start_load_kv(self, plan)
+        if plan.kv_connector_metadata is not None:  # remote K/V into freshly zeroed blocks (minillm.kv_transfer)
+            return self.kv_connector.start_load_kv(plan.kv_connector_metadata)
+        return None
 
     def _zero_blocks(self, blocks: list[int]) -> None:
         """Zero the K and V of `blocks` in every layer (on a CPU through numpy views: a few µs,
@@ -147,15 +154,14 @@ class ModelRunner:
         self.v_pool[:, slots] = v[:, skip:].to(self.v_pool.device)
 
     # ---- inputs ------------------------------------------------------------------------------------
-    def prepare(self, plan: SchedulerOutput, decode_groups: bool = True) -> StepInputs:
+    def prepare(self, plan: SchedulerOutput) -> StepInputs:
         """Model inputs for a (ragged) step whose diffs `update_state` applied.
 
         Rows are reordered for attention — decode rows longest first, then the rest longest first;
         the logits rows come in plan order (`StepInputs.sampled` holds their plan rows). The
         per-row and per-token arithmetic is one compiled pass (`layout_step`), so it stays small
-        beside the forward at batch 64. `decode_groups=False` skips the torch backend's length
-        groups of decode rows (the numba_cpu kernel reads each row's blocks itself and never looks
-        at them)."""
+        beside the forward at batch 64. What attention needs beyond the flat layout, the
+        attention backend builds itself (`build_metadata`)."""
         from minillm.worker.step_layout import layout_step  # (numba, imported on first use, not with minillm)
 
         device, bs, batch = self.model.device, self.block_size, self.input_batch
@@ -174,13 +180,9 @@ class ModelRunner:
         order_np, seq_lens, query_start_np, pos, token_ids, slot_mapping, tables, logits_np = layout_step(
             counts, np.asarray(plan.num_computed_tokens, dtype=np.int64), is_decode, widths, plan_rows,
             batch.block_table.table, batch.token_ids, bs)
-        num_rows, num_tokens = len(counts), len(token_ids)
-        order, query_start = order_np.tolist(), query_start_np.tolist()
         nd = int(np.count_nonzero(is_decode))
-        q_lens = counts[order_np]
         sampled_np = np.flatnonzero(samples)
         sampled = sampled_np.tolist()
-        logits_rows = logits_np.tolist()
         if spec:  # per sampled row, where its logits rows start and how many
             sampled_widths = widths[sampled_np]
             firsts = np.zeros(len(sampled), dtype=np.int64)
@@ -188,76 +190,18 @@ class ModelRunner:
             spans = list(zip(firsts.tolist(), sampled_widths.tolist()))
         else:
             spans = [(j, 1) for j in range(len(sampled))]
-        # torch-side reads (length groups, multi-token rows) send padding entries to the null block
-        safe_tables = (np.where(tables < 0, self.null_block, tables).astype(np.int64)
-                       if decode_groups or nd < num_rows else None)
-
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
-            query_start_loc=torch.from_numpy(query_start_np).to(device),
-            seq_lens=torch.from_numpy(seq_lens).to(device),
-            block_tables=torch.from_numpy(tables).to(device),
-            num_decode=nd, block_size=bs, num_tokens=num_tokens)
-        blocks_of = -(-seq_lens // bs)
-        keys_exist = int(seq_lens[:nd].sum())
-        self.keys_exist += keys_exist
-        if decode_groups:
-            for start, end in group_by_length(blocks_of[:nd].tolist()):
-                meta.decode_groups.append(self._group(start, end, seq_lens, blocks_of, safe_tables, device))
-            self.keys_read += sum(g.num_rows * g.key_len for g in meta.decode_groups)
-        else:  # the numba_cpu kernel reads each key once
-            self.keys_read += keys_exist
-        fresh = [j for j in range(nd, num_rows) if seq_lens[j] == q_lens[j]]
-        cached = [j for j in range(nd, num_rows) if seq_lens[j] != q_lens[j]]
-        windowed = any(w is not None for w in self.model.config.sliding_windows)
-        for j in fresh:
-            g = self._group(j, j + 1, seq_lens, blocks_of, safe_tables, device)
-            g.fresh_causal, g.token_slice = True, slice(query_start[j], query_start[j + 1])
-            if windowed:  # a sliding-window layer cannot take the plain causal path: give it the general form
-                g.q_max, g.query_lens = int(q_lens[j]), torch.tensor([[int(q_lens[j])]], device=device)
-                g.query_index, g.valid = self._query_rows([j], query_start, q_lens, device)
-                g.out_index = g.query_index
-            meta.prefill_groups.append(g)
-        work = [int(q_lens[j] * blocks_of[j]) for j in cached]
-        for a, b in group_by_length(work):
-            rows = cached[a:b]
-            g = self._group(rows[0], rows[0] + 1, seq_lens, blocks_of, safe_tables, device, rows)
-            g.q_max = int(q_lens[rows].max())
-            g.query_lens = torch.from_numpy(q_lens[rows][:, None]).to(device)
-            g.query_index, g.valid = self._query_rows(rows, query_start, q_lens, device, g.q_max)
-            g.out_index = g.query_index[g.valid]
-            meta.prefill_groups.append(g)
+        layout = StepLayout(slot_mapping, query_start_np, seq_lens, counts[order_np], tables, nd, bs,
+                            self.null_block, device, self.model.config.sliding_windows)
+        meta = self.backend.build_metadata(layout)
+        self.keys_exist += int(seq_lens[:nd].sum())
+        self.keys_read += meta.keys_read
         return StepInputs(torch.from_numpy(token_ids).to(device), torch.from_numpy(pos).to(device), meta,
-                          logits_rows, order, sampled, spans, plan_rows[sampled_np])
-
-    def _group(self, start: int, end: int, seq_lens: np.ndarray, blocks_of: np.ndarray, tables: np.ndarray,
-               device: torch.device, rows: list[int] | None = None) -> RowGroup:
-        """A group of sequences `rows` (default: start … end-1) reading the longest one's blocks each.
-        One block or less (always so for a slab) is read only as far as the longest row goes."""
-        rows = list(range(start, end)) if rows is None else rows
-        nb = int(blocks_of[rows].max())
-        key_len = int(seq_lens[rows].max()) if nb == 1 else nb * self.block_size
-        ids = torch.from_numpy(np.ascontiguousarray(tables[rows, :nb]).reshape(-1)).to(device)
-        return RowGroup(first_row=start, num_rows=len(rows), key_len=key_len, block_ids=ids,
-                        seq_lens=torch.from_numpy(seq_lens[rows][:, None]).to(device))
-
-    @staticmethod
-    def _query_rows(rows: list[int], query_start: list[int], q_lens: np.ndarray, device: torch.device,
-                    q_max: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        q_max = q_max or int(q_lens[rows].max())
-        idx = np.zeros((len(rows), q_max), dtype=np.int64)
-        valid = np.zeros((len(rows), q_max), dtype=bool)
-        for k, j in enumerate(rows):
-            n = int(q_lens[j])
-            idx[k, :n] = np.arange(query_start[j], query_start[j] + n)
-            idx[k, n:] = query_start[j]
-            valid[k, :n] = True
-        return torch.from_numpy(idx.reshape(-1)).to(device), torch.from_numpy(valid.reshape(-1)).to(device)
+                          logits_np.tolist(), order_np.tolist(), sampled, spans, plan_rows[sampled_np])
 
     # ---- one step ------------------------------------------------------------------------------------
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; per plan row, the token ids it sampled (and their logprobs)."""
-        self.update_state(plan)
+        loaded = self.update_state(plan)
         batch = self.input_batch
         if plan.padded is not None:
             logits, expert_load = self.compute_padded_logits(plan)
@@ -268,7 +212,7 @@ class ModelRunner:
             sampled, rows = inputs.sampled, inputs.sampled_rows  # (prepare looked the rows up)
             expert_load = inputs.expert_load
             if plan.spec_token_ids:
-                return self._verify(plan, logits, inputs)
+                return self._verify(plan, logits, inputs)  # (no KV connector with speculative decoding)
         req_ids = [plan.req_ids[i] for i in sampled]
         states = [batch.requests[rid] for rid in req_ids]
         tokens = sample(logits, batch, rows, states)
@@ -280,7 +224,7 @@ class ModelRunner:
             logprobs = [None] * len(plan.req_ids)
             for i, lp in zip(sampled, sampled_logprobs(logits, states, tokens)):
                 logprobs[i] = lp
-        return ModelRunnerOutput(out, logprobs, expert_load)
+        return ModelRunnerOutput(out, logprobs, expert_load, loaded)
 
     def _verify(self, plan: SchedulerOutput, logits: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
         """A step with speculative rows: plain rows sample as usual, speculative rows go through the
@@ -348,9 +292,8 @@ class ModelRunner:
     def compute_logits(self, plan: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
         """Run the model on a step whose diffs were applied; logits [N, vocab] of the sampled rows
         (plan order, 1+k per speculative row) and the step's inputs."""
-        inputs = self.prepare(plan, decode_groups=self.attention_backend != "numba_cpu")
-        attention = make_attention(self.attention_backend, self.k_pool, self.v_pool, inputs.meta,
-                                   self.model.config.sliding_windows)
+        inputs = self.prepare(plan)
+        attention = self.backend(self.k_pool, self.v_pool, inputs.meta, self.model.config.sliding_windows)
         rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=inputs.input_ids.device)
         start = time.perf_counter()
         forward = self.model.forward(inputs.input_ids, inputs.positions, attention, output_rows=rows)
