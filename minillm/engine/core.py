@@ -36,6 +36,7 @@ from minillm.model.llama import LlamaModel
 from minillm.request import Request, RequestStatus, SamplingParams
 from minillm.scheduler.base import RequestUpdate, ScheduledBatch, Scheduler
 from minillm.worker.model_runner import ModelRunner
+from minillm.worker.warm_up import warm_up
 
 
 class StepUpdates(list):
@@ -58,6 +59,7 @@ class EngineLoad:
 
 class LLMEngine(ThreadedEngine):
     kv_connector = None  # a prefill/decode pair's KV connector (minillm.kv_transfer), set by attach_kv_connector
+    warm_up_report = None  # what start-up compiled and warmed (minillm.worker.warm_up), when the engine built its worker
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig, *, model: LlamaModel | None = None,
                  tokenizer: Any = None, kv=None, scheduler: Scheduler | None = None, executor=None,
@@ -75,7 +77,9 @@ class LLMEngine(ThreadedEngine):
         self.scheduler = scheduler if scheduler is not None else make_scheduler(self.config, self.kv)
         # The executor turns a plan into next tokens: the real model, or the simulator's stand-in.
         if executor is None:
-            executor = UniProcExecutor(ModelRunner(model, self.kv.cache_spec, self.config.attention_backend), self.kv)
+            runner = ModelRunner(model, self.kv.cache_spec, self.config.attention_backend)
+            executor = UniProcExecutor(runner, self.kv)
+            self.warm_up_report = warm_up(runner, self.config.max_num_seqs)  # compile now, not in generate
         self.executor = executor
         self.device = model.device if model is not None else "cpu"
         # Speculative decoding: who guesses the next tokens (chapter 09). A draft model is loaded by LLM.

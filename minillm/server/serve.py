@@ -98,6 +98,8 @@ def build_app(args: argparse.Namespace):
         kv_transfer = parse_kv_transfer_config(args.kv_transfer_config)  # a bad config fails before the model loads
     model = args.model or args.model_tag
     llm = LLM(model, dtype=args.dtype, device=args.device, **engine_knobs(args))
+    if llm.engine.warm_up_report is not None:
+        print(f"minillm serve: {llm.engine.warm_up_report}", flush=True)
     if kv_transfer is not None:
         from minillm.kv_transfer import attach_kv_connector
 
