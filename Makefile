@@ -15,7 +15,7 @@ export OMP_WAIT_POLICY := PASSIVE
 .PHONY: help install test test-fast test-browser lab generate serve grade exercises check-exercises student-release bench lint clean
 
 help:
-	@echo "make lab        JupyterLab on the course (opens chapters/; as root and headless too): the main job"
+	@echo "make lab        JupyterLab on your copy of the course (workspace/, git-ignored; refreshed from chapters/ and exercises/ at each start; as root and headless too): the main job"
 	@echo "make test       install everything pinned into $(VENV) and run every test (what CI runs)"
 	@echo "make test-fast  the tests without notebooks"
 	@echo "make test-browser  JupyterLab + Debian chromium: a chapter runs, its playground redraws, its exercise link opens"

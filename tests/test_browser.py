@@ -6,7 +6,7 @@ writes the learner's: autosave off, so running the chapter never rewrites it, an
 windowing off, so every cell is in the page). Debian's chromium (`/usr/bin/chromium`), driven by
 the `playwright` package, then:
 
-1. opens chapter 03 and runs all its cells from the Run menu;
+1. opens chapter 03 (the workspace copy `make lab` opens) and runs all its cells from the Run menu;
 2. checks that no cell shows an error and that the playground shows its plot;
 3. drags the `max_queue_delay_ms` slider and checks that the plot image changed;
 4. clicks the chapter's link to its exercise (`../exercises/…`) and checks that the exercise opens.
@@ -35,7 +35,8 @@ from conftest import REPO_ROOT
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-CHAPTER = "chapters/03_dynamic_batching.ipynb"
+TRACKED_CHAPTER = "chapters/03_dynamic_batching.ipynb"
+CHAPTER = f"workspace/{TRACKED_CHAPTER}"  # what `make lab` opens: the learner's git-ignored copy
 EXERCISE = "ex03_dynamic_batcher.ipynb"
 SLIDER = "max_queue_delay_ms"
 SHOTS = Path(os.environ.get("MINILLM_BROWSER_SHOTS", "/tmp/minillm-browser"))
@@ -122,7 +123,7 @@ def test_chapter_runs_in_the_browser_and_its_playground_redraws(lab):
 
     base, token = lab
     SHOTS.mkdir(parents=True, exist_ok=True)
-    chapter_before = _digest(REPO_ROOT / CHAPTER)
+    chapter_before, tracked_before = _digest(REPO_ROOT / CHAPTER), _digest(REPO_ROOT / TRACKED_CHAPTER)
     timings = {}
     with sync_playwright() as p, tempfile.TemporaryDirectory(prefix="minillm-chromium-") as profile:
         browser = p.chromium.launch_persistent_context(profile, executable_path=str(CHROMIUM), headless=True,
@@ -203,6 +204,7 @@ def test_chapter_runs_in_the_browser_and_its_playground_redraws(lab):
     (SHOTS / "timings.json").write_text(json.dumps(timings, indent=2))
     print(f"browser test timings (s): {timings}; screenshots in {SHOTS}")
     assert _digest(REPO_ROOT / CHAPTER) == chapter_before, "the browser run rewrote the chapter (autosave?)"
+    assert _digest(REPO_ROOT / TRACKED_CHAPTER) == tracked_before, "the browser run touched the tracked chapter"
 
 
 def _wait_for_kernel(page, base: str, token: str, path: str, timeout_s: float = 180) -> None:

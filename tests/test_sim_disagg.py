@@ -62,11 +62,14 @@ def test_disaggregated_run_moves_every_prompt_and_recomputes_none() -> None:
     alone = simulate_disaggregated(at_rate(CODE_LIKE, 0.01), hardware=HW, link=INFINIBAND_HDR)
     assert res.loaded_tokens == sum(r.prompt_len for r in trace if r.max_tokens > 1)
     assert res.recomputed_tokens == 0
+    assert any(m.first_token_time > h + 1e-9 for m, h in zip(res.requests, res.handed_s))  # a decode step was running
     assert res.transfer_bytes == sum(r.prompt_len for r in trace) * 2**19
     for r, m, xfer, handed, m_alone in zip(trace, res.requests, res.transfer_s, res.handed_s, alone.requests):
         assert m.num_output_tokens == r.max_tokens  # token 1 from the prefill side, the rest decoded
         assert xfer == pytest.approx(INFINIBAND_HDR.message_time_s(r.prompt_len * 2**19))
-        assert m.first_token_time == handed  # TTFT pays the transfer
+        assert m.first_token_time >= handed  # TTFT pays the transfer, and any wait on the decode side
+        if r.max_tokens == 1:
+            assert m.first_token_time == handed
         assert m.ttft >= m_alone.ttft - 1e-12  # queueing only adds
         assert all(b >= a for a, b in zip(m.token_times, m.token_times[1:]))
 
@@ -164,3 +167,16 @@ def test_bad_input_is_refused() -> None:
     for bad in ({"rel_tol": 0.0}, {"start_rate": 0.0}, {"start_rate": 2e4}):
         with pytest.raises(ValueError, match="rel_tol > 0 and 0 < min_rate <= start_rate <= max_rate"):
             goodput(lambda t: simulate_colocated(t), CODE_LIKE, SLO_CODE, **bad)
+
+
+def test_ttft_counts_the_wait_for_room_on_the_decode_side() -> None:
+    """A decode instance whose batch is full admits a new request only when a seat frees: the user's
+    first token waits for that too (prefill queue + prefill + transfer + decode-side wait)."""
+    trace = make_trace(6, seed=1, vocab_size=32000, rate_per_s=1000.0, prompt_len=200, output_len=50,
+                       max_prompt_len=4096)
+    roomy = simulate_disaggregated(trace, hardware=HW, decode_engine_config={"max_num_seqs": 8})
+    tight = simulate_disaggregated(trace, hardware=HW, decode_engine_config={"max_num_seqs": 2})
+    assert roomy.handed_s == tight.handed_s  # the same prefills and transfers
+    waited = [t.ttft - r.ttft for r, t in zip(roomy.requests, tight.requests)]
+    assert max(waited) > 0.1  # the last ones wait for two requests' 50 tokens each to finish first
+    assert sorted(waited)[:2] == pytest.approx([0.0, 0.0], abs=1e-9)  # the first two find seats at once

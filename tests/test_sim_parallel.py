@@ -39,6 +39,7 @@ from minillm.sim.network import (
 )
 from minillm.sim.parallel import (
     check_tp,
+    compare_layouts,
     kv_heads_per_device,
     layer_params_per_device,
     layout_summary,
@@ -191,7 +192,30 @@ def test_tp2_halves_memory_per_device():
     assert two.kv_tokens > 2 * one.kv_tokens  # the KV room more than doubles: weights shrank too
 
 
-def test_pipeline_stages_split_layers_and_memory():
+def test_pipeline_stages_split_layers_as_vllm_get_pp_indices():
+    # vLLM gives the extra layers to the stages before the last, counting back from the second-to-last.
+    assert stage_layers(4, 3) == [1, 2, 1]
+    assert stage_layers(5, 3) == [2, 2, 1]
+    assert stage_layers(32, 3) == [11, 11, 10]
+    assert stage_layers(10, 4) == [2, 3, 3, 2]
+    for num_layers in range(1, 25):
+        for pp in range(1, num_layers + 1):
+            counts = stage_layers(num_layers, pp)
+            base, extra = divmod(num_layers, pp)
+            assert sum(counts) == num_layers and len(counts) == pp
+            assert counts[-1] == base  # the last stage (it also holds the lm_head) never takes an extra one
+            # the stages holding one more are the `extra` ones just before the last
+            assert [i for i, c in enumerate(counts) if c == base + 1] == list(range(pp - 1 - extra, pp - 1))
+
+
+def test_the_simulator_splits_layers_as_the_engine_does():
+    from minillm.distributed.layout import stage_layers as engine_stage_layers
+
+    for num_layers, pp in ((4, 3), (80, 3), (7, 4), (32, 8)):
+        assert stage_layers(num_layers, pp) == [len(engine_stage_layers(num_layers, pp, s)) for s in range(pp)]
+
+
+def test_pipeline_stages_split_memory():
     assert stage_layers(3, 2) == [2, 1]
     assert stage_layers(80, 3) == [27, 27, 26]
     with pytest.raises(ValueError, match="pipeline parallel size 5 must be between 1 and the number of layers \\(4\\)"):
@@ -234,19 +258,54 @@ def test_pipeline_timeline_is_fill_and_drain():
 def test_pp_does_not_cut_latency_but_micro_batches_fill_the_pipe():
     single = decode_step_time(H100_SXM, LLAMA_70B, 64, 1024).time_s
     one_stage = pp_decode(H100_SXM, LLAMA_70B, 1, NVLINK4_H100, batch=64, context_len=1024)
-    assert one_stage.total_s == pytest.approx(single)
+    assert one_stage.fill_drain_s == one_stage.steady_inter_token_s == pytest.approx(single)
     # 4 stages, one micro-batch: 4 beats of 20 layers each (+ lm_head on the slowest), plus hops.
     pp4 = pp_decode(H100_SXM, LLAMA_70B, 4, NVLINK4_H100, batch=64, context_len=1024)
-    assert pp4.total_s > single
+    assert pp4.fill_drain_s > single
     assert pp4.send_s == pytest.approx(1e-6 + 64 * 8192 * 2 / 450e9)
-    # With 4 micro-batches of 16 the pipe is full: more tokens per second than one batch of 64.
+    # With 4 micro-batches of 16 circulating, the pipe is full: more tokens per second than one batch of 64.
     pp4m4 = pp_decode(H100_SXM, LLAMA_70B, 4, NVLINK4_H100, batch=64, context_len=1024, num_microbatches=4)
-    assert pp4m4.bubble_fraction == pytest.approx(3 / 7)
-    assert pp4m4.throughput_tokens_per_s > 1.1 * pp4.throughput_tokens_per_s
+    assert pp4m4.fill_drain_idle_fraction == pytest.approx(3 / 7)
+    assert pp4m4.steady_idle_fraction < 0.01  # only the hop: every stage has a micro-batch every beat
+    assert pp4m4.steady_tokens_per_s > 1.1 * pp4.steady_tokens_per_s
     # ... but a stage re-reads its weights per micro-batch: a beat is not 4x shorter.
     assert pp4m4.stage_s > 0.85 * pp4.stage_s
     with pytest.raises(ValueError, match="batch 64 must split evenly into num_microbatches=3"):
         pp_decode(H100_SXM, LLAMA_70B, 4, NVLINK4_H100, batch=64, context_len=1024, num_microbatches=3)
+
+
+@pytest.mark.parametrize("pp, m", [(2, 1), (2, 2), (4, 2), (4, 4), (8, 8), (8, 16)])
+def test_each_idle_share_matches_the_tokens_per_second_beside_it(pp, m):
+    """A stage computes micro/stage_s tokens per second while busy; so each regime's tokens/s must be
+    its busy share times that (the steady idle column must not be the fill-and-drain bubble)."""
+    cost = pp_decode(H100_SXM, LLAMA_70B, pp, INFINIBAND_NDR, batch=64, context_len=1024, num_microbatches=m)
+    micro = 64 // m
+    assert cost.steady_tokens_per_s == pytest.approx((1 - cost.steady_idle_fraction) * micro / cost.stage_s)
+    assert cost.fill_drain_tokens_per_s == pytest.approx((1 - cost.fill_drain_idle_fraction) * micro / cost.beat_s)
+    if m >= pp:  # steady: every stage has work every beat; fill and drain: the (p-1)/(m+p-1) bubble
+        assert cost.steady_idle_fraction == pytest.approx(cost.send_s / cost.beat_s)
+    else:
+        assert cost.steady_idle_fraction > (pp - m) / pp
+    assert cost.fill_drain_idle_fraction == pytest.approx((pp - 1) / (m + pp - 1))
+    if m > 1:  # steady decoding never pays the fill and the drain (with one micro-batch there is none to pay)
+        assert cost.steady_tokens_per_s > cost.fill_drain_tokens_per_s
+    else:
+        assert cost.steady_tokens_per_s == pytest.approx(cost.fill_drain_tokens_per_s)
+
+
+def test_one_stage_refuses_micro_batches():
+    """With PP 1 there is no stage to overlap: cutting the batch would only re-read the weights (the
+    playground's TP 8 at batch 32 went from 8.1 to 30.3 ms per token with 4 micro-batches)."""
+    with pytest.raises(ValueError, match="num_microbatches=4 with pipeline_parallel_size=1"):
+        pp_decode(H100_SXM, LLAMA_70B, 1, NVLINK4_H100, batch=32, context_len=1024, num_microbatches=4, tp=8)
+    with pytest.raises(ValueError, match="micro-batches need pipeline_parallel_size > 1"):
+        layout_summary(H100_SXM, LLAMA_70B, tp=8, tp_link=NVLINK4_H100, num_seqs=32, num_microbatches=4)
+    # the default is one micro-batch per stage: one, for TP 8
+    tp8 = layout_summary(H100_SXM, LLAMA_70B, tp=8, tp_link=NVLINK4_H100, num_seqs=32)
+    assert tp8.num_microbatches == 1
+    assert tp8.tpot_s == pytest.approx(tp_step_time(H100_SXM, LLAMA_70B, 8, NVLINK4_H100,
+                                                    decode_context_lens=[1024] * 32).time_s)
+    assert 1e3 * tp8.tpot_s == pytest.approx(8.1, abs=0.05)
 
 
 # --- expert parallel -------------------------------------------------------------------------------
@@ -351,7 +410,7 @@ def test_rank_loads_and_imbalance():
 
 def test_layout_summary_ttft_and_tpot_per_kind_of_parallelism():
     def summary(tp, pp, **kw):
-        return layout_summary(H100_SXM, LLAMA_70B, tp=tp, pp=pp, tp_link=NVLINK4_H100, batch=64, **kw)
+        return layout_summary(H100_SXM, LLAMA_70B, tp=tp, pp=pp, tp_link=NVLINK4_H100, num_seqs=64, **kw)
 
     single = summary(1, 1)
     assert single.ttft_s == pytest.approx(prefill_time(H100_SXM, LLAMA_70B, 512).time_s)
@@ -372,22 +431,51 @@ def test_layout_summary_ttft_and_tpot_per_kind_of_parallelism():
     # batches in flight (vLLM's virtual engines; the KV room PP frees pays for them): 8x the tokens/s
     # at the same TPOT.
     one = pp_decode(H100_SXM, LLAMA_70B, 8, NVLINK4_H100, batch=64, context_len=1024, num_microbatches=1)
-    assert pp8.throughput_tokens_per_s / one.throughput_tokens_per_s == pytest.approx(1.13, abs=0.01)
+    assert pp8.throughput_tokens_per_s / one.steady_tokens_per_s == pytest.approx(1.13, abs=0.01)
     eight = pp_decode(H100_SXM, LLAMA_70B, 8, NVLINK4_H100, batch=8 * 64, context_len=1024, num_microbatches=8)
-    assert eight.inter_token_s == pytest.approx(one.inter_token_s)
-    assert eight.throughput_tokens_per_s == pytest.approx(8 * one.throughput_tokens_per_s)
+    assert eight.steady_inter_token_s == pytest.approx(one.steady_inter_token_s)
+    assert eight.steady_tokens_per_s == pytest.approx(8 * one.steady_tokens_per_s)
     assert memory_per_device(H100_SXM, LLAMA_70B, pp=8).kv_tokens > 8 * 64 * 1024  # and their KV fits
 
 
-def test_layout_summary_data_parallel_multiplies_throughput_only():
-    one = layout_summary(H100_SXM, LLAMA_7B, tp=1, tp_link=NVLINK4_H100, batch=32)
-    four = layout_summary(H100_SXM, LLAMA_7B, tp=1, tp_link=NVLINK4_H100, batch=32, dp=4)
-    assert (four.num_devices, four.dp) == (4, 4)
+def test_layout_summary_takes_the_total_and_data_parallel_splits_it():
+    one = layout_summary(H100_SXM, LLAMA_7B, tp=1, tp_link=NVLINK4_H100, num_seqs=32)
+    four = layout_summary(H100_SXM, LLAMA_7B, tp=1, tp_link=NVLINK4_H100, num_seqs=4 * 32, dp=4)
+    assert (four.num_devices, four.dp, four.seqs_per_replica) == (4, 4, 32)
     assert four.throughput_tokens_per_s == pytest.approx(4 * one.throughput_tokens_per_s)
     assert (four.ttft_s, four.tpot_s, four.weight_bytes_per_device, four.kv_tokens_per_device) == (
         one.ttft_s, one.tpot_s, one.weight_bytes_per_device, one.kv_tokens_per_device)
-    # TP 4 on the same 4 devices: lower latency, and here less throughput than 4 replicas.
-    tp4 = layout_summary(H100_SXM, LLAMA_7B, tp=4, tp_link=NVLINK4_H100, batch=32)
-    assert tp4.tpot_s < one.tpot_s and tp4.throughput_tokens_per_s < four.throughput_tokens_per_s
+    # At equal work (128 sequences on 4 devices) TP 4 reads each weight once per step where 4
+    # replicas read them 4 times: more tokens per second (18,953 against 14,100) and a shorter TPOT.
+    tp4 = layout_summary(H100_SXM, LLAMA_7B, tp=4, tp_link=NVLINK4_H100, num_seqs=128)
+    assert tp4.tpot_s < four.tpot_s
+    assert tp4.throughput_tokens_per_s == pytest.approx(18953, rel=1e-3)
+    assert four.throughput_tokens_per_s == pytest.approx(14100, rel=1e-3)
     with pytest.raises(ValueError, match="data parallel size must be >= 1, got 0"):
         layout_summary(H100_SXM, LLAMA_7B, tp_link=NVLINK4_H100, dp=0)
+    with pytest.raises(ValueError, match="num_seqs=30 .* must be >= 1 and split evenly over data parallel size 4"):
+        layout_summary(H100_SXM, LLAMA_7B, tp_link=NVLINK4_H100, num_seqs=30, dp=4)
+
+
+CHAPTER_12_LAYOUTS = {"TP 8": dict(tp=8), "PP 8": dict(pp=8), "TP 4 x PP 2": dict(tp=4, pp=2),
+                      "TP 2 x DP 4": dict(tp=2, dp=4), "TP 4 x DP 2": dict(tp=4, dp=2)}
+
+
+def test_compare_layouts_at_equal_work_ranks_tp8_first_for_70b():
+    """Chapter 12's table: 64 sequences in all on 8 H100s. Weight-bound decode: replicas and micro-batches
+    both multiply the weight reads, so the one layout that reads each weight once per step wins."""
+    rows = compare_layouts(H100_SXM, LLAMA_70B, CHAPTER_12_LAYOUTS, num_seqs=64, num_devices=8,
+                           tp_link=NVLINK4_H100, pp_link=INFINIBAND_NDR)
+    assert all(r.num_seqs == 64 and r.num_devices == 8 and r.holds(1024) for r in rows.values())
+    ranked = sorted(rows, key=lambda n: -rows[n].throughput_tokens_per_s)
+    assert ranked == ["TP 8", "TP 4 x DP 2", "TP 4 x PP 2", "TP 2 x DP 4", "PP 8"]
+    assert rows["TP 8"].throughput_tokens_per_s == pytest.approx(7227, rel=1e-3)
+    assert rows["TP 2 x DP 4"].throughput_tokens_per_s == pytest.approx(2945, rel=1e-3)
+    assert min(rows, key=lambda n: rows[n].ttft_s) == "TP 8"
+    with pytest.raises(ValueError, match="layout 'TP 4' uses 4 devices, not 8"):
+        compare_layouts(H100_SXM, LLAMA_70B, {"TP 4": dict(tp=4)}, num_seqs=64, num_devices=8, tp_link=NVLINK4_H100)
+    # TP 2 x DP 4 holds 18,445 KV tokens per device: 16 sequences of 1,024, not 32 of them
+    with pytest.raises(ValueError, match="layout 'TP 2 x DP 4': a device holds 18,445 KV tokens, fewer than its "
+                                         "replica's 32 sequences x 1024 tokens"):
+        compare_layouts(H100_SXM, LLAMA_70B, {"TP 2 x DP 4": dict(tp=2, dp=4)}, num_seqs=128, num_devices=8,
+                        tp_link=NVLINK4_H100)

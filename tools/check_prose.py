@@ -104,7 +104,6 @@ CHAPTER_ALLOW: dict[str, dict[str, str]] = {
         "20": "seeds 001: 70B GPU utilization 10-20 % with static batching, 60-80 % continuous",
         "60": "seeds 001: 70B GPU utilization 10-20 % with static batching, 60-80 % continuous",
         "80": "seeds 001: 70B GPU utilization 10-20 % with static batching, 60-80 % continuous",
-        "95": "seeds 000: throughput pushed from 80 % to 95 % of peak, the tail breaks the TPOT SLO",
         "6.81": _ORCA,
         "0.185": _ORCA,
         "190": _ORCA,

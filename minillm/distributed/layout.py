@@ -23,7 +23,11 @@ from minillm.model.config import ModelConfig
 
 
 def stage_layer_counts(num_layers: int, pp: int) -> list[int]:
-    """Layers per pipeline stage: the remainder goes to the stages before the last, one each."""
+    """Layers per pipeline stage, as vLLM's `get_pp_indices`: num_layers // pp each, and the remainder
+    one each to the stages before the last, counting back from the second-to-last (4 on 3: [1, 2, 1];
+    5 on 3: [2, 2, 1]). The simulator (`minillm.sim.parallel.stage_layers`) uses this same rule."""
+    if pp < 1:
+        raise ValueError(f"pipeline_parallel_size={pp} must be at least 1")
     if pp > num_layers:
         raise ValueError(f"pipeline_parallel_size={pp} is more stages than the model's {num_layers} layers")
     counts = [num_layers // pp] * pp

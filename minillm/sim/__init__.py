@@ -3,7 +3,10 @@
 Chapter 00 draws rooflines with it, chapter 01 sizes KV caches, chapter 04 checks its predicted
 step times against measured ones. `SimExecutor` and `simulate()` drive the real scheduler and KV
 manager on a simulated clock with these pieces (chapters 02-08). Chapter 12 adds links between
-devices (`network`) and TP/PP/DP layouts (`parallel`; MoE experts: `expert_parallel`).
+devices (`network`) and TP/PP/DP layouts (`parallel`; MoE experts: `expert_parallel`). Chapter 13
+serves with several engines: prefill/decode disaggregation (`disagg`, `goodput`), a TP/PP layout
+per instance and per phase (`instance_layout`, `phase_layouts`) and layer-wise KV streaming
+(`kv_streaming`).
 """
 
 from minillm.sim.cost_model import (

@@ -14,6 +14,14 @@ weight reads dominate, then flattens once the step is compute-bound; the sweet s
 count that reaches `fraction` of the best throughput. A larger step buys almost no throughput and
 makes every decoding request wait longer for its next token. The numbers are the simulator's,
 deterministic on any machine.
+
+One import here points up, out of the simulator: `compare_chunk_policies()` with no trace (as
+chapter 08 calls it for its course-trace table) and `main()` take their defaults (trace, hardware,
+model, knobs, SLO) from `minillm.course_trace`, which sits above the simulator (it runs
+`minillm.sim.simulate`). The import is inside those two functions, on purpose: importing
+`minillm.sim` or this module never loads the course trace, and no circle forms, since
+`course_trace` imports nothing from here (tests/test_import_cycles.py checks). A caller that
+passes its own trace, hardware, model, engine_config and slo never touches it.
 """
 
 from __future__ import annotations

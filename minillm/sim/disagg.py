@@ -18,11 +18,14 @@ keys are read, nothing is recomputed) — see `DecodeInstanceExecutor`. The KV b
 fp16), moved as one message over a `minillm.sim.network.Link` (NVLink inside a node, InfiniBand
 between nodes); each prefill instance's link carries one prompt's KV at a time, first finished
 first sent, so a slow link also queues. Layer-by-layer overlap with the prefill (Splitwise's
-optimisation) is left out: the transfer here is an upper bound.
+optimisation) is left out here, so the transfer is an upper bound; `minillm.sim.kv_streaming`
+prices that overlap for one request.
 
 Timing as vLLM's disaggregated proxy delivers it: the user gets token 1 when the decode instance
-takes the request over, so TTFT = prefill queue + prefill + transfer ("TTFT pays the transfer"),
-and TPOT covers tokens 2 .. n on the decode instance. `num_prefill` and `num_decode` instances
+takes the request over, so TTFT = prefill queue + prefill + transfer + the wait on the decode side
+(until the decode instance admits the request: a seat in its batch and blocks for the KV; zero
+while it has room), and TPOT covers tokens 2 .. n on the decode instance. (The wait is counted
+after the transfer, where a real connector waits for blocks first and then pulls: the same sum.) `num_prefill` and `num_decode` instances
 (the prefill:decode ratio) take requests round-robin. `minillm.sim.goodput` turns runs of both
 kinds into goodput (DistServe's definition) and the comparison tables.
 """
@@ -45,6 +48,7 @@ from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch
 from minillm.sim.cost_model import step_time
 from minillm.sim.executor import SimExecutor
 from minillm.sim.hardware import Hardware, get_hardware
+from minillm.sim.instance_layout import InstanceLayout, deal_to_virtual_engines
 from minillm.sim.model_shapes import ModelShape, get_model_shape
 from minillm.sim.network import Link, get_link
 from minillm.sim.simulate import _fit_to_memory, _model, _non_eos_token, _run, kv_capacity_tokens, simulate
@@ -127,7 +131,7 @@ class DecodeInstanceExecutor(SimExecutor):
             else:
                 decode_context_lens.append(start + n)
             sampled.append([self.token_id])
-        cost = step_time(self.hw, self.shape, prefill_tokens=prefill_tokens, decode_context_lens=decode_context_lens)
+        cost = self.step_cost(prefill_tokens=prefill_tokens, decode_context_lens=decode_context_lens)
         self.costs.append(cost)
         self.draft_s.append(0.0)
         return ModelRunnerOutput(sampled)
@@ -140,7 +144,8 @@ def _engine_config(engine_config: EngineConfig | dict[str, Any] | None) -> Engin
 
 
 def _run_decode_instance(trace: Trace, hw: Hardware, shape: ModelShape, config: EngineConfig,
-                         kv_fraction: float) -> tuple[list[RequestMetrics], DecodeInstanceExecutor]:
+                         kv_fraction: float, layout: InstanceLayout | None = None,
+                         ) -> tuple[list[RequestMetrics], DecodeInstanceExecutor]:
     """`trace` (prompt = transferred KV + token 1) through an engine whose executor never prefills."""
     longest = max(r.prompt_len for r in trace)
     # whole prompts in one step: loading KV is not compute, so the token budget must not chunk or ration it
@@ -149,10 +154,13 @@ def _run_decode_instance(trace: Trace, hw: Hardware, shape: ModelShape, config: 
                                  max_num_batched_tokens=max(longest, 1) * config.max_num_seqs)
     shape_, model_config = _model(shape, trace, config)
     config = config.resolve(model_config.max_position_embeddings)
-    config = _fit_to_memory(config, shape_, hw, kv_capacity_tokens(hw, shape_, kv_fraction), kv_fraction)
+    capacity = kv_capacity_tokens(hw, shape_, kv_fraction) if layout is None else layout.kv_tokens_per_engine(
+        hw, shape_, kv_fraction)
+    config = _fit_to_memory(config, shape_, hw, capacity, kv_fraction)
     kv_dtype = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[hw.dtype_bytes]
     kv = make_kv_manager(config, model_config, dtype=kv_dtype, allocate_pool=False)
-    executor = DecodeInstanceExecutor(hw, shape_, token_id=_non_eos_token(model_config), block_size=config.block_size)
+    executor = DecodeInstanceExecutor(hw, shape_, token_id=_non_eos_token(model_config), block_size=config.block_size,
+                                      layout=layout)
     engine = build_engine(config, model_config, kv=kv, executor=executor, clock=SimClock())
     engine.expect_more_requests = False
     for r in trace:
@@ -201,19 +209,63 @@ def meets(r: RequestMetrics, slo: SLO) -> bool:
 def simulate_colocated(trace: Trace, *, hardware: str | Hardware = "A100-80GB-practical",
                        model: str | ModelShape = "llama-7b", num_gpus: int = 1,
                        engine_config: EngineConfig | dict[str, Any] | None = None, kv_fraction: float = 0.9,
-                       slo: SLO | None = None) -> ServingResult:
-    """`num_gpus` ordinary engines (prefill and decode together), requests round-robin."""
+                       slo: SLO | None = None, layout: InstanceLayout | None = None) -> ServingResult:
+    """Ordinary engines (prefill and decode together) on `num_gpus` GPUs, requests round-robin: one per
+    GPU, or with `layout` one per `layout.num_gpus` GPUs (each of its pp virtual engines served in turn)."""
     if num_gpus < 1:
         raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
+    per = layout.num_gpus if layout is not None else 1
+    if num_gpus % per:
+        raise ValueError(f"num_gpus={num_gpus} is not a whole number of {layout.name} instances ({per} GPUs each)")
     config = _engine_config(engine_config)
     by_id: dict[str, RequestMetrics] = {}
-    for part in _round_robin(trace.requests, num_gpus):
-        if part:
-            res = simulate(Trace(part, trace.meta), hardware=hardware, model=model, engine_config=config,
-                           kv_fraction=kv_fraction)
-            by_id.update((m.request_id, m) for m in res.requests)
+    for instance in _round_robin(trace.requests, num_gpus // per):
+        for part in (deal_to_virtual_engines(instance, layout) if layout is not None else [instance]):
+            if part:
+                res = simulate(Trace(part, trace.meta), hardware=hardware, model=model, engine_config=config,
+                               kv_fraction=kv_fraction, layout=layout)
+                by_id.update((m.request_id, m) for m in res.requests)
     requests = [by_id[r.request_id] for r in trace]
     return ServingResult("colocated", num_gpus, requests, summarize(requests, slo=slo))
+
+
+def run_prefill_instances(trace: Trace, hw: Hardware, shape: ModelShape, config: EngineConfig, kv_fraction: float,
+                          num_prefill: int = 1, layout: InstanceLayout | None = None) -> dict[str, RequestMetrics]:
+    """The prefill side alone: each request's prompt and first token (`max_tokens=1`) on `num_prefill`
+    instances of `layout`, requests round-robin (and over each instance's virtual engines)."""
+    layout = layout or InstanceLayout()
+    prefilled: dict[str, RequestMetrics] = {}
+    for instance in _round_robin(trace.requests, num_prefill):
+        for part in deal_to_virtual_engines(instance, layout):
+            if part:
+                first_only = Trace([dataclasses.replace(r, max_tokens=1) for r in part], trace.meta)
+                res = simulate(first_only, hardware=hw, model=shape, engine_config=config,
+                               kv_fraction=kv_fraction, layout=layout)
+                prefilled.update((m.request_id, m) for m in res.requests)
+    return prefilled
+
+
+def run_decode_instances(trace: Trace, handed: dict[str, float], hw: Hardware, shape: ModelShape,
+                         config: EngineConfig, kv_fraction: float, num_decode: int = 1,
+                         layout: InstanceLayout | None = None) -> tuple[dict[str, RequestMetrics], int, int]:
+    """The decode side alone: each request of more than one token arrives, prompt + token 1 as KV, at
+    `handed[request_id]`, on `num_decode` instances of `layout` in order of arrival. Returns the metrics
+    by id, the prompt tokens taken in as KV, and the tokens recomputed after preemption."""
+    layout = layout or InstanceLayout()
+    to_decode = sorted((r for r in trace if r.max_tokens > 1), key=lambda r: (handed[r.request_id], r.request_id))
+    decoded: dict[str, RequestMetrics] = {}
+    loaded = recomputed = 0
+    for part in (ve for instance in _round_robin(to_decode, num_decode)
+                 for ve in deal_to_virtual_engines(instance, layout)):
+        if part:
+            moved = Trace([dataclasses.replace(r, arrival_time_s=handed[r.request_id],
+                                               prompt_token_ids=[*r.prompt_token_ids, 0], max_tokens=r.max_tokens - 1)
+                           for r in part], trace.meta)
+            metrics, executor = _run_decode_instance(moved, hw, shape, config, kv_fraction, layout)
+            decoded.update((m.request_id, m) for m in metrics)
+            loaded += executor.loaded_tokens
+            recomputed += executor.recomputed_tokens
+    return decoded, loaded, recomputed
 
 
 def simulate_disaggregated(trace: Trace, *, hardware: str | Hardware = "A100-80GB-practical",
@@ -222,65 +274,60 @@ def simulate_disaggregated(trace: Trace, *, hardware: str | Hardware = "A100-80G
                            engine_config: EngineConfig | dict[str, Any] | None = None,
                            decode_engine_config: EngineConfig | dict[str, Any] | None = None,
                            kv_fraction: float = 0.9, slo: SLO | None = None,
-                           transfer_bytes_per_token: float | None = None) -> ServingResult:
+                           transfer_bytes_per_token: float | None = None,
+                           prefill_layout: InstanceLayout | None = None,
+                           decode_layout: InstanceLayout | None = None) -> ServingResult:
     """`num_prefill` prefill instances and `num_decode` decode instances joined by `link` (see the module
     docstring). `engine_config` is the prefill instances' (and by default the decode instances').
     `transfer_bytes_per_token`: bytes moved per prompt token (default the model's KV bytes per token;
-    less for fp8 or compressed KV, more to see a bigger model's KV on this link): the transfer only."""
+    less for fp8 or compressed KV, more to see a bigger model's KV on this link): the transfer only.
+    `prefill_layout`, `decode_layout`: each instance's TP x PP (`minillm.sim.instance_layout`; default
+    one GPU). A sharded KV cache moves in parallel, one shard per GPU pair: over min(prefill GPUs,
+    decode GPUs) links of `link` at once."""
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(f"num_prefill and num_decode must be >= 1, got {num_prefill}, {num_decode}")
     if transfer_bytes_per_token is not None and not transfer_bytes_per_token >= 0:
         raise ValueError(f"transfer_bytes_per_token must be >= 0 (None: the model's KV bytes), got {transfer_bytes_per_token!r}")
     hw, shape, lk = _hw(hardware), _shape(model), _link(link)
+    prefill_layout, decode_layout = prefill_layout or InstanceLayout(), decode_layout or InstanceLayout()
     prefill_config = _engine_config(engine_config)
     decode_config = _engine_config(decode_engine_config if decode_engine_config is not None else engine_config)
 
-    # 1. prefill instances: prompt + first token
-    prefilled: dict[str, RequestMetrics] = {}
-    for part in _round_robin(trace.requests, num_prefill):
-        if part:
-            first_only = Trace([dataclasses.replace(r, max_tokens=1) for r in part], trace.meta)
-            res = simulate(first_only, hardware=hw, model=shape, engine_config=prefill_config, kv_fraction=kv_fraction)
-            prefilled.update((m.request_id, m) for m in res.requests)
+    # 1. prefill instances (each of its virtual engines in turn, with PP): prompt + first token
+    prefilled = run_prefill_instances(trace, hw, shape, prefill_config, kv_fraction, num_prefill, prefill_layout)
 
-    # 2. the transfer: each prefill instance's link sends one prompt's KV at a time, in the order prefills end
+    # 2. the transfer: each prefill instance's links send one prompt's KV at a time, in the order prefills end
     per_token = shape.kv_bytes_per_token(hw.dtype_bytes) if transfer_bytes_per_token is None else transfer_bytes_per_token
+    parallel_links = min(prefill_layout.num_gpus, decode_layout.num_gpus)
     transfer: dict[str, float] = {}
     handed: dict[str, float] = {}
     for part in _round_robin(trace.requests, num_prefill):
         link_free = 0.0
         for r in sorted(part, key=lambda r: (prefilled[r.request_id].first_token_time, r.request_id)):
-            transfer[r.request_id] = lk.message_time_s(r.prompt_len * per_token)
+            transfer[r.request_id] = lk.message_time_s(r.prompt_len * per_token / parallel_links)
             start = max(prefilled[r.request_id].first_token_time, link_free)
             handed[r.request_id] = link_free = start + transfer[r.request_id]
     # 3. decode instances, in order of arrival there
-    to_decode = sorted((r for r in trace if r.max_tokens > 1), key=lambda r: (handed[r.request_id], r.request_id))
-    decoded: dict[str, RequestMetrics] = {}
-    loaded = recomputed = 0
-    for part in _round_robin(to_decode, num_decode):
-        if part:
-            moved = Trace([dataclasses.replace(r, arrival_time_s=handed[r.request_id],
-                                               prompt_token_ids=[*r.prompt_token_ids, 0], max_tokens=r.max_tokens - 1)
-                           for r in part], trace.meta)
-            metrics, executor = _run_decode_instance(moved, hw, shape, decode_config, kv_fraction)
-            decoded.update((m.request_id, m) for m in metrics)
-            loaded += executor.loaded_tokens
-            recomputed += executor.recomputed_tokens
+    decoded, loaded, recomputed = run_decode_instances(trace, handed, hw, shape, decode_config, kv_fraction,
+                                                       num_decode, decode_layout)
 
     # 4. one record per request, as the user saw it
     requests = []
     for r in trace:
         p = prefilled[r.request_id]
-        first = handed[r.request_id]
+        d = decoded.get(r.request_id)
+        # token 1 reaches the user once the decode instance admits the request (a seat in its batch and
+        # blocks for the KV): its wait there is part of TTFT. A one-token request ends at the transfer.
+        first = handed[r.request_id] if d is None else d.first_scheduled_time
         m = RequestMetrics(r.request_id, r.arrival_time_s, r.prompt_len, first_scheduled_time=p.first_scheduled_time,
                            first_token_time=first, token_times=[first], finished_time=first, finish_reason="length")
-        d = decoded.get(r.request_id)
         if d is not None:
             m.token_times += d.token_times
             m.finished_time = d.finished_time
             m.num_preemptions = p.num_preemptions + d.num_preemptions
         requests.append(m)
-    return ServingResult("disaggregated", num_prefill + num_decode, requests, summarize(requests, slo=slo),
+    num_gpus = num_prefill * prefill_layout.num_gpus + num_decode * decode_layout.num_gpus
+    return ServingResult("disaggregated", num_gpus, requests, summarize(requests, slo=slo),
                          transfer_s=[transfer[r.request_id] for r in trace], handed_s=[handed[r.request_id] for r in trace],
                          transfer_bytes=round(sum(r.prompt_len for r in trace) * per_token),
                          loaded_tokens=loaded, recomputed_tokens=recomputed)

@@ -22,16 +22,19 @@ import dataclasses
 from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch
 from minillm.sim.cost_model import StepCost, step_time
 from minillm.sim.hardware import Hardware
+from minillm.sim.instance_layout import InstanceLayout
 from minillm.sim.model_shapes import ModelShape
 from minillm.sim.spec_cost import draft_time_s
 
 
 class SimExecutor:
     def __init__(self, hw: Hardware, shape: ModelShape, token_id: int = 0, block_size: int = 16,
-                 draft_shape: ModelShape | None = None) -> None:
+                 draft_shape: ModelShape | None = None, layout: InstanceLayout | None = None) -> None:
         """`token_id`: the dummy token every sampled row receives (keep it a non-EOS id);
         `block_size`: the KV block size, to size swap copies; `draft_shape`: the speculative draft
-        model, whose forward passes each step's guesses cost (None: guesses are free, as n-gram's)."""
+        model, whose forward passes each step's guesses cost (None: guesses are free, as n-gram's);
+        `layout`: the engine's TP x PP over several GPUs (chapter 13; None: one GPU)."""
+        self.layout = layout
         self.block_size = block_size
         self.draft_shape = draft_shape
         self.draft_s: list[float] = []  # per executed step: time the draft spent guessing (aligned with costs)
@@ -75,8 +78,8 @@ class SimExecutor:
                 else:
                     prefill_tokens.append(n)
                     prefill_context.append(start)
-            cost = step_time(self.hw, self.shape, prefill_tokens=prefill_tokens, prefill_context=prefill_context,
-                             decode_context_lens=decode_context_lens, padding_tokens=batch.num_padding_tokens)
+            cost = self.step_cost(prefill_tokens=prefill_tokens, prefill_context=prefill_context,
+                                  decode_context_lens=decode_context_lens, padding_tokens=batch.num_padding_tokens)
         swapped_blocks = sum(len(b) for _, b in batch.blocks_to_swap_out) + sum(len(b) for _, b in batch.blocks_to_swap_in)
         if swapped_blocks:
             block_bytes = self.shape.kv_bytes_per_token(self.hw.dtype_bytes) * self.block_size
@@ -89,6 +92,16 @@ class SimExecutor:
                                          [g for _, g in guessing]))
         return ModelRunnerOutput(sampled)
 
+    def step_cost(self, *, prefill_tokens: list[int], prefill_context: list[int] | None = None,
+                  decode_context_lens: list[int], padding_tokens: int = 0) -> StepCost:
+        """The cost model's price of one step: one GPU's roofline, or the layout's (`InstanceLayout.step_cost`)."""
+        if self.layout is not None:
+            return self.layout.step_cost(self.hw, self.shape, prefill_tokens=prefill_tokens,
+                                         prefill_context=prefill_context, decode_context_lens=decode_context_lens,
+                                         padding_tokens=padding_tokens)
+        return step_time(self.hw, self.shape, prefill_tokens=prefill_tokens, prefill_context=prefill_context,
+                         decode_context_lens=decode_context_lens, padding_tokens=padding_tokens)
+
     def _padded_cost(self, batch: ScheduledBatch) -> StepCost:
         """A static/dynamic step computes the whole rectangle, as the padded runner does.
 
@@ -100,13 +113,13 @@ class SimExecutor:
         step = batch.padded
         num_rows = len(step.rows)
         if step.is_prefill:
-            return step_time(self.hw, self.shape, prefill_tokens=[step.num_new] * num_rows)
+            return self.step_cost(prefill_tokens=[step.num_new] * num_rows, decode_context_lens=[])
         # All rows advance together: the padded length is the prompt width plus the decode steps so
         # far, which any live row tells (its outputs so far, minus the one this step consumes).
         prompt_width = max(r.num_prompt_tokens for r in step.rows)
         live = batch.requests[0]
         decodes_done = live.num_computed_tokens - live.num_prompt_tokens
-        return step_time(self.hw, self.shape, decode_context_lens=[prompt_width + decodes_done + 1] * num_rows)
+        return self.step_cost(prefill_tokens=[], decode_context_lens=[prompt_width + decodes_done + 1] * num_rows)
 
     def step_duration_s(self) -> float:
         """Predicted time of the last executed step, drafting included: the simulated clock advances by it."""

@@ -10,10 +10,14 @@ Four ways to put one model (or copies of it) on several devices, and what each c
   `tokens x hidden` activations, plus one for the vocab-parallel embedding and a gather of the
   logits. Decode is memory-bound, so TP cuts per-token latency — until the all-reduces, whose
   latency does not shrink with tp, cost more than the matmuls they separate.
-* **Pipeline parallel (PP):** layers split into `pp` stages (3 layers on 2 stages: 2 + 1);
-  a micro-batch's hidden states go from stage to stage with send/recv. One request's latency does
-  not improve (it still crosses every layer, plus the hops); with `m` micro-batches in flight the
-  share of time a stage sits idle in a fill-and-drain pipeline (GPipe) is (p-1)/(m+p-1).
+* **Pipeline parallel (PP):** layers split into `pp` stages as vLLM's `get_pp_indices` splits them
+  (`minillm.distributed.layout.stage_layer_counts`: 4 layers on 3 stages are 1 + 2 + 1, the extra
+  layers going to the stages before the last); a micro-batch's hidden states go from stage to stage
+  with send/recv. One request's latency does not improve (it still crosses every layer, plus the
+  hops). Two regimes, which `PipelineCost` keeps apart: one batch pushed through once in `m`
+  micro-batches (fill and drain, GPipe: each stage idle (p-1)/(m+p-1) of the time), and steady
+  decoding, where `m` micro-batches circulate for ever (vLLM's virtual engines: with m >= p every
+  stage works every beat). With one stage there is nothing to overlap, and micro-batches are refused.
 * **Expert parallel (EP):** an MoE layer's experts on different devices, two all-to-alls per
   layer: see `minillm.sim.expert_parallel`.
 * **Data parallel (DP):** whole replicas, each serving its own requests: more throughput, the
@@ -32,6 +36,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from minillm.distributed.layout import stage_layer_counts
 from minillm.sim.cost_model import step_time
 from minillm.sim.hardware import Hardware
 from minillm.sim.model_shapes import ModelShape
@@ -58,11 +63,10 @@ def check_tp(shape: ModelShape, tp: int) -> None:
 
 
 def stage_layers(num_layers: int, pp: int) -> list[int]:
-    """Layers per pipeline stage, as even as possible, the first stages taking the remainder (3 on 2: [2, 1])."""
+    """Layers per pipeline stage, as the engine (and vLLM) splits them: 3 on 2 [2, 1], 4 on 3 [1, 2, 1]."""
     if not 1 <= pp <= num_layers:
         raise ValueError(f"pipeline parallel size {pp} must be between 1 and the number of layers ({num_layers})")
-    base, extra = divmod(num_layers, pp)
-    return [base + (1 if s < extra else 0) for s in range(pp)]
+    return stage_layer_counts(num_layers, pp)
 
 
 def layer_params_per_device(shape: ModelShape, tp: int) -> int:
@@ -172,7 +176,17 @@ def pipeline_timeline(num_stages: int, num_microbatches: int) -> list[tuple[int,
 
 @dataclass(frozen=True)
 class PipelineCost:
-    """A decode step of `batch` sequences cut into `num_microbatches` micro-batches over `pp` stages."""
+    """A decode step of `batch` sequences cut into `num_microbatches` micro-batches over `pp` stages.
+
+    Two regimes, each named for what it is (chapter 12 prints both):
+
+    * **fill and drain** (`fill_drain_*`): the batch crosses the pipeline once (GPipe; one batch's
+      prefill, or training). The last micro-batch leaves after m + p - 1 beats, each stage busy m.
+    * **steady decoding** (`steady_*`): the m micro-batches circulate for ever, each coming back to
+      stage 0 for its next token (vLLM's virtual engines, one per stage). A micro-batch's next
+      token comes after max(m, p) beats; each stage works m beats of them, so with m >= p no stage
+      waits for work, only for the hop to the next stage.
+    """
 
     pp: int
     num_microbatches: int
@@ -185,24 +199,49 @@ class PipelineCost:
         """The pipeline's clock: a stage's work on one micro-batch plus handing it on."""
         return self.stage_s + (self.send_s if self.pp > 1 else 0.0)
 
+    # --- one batch, once through -------------------------------------------------------------------
+
     @property
-    def total_s(self) -> float:
+    def fill_drain_s(self) -> float:
         """Fill and drain (GPipe): the last micro-batch leaves stage p after m + p - 1 beats."""
         return (self.num_microbatches + self.pp - 1) * self.beat_s
 
     @property
-    def bubble_fraction(self) -> float:
+    def fill_drain_idle_fraction(self) -> float:
+        """Share of the fill-and-drain span each stage sits idle: (p - 1) / (m + p - 1)."""
         return pipeline_bubble_fraction(self.pp, self.num_microbatches)
 
     @property
-    def inter_token_s(self) -> float:
-        """Steady decoding (vLLM's virtual engines keep m micro-batches circulating): a sequence's
-        next token comes once its micro-batch is back at stage 1, after max(m, p) beats."""
+    def fill_drain_tokens_per_s(self) -> float:
+        """One token for each sequence of the batch, per fill-and-drain span."""
+        return self.batch / self.fill_drain_s
+
+    # --- steady decoding (virtual engines) -----------------------------------------------------------
+
+    @property
+    def steady_inter_token_s(self) -> float:
+        """Time between two tokens of one sequence: its micro-batch is back at stage 1 after max(m, p) beats."""
         return max(self.num_microbatches, self.pp) * self.beat_s
 
     @property
-    def throughput_tokens_per_s(self) -> float:
-        return self.batch / self.inter_token_s
+    def steady_tokens_per_s(self) -> float:
+        return self.batch / self.steady_inter_token_s
+
+    @property
+    def steady_idle_fraction(self) -> float:
+        """Share of the time a stage is not computing in steady decoding: 1 - m x stage / (max(m, p) x beat).
+        With m >= p that is only the hop; with fewer micro-batches than stages, (p - m) / p more."""
+        return 1 - self.num_microbatches * self.stage_s / (max(self.num_microbatches, self.pp) * self.beat_s)
+
+
+def check_microbatches(pp: int, batch: int, num_microbatches: int) -> None:
+    """The micro-batch rule: at least one, dividing the batch; and with one stage exactly one (nothing overlaps)."""
+    if num_microbatches < 1 or batch % num_microbatches:
+        raise ValueError(f"batch {batch} must split evenly into num_microbatches={num_microbatches} micro-batches")
+    if pp == 1 and num_microbatches != 1:
+        raise ValueError(f"num_microbatches={num_microbatches} with pipeline_parallel_size=1: one stage has no other "
+                         "stage to overlap with, so cutting its batch only re-reads the weights; use "
+                         "num_microbatches=1 (micro-batches need pipeline_parallel_size > 1)")
 
 
 def pp_decode(
@@ -213,9 +252,9 @@ def pp_decode(
 
     Each micro-batch re-reads its stage's weights, so cutting a memory-bound decode batch into
     micro-batches costs weight traffic: a stage is idle less, but each beat is not m times shorter.
+    With `pp=1` only `num_microbatches=1` is accepted (`check_microbatches`).
     """
-    if num_microbatches < 1 or batch % num_microbatches:
-        raise ValueError(f"batch {batch} must split evenly into num_microbatches={num_microbatches} micro-batches")
+    check_microbatches(pp, batch, num_microbatches)
     micro = batch // num_microbatches
     stage_shape = dataclasses.replace(shape, num_layers=max(stage_layers(shape.num_layers, pp)))
     stage = tp_step_time(hw, stage_shape, tp, tp_link or link, decode_context_lens=[context_len] * micro)
@@ -297,39 +336,56 @@ def min_tp_to_fit(
 
 @dataclass(frozen=True)
 class LayoutSummary:
-    """What a TP x PP layout (times `dp` replicas) gives one model on one kind of device (chapter 12's
-    playground). Replicas share nothing: each serves its own requests, so TTFT, TPOT and memory per
-    device are one replica's and only the throughput is multiplied."""
+    """What a TP x PP layout times `dp` replicas gives one model on one kind of device, serving
+    `num_seqs` sequences in all (chapter 12). Replicas share nothing: each decodes `seqs_per_replica`
+    of them, so TTFT, TPOT and memory per device are one replica's, and the throughput counts every
+    sequence of every replica. Decode is in the steady state (`PipelineCost.steady_*`)."""
 
     tp: int
     pp: int
+    dp: int
     num_devices: int
-    ttft_s: float  # one prompt's prefill on an idle engine (crosses every stage once)
-    tpot_s: float  # time between two tokens of one sequence at this batch
+    num_seqs: int  # sequences decoding at once, all replicas together
+    num_microbatches: int  # per replica (virtual engines); 1 without PP
+    ttft_s: float  # one prompt's prefill on an idle replica (crosses every stage once)
+    tpot_s: float  # time between two tokens of one sequence, in steady decoding
     throughput_tokens_per_s: float  # decode tokens per second, all sequences of all replicas together
+    steady_idle_fraction: float  # share of time a stage does not compute while decoding (0 without PP)
     weight_bytes_per_device: float
-    kv_tokens_per_device: int
-    fits: bool
-    dp: int = 1
+    kv_tokens_per_device: int  # KV room of one device, in tokens of its layers and heads
+    fits: bool  # the weights fit with some room for KV
+
+    @property
+    def seqs_per_replica(self) -> int:
+        return self.num_seqs // self.dp
+
+    def holds(self, context_len: int) -> bool:
+        """Each device has room for the KV of its replica's sequences at `context_len` tokens."""
+        return self.fits and self.kv_tokens_per_device >= self.seqs_per_replica * context_len
 
 
 def layout_summary(
-    hw: Hardware, shape: ModelShape, *, tp: int = 1, pp: int = 1, tp_link: Link, pp_link: Link | None = None,
-    prompt_len: int = 512, batch: int = 1, context_len: int = 1024, num_microbatches: int | None = None,
-    gpu_memory_utilization: float = 0.9, dp: int = 1,
+    hw: Hardware, shape: ModelShape, *, tp: int = 1, pp: int = 1, dp: int = 1, tp_link: Link,
+    pp_link: Link | None = None, num_seqs: int = 1, prompt_len: int = 512, context_len: int = 1024,
+    num_microbatches: int | None = None, gpu_memory_utilization: float = 0.9,
 ) -> LayoutSummary:
     """TTFT, TPOT, decode throughput and memory per device of `dp` replicas of `tp` x `pp` devices
-    (`batch` sequences per replica).
+    decoding `num_seqs` sequences in all (`num_seqs / dp` per replica: the total is what a fair
+    comparison holds fixed, so it is what this takes).
 
     Tensor parallelism shortens both TTFT and TPOT (each step is split); pipeline parallelism
-    shortens neither (a token still crosses every layer, plus the hops). `batch` sequences are cut
-    into `num_microbatches` (default: one per stage when the batch allows) that keep every stage
-    busy; in weight-bound decode that gains little, as each micro-batch re-reads the stage's
-    weights: PP's throughput comes from the larger batches its freed KV room holds, and it lets
-    a model too big for one device fit. `pp_link` joins the stages (often InfiniBand between nodes).
+    shortens neither (a token still crosses every layer, plus the hops). A replica's sequences are
+    cut into `num_microbatches` (default: one per stage, vLLM's virtual engines) that circulate and
+    keep every stage busy; in weight-bound decode that gains little, as each micro-batch re-reads
+    the stage's weights. With `pp=1` only one micro-batch is accepted. `pp_link` joins the stages
+    (often InfiniBand between nodes).
     """
     if dp < 1:
         raise ValueError(f"data parallel size must be >= 1, got {dp}")
+    if num_seqs < 1 or num_seqs % dp:
+        raise ValueError(f"num_seqs={num_seqs} (sequences in all) must be >= 1 and split evenly over "
+                         f"data parallel size {dp}")
+    batch = num_seqs // dp
     pp_link = pp_link or tp_link
     if num_microbatches is None:
         num_microbatches = pp if batch % pp == 0 else 1
@@ -340,12 +396,32 @@ def layout_summary(
                        num_microbatches=num_microbatches, tp=tp, tp_link=tp_link)
     memory = memory_per_device(hw, shape, tp=tp, pp=pp, gpu_memory_utilization=gpu_memory_utilization)
     return LayoutSummary(
-        tp=tp, pp=pp, num_devices=tp * pp * dp,
+        tp=tp, pp=pp, dp=dp, num_devices=tp * pp * dp, num_seqs=num_seqs, num_microbatches=num_microbatches,
         ttft_s=pp * prefill.time_s + (pp - 1) * hop_s,
-        tpot_s=decode.inter_token_s,
-        throughput_tokens_per_s=dp * decode.throughput_tokens_per_s,
+        tpot_s=decode.steady_inter_token_s,
+        throughput_tokens_per_s=dp * decode.steady_tokens_per_s,
+        steady_idle_fraction=decode.steady_idle_fraction,
         weight_bytes_per_device=memory.weight_bytes,
         kv_tokens_per_device=memory.kv_tokens,
         fits=memory.fits,
-        dp=dp,
     )
+
+
+def compare_layouts(
+    hw: Hardware, shape: ModelShape, layouts: dict[str, dict[str, int]], *, num_seqs: int, num_devices: int,
+    context_len: int = 1024, **knobs: object,
+) -> dict[str, LayoutSummary]:
+    """`layout_summary` of each layout (name -> dict(tp=, pp=, dp=)) at equal work: the same `num_seqs`
+    sequences in all, on the same `num_devices` devices of the same kind (so the same memory for
+    weights and KV), each at `context_len`. A layout on another number of devices, or one whose
+    devices cannot hold its share of the KV, is refused with its name: its row would not be comparable."""
+    rows = {}
+    for name, layout in layouts.items():
+        s = layout_summary(hw, shape, num_seqs=num_seqs, context_len=context_len, **layout, **knobs)  # type: ignore[arg-type]
+        if s.num_devices != num_devices:
+            raise ValueError(f"layout {name!r} uses {s.num_devices} devices, not {num_devices}: not the same hardware")
+        if not s.holds(context_len):
+            raise ValueError(f"layout {name!r}: a device holds {s.kv_tokens_per_device:,} KV tokens, fewer than its "
+                             f"replica's {s.seqs_per_replica} sequences x {context_len} tokens: not the same work")
+        rows[name] = s
+    return rows

@@ -38,6 +38,7 @@ from minillm.request import SamplingParams
 from minillm.sim.cost_model import StepCost
 from minillm.sim.executor import SimExecutor
 from minillm.sim.hardware import Hardware, get_hardware
+from minillm.sim.instance_layout import InstanceLayout
 from minillm.sim.model_shapes import ModelShape, from_hf_config, get_model_shape
 from minillm.sim.spec_cost import SimSpeculation
 from minillm.workload import Trace
@@ -63,6 +64,7 @@ def simulate(
     kv_fraction: float = 0.9,
     slo: SLO | None = None,
     speculation: SimSpeculation | None = None,
+    layout: InstanceLayout | None = None,
 ) -> SimResult:
     """Replay `trace` through the engine on simulated `hardware` running `model`.
 
@@ -76,6 +78,9 @@ def simulate(
     slo: passed to the summary to compute goodput.
     speculation: speculative decoding (chapter 09): k guesses per row accepted with probability α,
         drafted by a draft model's shape (its passes are charged) or n-gram lookup (free).
+    layout: the engine on several GPUs (TP x PP, `minillm.sim.instance_layout`, chapter 13): steps
+        are priced by the layout, and the KV pool is one virtual engine's share (with PP this engine
+        is one of pp virtual engines; `disagg.simulate_colocated` runs them all).
     """
     if len(trace) == 0:
         raise ValueError("the trace is empty: nothing to simulate")
@@ -89,14 +94,17 @@ def simulate(
     shape, model_config = _model(model, trace, config)
     config = config.resolve(model_config.max_position_embeddings)  # a filled-in copy
 
-    capacity_tokens = kv_capacity_tokens(hw, shape, kv_fraction)
+    if layout is None:
+        capacity_tokens = kv_capacity_tokens(hw, shape, kv_fraction)
+    else:
+        capacity_tokens = layout.kv_tokens_per_engine(hw, shape, kv_fraction)
     config = _fit_to_memory(config, shape, hw, capacity_tokens, kv_fraction)
     # Accounting only (no tensors), in the hardware's KV width: the swap space (GiB) holds as many blocks as it would.
     kv_dtype = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[hw.dtype_bytes]
     kv = make_kv_manager(config, model_config, dtype=kv_dtype, allocate_pool=False)
     token_id = _non_eos_token(model_config)
     executor = SimExecutor(hw, shape, token_id=token_id, block_size=config.block_size,
-                           draft_shape=speculation.draft_shape if speculation else None)
+                           draft_shape=speculation.draft_shape if speculation else None, layout=layout)
     proposer = speculation.proposer(token_id, shape.vocab_size, model_config.eos_token_ids) if speculation else None
     engine = build_engine(config, model_config, kv=kv, executor=executor, clock=SimClock(), proposer=proposer)
     engine.expect_more_requests = False  # the trace is all there is: a static batch need not wait to fill

@@ -29,7 +29,7 @@ Nothing here types a number in: every bar is a run.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -45,42 +45,57 @@ METRICS = (
     ("p99 TPOT", "ms", lambda s: s.tpot.percentiles_ms[99], False, "lower"),
     ("goodput", "req/s", lambda s: s.request_goodput, False, "higher"),
 )
+# Panels a chapter may add with `extra=(...)`, after the four above (chapter 08: chunking targets p99 ITL).
+OPTIONAL_METRICS = {
+    "p99 ITL": ("p99 ITL", "ms", lambda s: s.itl.percentiles_ms[99], False, "lower"),
+}
 
 
-def feature_rows(summaries: Mapping[str, Summary]) -> list[tuple[str, list[float]]]:
-    """(label, [throughput, p99 TTFT, p99 TPOT, goodput]) per bar, in ladder order."""
+def _metrics(extra: Sequence[str] = ()) -> tuple:
+    unknown = [name for name in extra if name not in OPTIONAL_METRICS]
+    if unknown:
+        raise ValueError(f"extra panels {unknown} are not known; choose from {list(OPTIONAL_METRICS)}")
+    return METRICS + tuple(OPTIONAL_METRICS[name] for name in extra)
+
+
+def feature_rows(summaries: Mapping[str, Summary], extra: Sequence[str] = ()) -> list[tuple[str, list[float]]]:
+    """(label, [throughput, p99 TTFT, p99 TPOT, goodput, *extra]) per bar, in ladder order."""
+    metrics = _metrics(extra)
     rows = []
     for label, s in summaries.items():
         if s.request_goodput is None:
             raise ValueError(f"bar {label!r} was summarised without an SLO: goodput is missing "
                              "(ladder_summaries passes the course SLO; pass slo=... if you summarise yourself)")
-        rows.append((label, [float(get(s)) for _, _, get, _, _ in METRICS]))
+        rows.append((label, [float(get(s)) for _, _, get, _, _ in metrics]))
     return rows
 
 
-def print_feature_table(summaries: Mapping[str, Summary]) -> None:
-    """The chart's numbers as text: quote these."""
-    header = "".join(f"{f'{t} ({u})':>22}" for t, u, *_ in METRICS)
+def print_feature_table(summaries: Mapping[str, Summary], extra: Sequence[str] = ()) -> None:
+    """The chart's numbers as text: quote these. `extra` adds columns (e.g. ("p99 ITL",))."""
+    header = "".join(f"{f'{t} ({u})':>22}" for t, u, *_ in _metrics(extra))
     print(f"{'feature':<16}{header}")
-    for label, values in feature_rows(summaries):
+    for label, values in feature_rows(summaries, extra):
         print(f"{label:<16}" + "".join(f"{v:>22.2f}" for v in values))
 
 
 def plot_feature_chart(summaries: Mapping[str, Summary], highlight: str | None = None,
-                       fig: Figure | None = None, hardware: str = "A100-80GB (practical)") -> Figure:
-    """Draw the four panels into `fig` (a new figure by default); `highlight` outlines one bar."""
+                       fig: Figure | None = None, hardware: str = "A100-80GB (practical)",
+                       extra: Sequence[str] = ()) -> Figure:
+    """Draw the four panels into `fig` (a new figure by default); `highlight` outlines one bar;
+    `extra` adds panels from OPTIONAL_METRICS after the four (e.g. extra=("p99 ITL",))."""
     if not summaries:
         raise ValueError("no bars to draw: pass {label: Summary}, e.g. ladder_summaries(upto=...)")
     if highlight is not None and highlight not in summaries:
         raise ValueError(f"highlight={highlight!r} is not one of the bars {list(summaries)}")
-    rows = feature_rows(summaries)
+    metrics = _metrics(extra)
+    rows = feature_rows(summaries, extra)
     labels = [label for label, _ in rows]
     colors = [system_color(label) for label in labels]
     if fig is None:
-        fig = plt.figure(figsize=(12, 3.4))
-    axes = fig.subplots(1, len(METRICS))
+        fig = plt.figure(figsize=(3 * len(metrics), 3.4))
+    axes = fig.subplots(1, len(metrics))
     x = np.arange(len(labels))
-    for k, (ax, (title, unit, _, log, better)) in enumerate(zip(axes, METRICS)):
+    for k, (ax, (title, unit, _, log, better)) in enumerate(zip(axes, metrics)):
         values = [v[k] for _, v in rows]
         bars = ax.bar(x, values, color=colors, edgecolor=["black" if lab == highlight else "none" for lab in labels],
                       linewidth=2)
