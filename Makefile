@@ -24,7 +24,7 @@ help:
 	@echo "make grade      grade the exercises with minillm/grading (EX=05 for one); needs no solutions/"
 	@echo "make exercises  regenerate exercises/ and their grading manifests from solutions/"
 	@echo "make student-release DIR=../class  a copy of the course for a class: no solutions/, make grade still grades"
-	@echo "make bench      run the benchmarks in bench/"
+	@echo "make bench      the forward-pass benchmark (bench/forward.py); each other bench: python bench/NAME.py (docs/results.md)"
 	@echo "make lint       ruff"
 
 $(STAMP): requirements.lock pyproject.toml
@@ -32,6 +32,7 @@ $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.lock
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m minillm.worker.warm_up  # compile the numba kernels into their on-disk cache: no chapter pays it
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+from pathlib import Path
 
 import torch
 
@@ -19,3 +20,12 @@ def describe_machine() -> str:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return (f"{cpu}; {os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads; "
             f"{gpu}; load average {load:.1f}")
+
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"  # git-ignored; the student release skips it
+
+
+def results_path(name: str) -> Path:
+    """Where a bench writes a file it keeps or hands to another process: bench/results/NAME."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    return RESULTS_DIR / name

@@ -33,6 +33,7 @@ PROMPTS = ["In the beginning God created the heaven and the earth.", "And God sa
 
 def main() -> None:
     import torch
+    from _machine import describe_machine  # (bench/ is the script's folder, first on sys.path)
 
     from minillm import LLM, SamplingParams
 
@@ -64,6 +65,7 @@ def main() -> None:
             per_step = (time.perf_counter() - start) / (llm.engine.num_steps - n0)
             best[name] = min(best.get(name, float("inf")), per_step)
             steps[name] = llm.engine.num_steps - n0
+    print(f"machine: {describe_machine()}")
     print(f"load average {os.getloadavg()[0]:.2f}; {len(prompts)} prompts x {args.max_tokens} tokens, float32, "
           f"{steps['uni']} steps per run, best of {args.repeats} round-robin; driver CPU "
           f"{time.process_time() - cpu_before:.1f} s")

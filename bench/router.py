@@ -22,7 +22,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
-from _machine import describe_machine  # noqa: E402
+from _machine import describe_machine, results_path  # noqa: E402
 
 from minillm.router.launch import free_port, start_replicas, stop_replicas  # noqa: E402
 from minillm.tenant_trace import make_tenant_trace  # noqa: E402
@@ -45,8 +44,7 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def bench(url: str, extra: list[str]) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out = f.name
+    out = str(results_path(f"bench-serve-{os.getpid()}.json"))
     cmd = [sys.executable, "-m", "minillm", "bench", "serve", "--base-url", url, "--model", "minillm",
            "--disable-tqdm", "--ignore-eos", "--metric-percentiles", "50,99", "--save-result", out, *extra]
     print("  $", " ".join(cmd[1:]), flush=True)
@@ -129,7 +127,7 @@ def run_dp(args) -> None:
 def run_policies(args) -> None:
     trace = make_tenant_trace(args.num_prompts, num_tenants=args.tenants, system_prompt_len=args.system_len,
                               question_len=16, output_len=args.output_len, zipf_s=1.0, seed=0)
-    path = Path(tempfile.gettempdir()) / "minillm-tenant-trace.jsonl"
+    path = results_path("tenant-trace.jsonl")
     trace.save_jsonl(path)
     flags = ["--max-model-len", "512", "--max-num-seqs", "8", "--enable-prefix-caching",
              "--num-gpu-blocks-override", str(args.kv_blocks)]

@@ -24,10 +24,16 @@ from _machine import describe_machine  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 NUMBA_DECODE = "numba_cpu::paged_decode"  # a profiler range around each call of the @njit decode kernel
-CATEGORIES = [  # (label, op names), first match wins; the rest is "other model ops"
-    ("matmuls (q|k|v, o, gate|up, down, lm_head)", ("aten::mm", "aten::addmm")),
+# (label, op names), first match wins; the rest is "other model ops". The float32 CPU forward runs
+# its matmuls as oneDNN's `mkldnn::_linear_pointwise` on packed weights (minillm/model/fused.py),
+# one-row ones and other dtypes as `aten::mm` / `aten::addmm` under `aten::linear` / `aten::matmul`
+# (those two wrappers have almost no self time of their own, but count them where they do).
+MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
+CATEGORIES = [
+    ("matmuls (q|k|v, o, gate|up, down, lm_head)", MATMUL_OPS),
     ("attention (SDPA, numba_cpu decode kernel)", ("aten::_scaled_dot_product_flash_attention_for_cpu",
-                                                   "aten::_scaled_dot_product_attention_math", NUMBA_DECODE)),
+                                                   "aten::_scaled_dot_product_attention_math",
+                                                   "aten::scaled_dot_product_attention", NUMBA_DECODE)),
     ("KV reads/writes (block gathers, cache writes, zeroing)", ("aten::index_select", "aten::index_copy_",
                                                                "aten::index_fill_")),
 ]

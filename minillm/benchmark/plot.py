@@ -70,5 +70,6 @@ def plot_result(result: BenchmarkResultLike, path: str | Path | None = None, tit
     fig.suptitle(title or f"bench serve: {result.config.model} at {result.config.url}")
     fig.tight_layout()
     if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=100)
     return fig

@@ -2,7 +2,7 @@
 
     minillm bench serve --base-url http://127.0.0.1:8000 --model minillm-target \\
         --num-prompts 200 --request-rate 8 --random-input-len 64 --random-output-len 64 \\
-        --goodput ttft:500 tpot:50 --save-result result.json --plot result.png
+        --goodput ttft:500 tpot:50 --save-result bench/results/result.json --plot bench/results/result.png
 
 The arrival process is vLLM's: gaps between requests are Gamma(shape=burstiness, mean=1/rate), so
 `--burstiness 1` (the default) is a Poisson process, smaller is burstier, and `--request-rate inf`
@@ -132,6 +132,7 @@ class BenchmarkResult:
         }
 
     def save_json(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(self.to_dict(), indent=1, allow_nan=True))
 
 

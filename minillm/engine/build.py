@@ -34,14 +34,20 @@ def build_engine(config: EngineConfig, model_config: ModelConfig, *, model: Any 
         else:
             kv = make_kv_manager(resolved, model_config, allocate_pool=False)
     scheduler = (scheduler_factory or make_scheduler)(resolved, kv)
+    report = None
     if executor is None and model is not None:  # the real model, in a worker in this process
         from minillm.executor.uniproc import UniProcExecutor
         from minillm.kv_transfer import make_worker_connector
         from minillm.worker.model_runner import ModelRunner
+        from minillm.worker.warm_up import warm_up
 
         transfer = resolved.kv_transfer_config
         worker = ModelRunner(model, kv.cache_spec, resolved.attention_backend,
                              None if transfer is None else make_worker_connector(transfer))
         executor = UniProcExecutor(worker, kv)
-    return LLMEngine(model_config, config, model=model, tokenizer=tokenizer, kv=kv, scheduler=scheduler,
-                     executor=executor, clock=clock, proposer=proposer)
+        report = warm_up(worker, resolved.max_num_seqs)  # compile and warm now, not in the first generate
+    engine = LLMEngine(model_config, config, model=model, tokenizer=tokenizer, kv=kv, scheduler=scheduler,
+                       executor=executor, clock=clock, proposer=proposer)
+    if report is not None:
+        engine.warm_up_report = report
+    return engine

@@ -57,6 +57,8 @@ class EngineLoad:
 
 
 class LLMEngine(ThreadedEngine):
+    warm_up_report = None  # what start-up compiled and warmed (minillm.worker.warm_up); set by build_engine
+
     def __init__(self, model_config: ModelConfig, config: EngineConfig, *, model: Any = None,
                  tokenizer: Any = None, kv=None, scheduler: Scheduler | None = None, executor=None,
                  clock=None, proposer=None) -> None:

@@ -101,6 +101,8 @@ def build_app(args: argparse.Namespace):
     if kv_transfer is not None:
         knobs["kv_transfer_config"] = kv_transfer
     llm = LLM(model, dtype=args.dtype, device=args.device, **knobs)
+    if llm.engine.warm_up_report is not None:
+        print(f"minillm serve: {llm.engine.warm_up_report}", flush=True)
     api_key = args.api_key or os.environ.get("MINILLM_API_KEY") or None
     name = args.served_model_name or "minillm"
     return create_app(llm, served_model_name=name, api_key=api_key, max_num_queued_reqs=args.max_num_queued_reqs)

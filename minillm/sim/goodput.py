@@ -297,9 +297,12 @@ def main() -> None:  # pragma: no cover - the chapter's table, printed
     for name, trace in traces.items():
         rows = []
         for hw in (A100_80GB_PRACTICAL, H100_PRACTICAL):
-            rows += compare_colocated_vs_pd(trace, name=name, hardware=hw, chunked_budgets=(512,),
-                                            links=("NVLink3", "InfiniBand HDR") if hw is A100_80GB_PRACTICAL
-                                            else ("NVLink4", "InfiniBand NDR"))
+            links = ("NVLink3", "InfiniBand HDR") if hw is A100_80GB_PRACTICAL else ("NVLink4", "InfiniBand NDR")
+            rows += compare_colocated_vs_pd(trace, name=name, hardware=hw, chunked_budgets=(512,), links=links)
+            # the other instance ratios (docs/simulator.md's "PD 2:1" and "PD 1:2" columns), over NVLink only
+            rows += [row for row in compare_colocated_vs_pd(trace, name=name, hardware=hw, links=links[:1],
+                                                            ratios=((2, 1), (1, 2)))
+                     if row.mode.startswith("PD")]
         print_goodput_table(rows, slo=DEFAULT_SLOS[name])
         print()
 

@@ -1,0 +1,163 @@
+"""The commands and snippets of README.md and docs/*.md, found and run as a reader would (issue 31).
+
+Why our own runner: the well-kept tools for documentation tests (Sybil, pytest-examples,
+pytest-markdown-docs) run Python blocks; our pages are mostly shell — servers started in the
+background, a client against them, a command whose printed output the page quotes. This module
+splits each fenced `bash` block into commands (quote-aware: a newline inside quotes or after `\\`
+continues a command, `&` sends one to the background, `#` starts a comment), and a table below says
+what CI does with each one, keyed by how the command starts:
+
+- RUN: run as written (from the repository root, the course's environment first on PATH);
+- SERVE: a server that runs until stopped: start it, wait for `/health` on its port, stop it —
+  or, for KEEP (and for a command the page sends to the background with `&`), keep it up until
+  the block's last command has run;
+- SMALL: run with the page's options swapped for smaller ones (the same command, less load);
+- SKIP: with the reason.
+
+A fenced command that the table does not know fails the test: a new documented command needs a
+decision. Inline commands in prose (`python bench/x.py --flag`) are checked more cheaply: the script
+or module exists and names each flag (`minillm SUB --flag`: `minillm SUB --help` lists it).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@dataclass
+class Command:
+    text: str  # as the page writes it, continuations joined
+    background: bool  # ended by `&`
+
+
+@dataclass
+class Block:
+    page: str  # path relative to the repository root
+    line: int  # where the block starts
+    language: str
+    body: str
+    quoted_output: str | None = None  # an untagged block right after it: what the page says it prints
+    commands: list[Command] = field(default_factory=list)
+    end_offset: int = 0  # where the block ends in the page
+
+
+def split_commands(script: str) -> list[Command]:
+    """Shell commands of `script`: newlines and `&` outside quotes end one (`&&` does not)."""
+    commands, current, quote, i = [], [], None, 0
+    while i < len(script):
+        ch = script[i]
+        if quote:
+            if ch == "\\" and quote == '"' and i + 1 < len(script):
+                current.append(script[i : i + 2])
+                i += 2
+                continue
+            if ch == quote:
+                quote = None
+            current.append(ch)
+        elif ch in "'\"":
+            quote = ch
+            current.append(ch)
+        elif ch == "\\" and script[i + 1 : i + 2] == "\n":
+            current.append(" ")
+            i += 2
+            continue
+        elif ch == "#" and (not current or current[-1] in " \t\n"):
+            while i < len(script) and script[i] != "\n":
+                i += 1
+            continue
+        elif ch == "&" and script[i + 1 : i + 2] != "&" and (not current or current[-1] != "&"):
+            commands.append(Command(" ".join("".join(current).split()), True))
+            current = []
+        elif ch == "\n":
+            commands.append(Command("".join(current).strip(), False))
+            current = []
+        else:
+            current.append(ch)
+        i += 1
+    commands.append(Command("".join(current).strip(), False))
+    return [c for c in commands if c.text]
+
+
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.S | re.M)
+
+
+def blocks_of(page: Path) -> list[Block]:
+    text = page.read_text()
+    found: list[Block] = []
+    for m in FENCE.finditer(text):
+        language, body = m.group(1), m.group(2)
+        line = text.count("\n", 0, m.start()) + 1
+        if language == "" and found and not text[found[-1].end_offset : m.start()].strip() and \
+                found[-1].language in ("bash", "python"):
+            found[-1].quoted_output = body
+            continue
+        block = Block(str(page.relative_to(ROOT)), line, language, body, end_offset=m.end())
+        if language in ("bash", "sh", "shell"):
+            block.commands = split_commands(body)
+        found.append(block)
+    return found
+
+
+INLINE = re.compile(r"`((?:python3?|minillm) [^`]+)`")
+
+
+def inline_commands(page: Path) -> list[str]:
+    """Commands quoted inline in a page's prose (fenced blocks excluded)."""
+    text = FENCE.sub("", page.read_text())
+    return [" ".join(m.group(1).split()) for m in INLINE.finditer(text.replace("\n", " "))]
+
+
+# ---- what CI does with each documented command ---------------------------------------------------
+RUN, SERVE, KEEP, SMALL, SKIP = "run", "serve", "keep", "small", "skip"
+
+# (how the command starts, decision, detail): the first entry whose start matches wins. For SMALL
+# the detail is a list of (option as written, smaller option); for SKIP it is the reason.
+DECISIONS: list[tuple[str, str, object]] = [
+    ("make lab", SKIP, "JupyterLab runs until stopped; tests/test_lab.py and tests/test_browser.py start it"),
+    ("make test", SKIP, "this is the test suite that runs this test"),
+    ("source .venv/bin/activate", RUN, None),
+    ("minillm generate", RUN, None),
+    ("minillm simulate", RUN, None),
+    ("make serve", SERVE, None),
+    ("minillm serve --data-parallel-size 2", SERVE, None),
+    ("minillm serve --pd-disaggregation", SERVE, None),
+    ("minillm serve --tensor-parallel-size 2 --pipeline-parallel-size 2", SERVE, None),
+    ("minillm router --worker URL", SKIP, "URL is a placeholder; docs/router.md's block runs the router "
+                                          "in front of two real servers"),
+    ("minillm router --pd --prefill http://127.0.0.1:8001", KEEP, None),
+    ("minillm router --worker http://127.0.0.1:8001", SERVE, None),
+    ("minillm serve --port 8001 --max-num-seqs 16 --enable-prefix-caching", SERVE, None),
+    ("minillm serve", SERVE, None),
+    ("python -m minillm serve", SERVE, None),
+    ("minillm bench serve", SMALL, [("--num-prompts 200", "--num-prompts 6"), ("--num-prompts 64", "--num-prompts 6"),
+                                    ("--num-prompts 40", "--num-prompts 4")]),
+    ("python3 -m venv /work/aux-venv", SKIP, "installs aiperf from PyPI into a separate venv: a peer tool, "
+                                              "never installed by CI"),
+    ("env -u HF_HUB_OFFLINE /work/aux-venv/bin/aiperf", SKIP, "aiperf is not installed by CI (see above)"),
+    ("python -c", RUN, None),
+]
+
+# Python blocks: the start of the block -> what it needs first (a server command), or None.
+PYTHON_BLOCKS: list[tuple[str, str | None]] = [
+    ("from minillm import LLM, SamplingParams", None),
+    ("import openai", "minillm serve --port 8000"),
+]
+
+
+def decide(command: str) -> tuple[str, object]:
+    """What CI does with a documented command (`.venv/bin/minillm` is read as `minillm`)."""
+    command = re.sub(r"(?<![\w/])\.venv/bin/(?=minillm|python)", "", command)
+    for start, what, detail in DECISIONS:
+        if command.startswith(start):
+            return what, detail
+    raise LookupError(command)
+
+
+def port_of(command: str) -> int:
+    m = re.search(r"--port[ =](\d+)", command)
+    return int(m.group(1)) if m else 8000
