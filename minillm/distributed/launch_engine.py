@@ -67,7 +67,7 @@ def build_distributed_engine(config: EngineConfig, model_dir: Path, model_config
                 max_positions=config.max_model_len or model_config.max_position_embeddings,
                 cache_spec=kv.cache_spec, attention_backend=resolved.attention_backend,
                 micro_batches=resolved.pipeline_micro_batches, expert_parallel=resolved.enable_expert_parallel,
-                kv_transfer_config=resolved.kv_transfer_config)
+                kv_transfer_config=resolved.kv_transfer_config, max_num_seqs=resolved.max_num_seqs)
     executor = MultiprocExecutor(kv, spec, tp, pp, resolved.execute_model_timeout_s)
     try:
         return build_engine(config, model_config, tokenizer=tokenizer, kv=kv, executor=executor,

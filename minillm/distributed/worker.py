@@ -51,6 +51,7 @@ class WorkerSpec:
     expert_parallel: bool = False  # MoE: whole experts per rank (all-to-all) instead of sliced ones (all-reduce)
     num_threads: int = 1
     kv_transfer_config: Any = None  # a prefill/decode pair: this rank builds the KV connector's worker side
+    max_num_seqs: int = 0  # warm up at start-up for decode batches up to this (0: no warm-up)
 
 
 class ParallelWorker(ModelRunner):
@@ -168,6 +169,12 @@ def rank_main(rank: int, spec: WorkerSpec, conn) -> None:
     torch.set_num_threads(spec.num_threads)
     try:
         worker = build_rank(spec, rank)
+        if spec.max_num_seqs:  # every rank runs the same dummy plans, so their collectives pair up
+            from minillm.worker.warm_up import warm_up
+
+            warm_up(worker, spec.max_num_seqs)
+            for counts in (worker.model.comm.calls, worker.model.comm.bytes, worker.model.comm.seconds):
+                counts.clear()  # chapter 12 and the tests count the collectives of real steps only
         conn.send_bytes(pickle.dumps(("ready", {"pid": os.getpid(), "weight_bytes": worker.model.weight_bytes,
                                                 "kv_pool_shape": worker.cache_spec.shape})))
     except BaseException as error:  # noqa: BLE001 - reported to the driver, which refuses to start
