@@ -106,16 +106,52 @@ class DelegationError(RuntimeError):
     """Raised when learner code calls a reference that `forbid` disabled."""
 
 
+class ReferenceWithheld(LookupError):
+    """A check needed a grader-private reference (minillm/grading/private/) that this copy of the
+    course does not have: a student release. The task is reported as not graded here."""
+
+
+class _Withheld(types.ModuleType):
+    """The stand-in for a grader-private module missing from a student release: every attribute raises."""
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        raise ReferenceWithheld(f"{self.__name__}.{attr} is the teacher's (minillm/grading/private/ is not in a "
+                                "student release): this task is graded in the teacher's copy of the course")
+
+
+def private_reference(name: str) -> types.ModuleType:
+    """The grader-private module `minillm.grading.private.<name>` (docs/grading.md, "Grader-private
+    references"), imported now: call it at a grading module's import time, before learner code runs,
+    and use its attributes only inside checks. In a student release, where it is left out, a stand-in
+    whose attributes raise ReferenceWithheld: the check that needs it reports "not graded here"."""
+    import importlib
+
+    full = f"{__name__}.private.{name}"
+    try:
+        return importlib.import_module(full)
+    except ModuleNotFoundError as error:
+        if error.name not in (full, f"{__name__}.private"):
+            raise  # the private module exists but imports something missing: a real error
+        return _Withheld(full)
+
+
+WITHHELD = "NOT GRADED HERE"  # the verdict of a task whose reference a student release leaves out
+
+
 @dataclass
 class TaskResult:
     task: int
     name: str
     passed: bool
     lines: list[str] = field(default_factory=list)
+    withheld: bool = False  # its grader-private reference is not in this copy (never a PASS)
 
     @property
     def headline(self) -> str:
-        return f"task {self.task} ({self.name}): {'PASS' if self.passed else 'FAIL'}"
+        verdict = "PASS" if self.passed else WITHHELD if self.withheld else "FAIL"
+        return f"task {self.task} ({self.name}): {verdict}"
 
     def report(self) -> str:
         return "\n".join([self.headline, *(f"  {line}" for line in self.lines)])
@@ -124,7 +160,8 @@ class TaskResult:
         return self.report()
 
     def to_json(self) -> dict[str, Any]:
-        return {"task": self.task, "name": self.name, "passed": self.passed, "lines": list(self.lines)}
+        return {"task": self.task, "name": self.name, "passed": self.passed, "lines": list(self.lines),
+                "withheld": self.withheld}
 
 
 # --- the reference, disabled while learner code runs ---------------------------------------------
@@ -242,6 +279,7 @@ def task(number: int, name: str, check_time_limit_s: int = DEFAULT_TIME_LIMIT_S)
         @functools.wraps(check)
         def run(*args: Any) -> TaskResult:
             del _HITS[:]
+            withheld = False
             try:
                 with _time_limit(check_time_limit_s):
                     own = provenance.provenance_problem(args, sys.modules.get(check.__module__), number)
@@ -251,11 +289,14 @@ def task(number: int, name: str, check_time_limit_s: int = DEFAULT_TIME_LIMIT_S)
                         detail = check(*args)
                 problem = None
             except Fail as failure:
-                problem = str(failure)
+                stub = _stub_behind(failure)
+                problem = str(failure) if stub is None else f"not written yet (NotImplementedError: {stub})"
             except NotImplementedError as error:
                 problem = f"not written yet (NotImplementedError: {error})"
             except DelegationError as error:
                 problem = str(error)
+            except ReferenceWithheld as error:
+                problem, withheld = f"not graded here: {error}", True
             except _TimeLimit:
                 problem = f"no answer within {check_time_limit_s} s: does a loop never end?"
             except RecursionError as error:
@@ -265,8 +306,9 @@ def task(number: int, name: str, check_time_limit_s: int = DEFAULT_TIME_LIMIT_S)
             if _HITS:
                 problem = _HITS[0] + ("" if problem is None or problem in _HITS else f" ({problem})")
                 del _HITS[:]
+                withheld = False  # the learner's code called what it must not: that is the verdict
             if problem is not None:
-                return TaskResult(number, name, False, [problem])
+                return TaskResult(number, name, False, [problem], withheld=withheld)
             lines = [detail] if isinstance(detail, str) else list(detail or [])
             return TaskResult(number, name, True, lines)
 
@@ -274,6 +316,19 @@ def task(number: int, name: str, check_time_limit_s: int = DEFAULT_TIME_LIMIT_S)
         return run
 
     return decorate
+
+
+def _stub_behind(failure: BaseException) -> str | None:
+    """The message of a NotImplementedError (a stub) that a check caught and turned into this Fail
+    (`raise Fail(...)` inside its `except`, `from None` included), or None: a task whose code is not
+    written yet says so, whatever the check was comparing when it met the stub."""
+    seen, error = set(), failure.__cause__ or failure.__context__
+    while error is not None and id(error) not in seen:
+        if isinstance(error, NotImplementedError):
+            return str(error)
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def run_until_done(engine: Any, max_iterations: int, stalled: str) -> None:

@@ -36,6 +36,7 @@ _BEGIN = re.compile(r"^[ \t]*#\s*BEGIN SOLUTION\s*$", re.MULTILINE)
 _GRADED = re.compile(r"^[ \t]*#\s*NBVAL_CHECK_OUTPUT\s*$", re.MULTILINE)
 _NUMBER = re.compile(r"^ex(\d\d)_")
 CELL_TIME_LIMIT_S = 300
+WITHHELD = "NOT GRADED HERE"  # minillm.grading.WITHHELD (this module imports nothing of minillm in the parent)
 SKIP_TAG = "grading-skip"  # on a solution's demo cell that no check needs
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 CELLS_DIR = Path(__file__).resolve().parent / "cells"  # the manifests, written by tools/build_exercises.py
@@ -257,11 +258,14 @@ class GradeReport:
     def text(self) -> str:
         lines = [f"{self.notebook}"]
         for r in self.results:
-            lines.append(f"  task {r['task']} ({r['name']}): {'PASS' if r['passed'] else 'FAIL'}")
+            verdict = "PASS" if r["passed"] else WITHHELD if r.get("withheld") else "FAIL"
+            lines.append(f"  task {r['task']} ({r['name']}): {verdict}")
             lines += [f"    {line}" for line in r["lines"]]
         lines += [f"  note: {note}" for note in self.notes]
-        passed = sum(r["passed"] for r in self.results)
-        lines.append(f"  {passed}/{len(self.results)} task(s) pass")
+        passed, withheld = sum(r["passed"] for r in self.results), sum(bool(r.get("withheld")) for r in self.results)
+        lines.append(f"  {passed}/{len(self.results)} task(s) pass"
+                     + (f"; {withheld} graded only in your teacher's copy (its reference is not in a student "
+                        "release)" if withheld else ""))
         return "\n".join(lines)
 
 
