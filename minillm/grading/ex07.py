@@ -5,8 +5,8 @@ cache with split and LRU.
 Unsalted chains and lookups are compared with minillm's `HashChain` and `BlockManager` (without K/V
 tensors); the variants the chapter does not show (the salt, the buckets, the radix cache) with the
 grader-private references of `minillm.grading.private.ex07_reference`. All of them are disabled
-(`forbid`) while the learner's code runs. Task 3 runs the bundled model on a seeded trace and on one
-drawn at grade time.
+(`forbid`, or guarded as grader code) while the learner's code runs. Task 3 runs the bundled model
+on a seeded trace and on one drawn at grade time.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from __future__ import annotations
 import random
 
 from minillm import LLM, SamplingParams
-from minillm.grading import Fail, forbid, grade_time_seeds, task
-from minillm.grading.private import ex07_reference as private
+from minillm.grading import Fail, forbid, grade_time_seeds, private_reference, task
 from minillm.kv.block_manager import BlockManager, HashChain
 from minillm.kv.radix import RadixNode, RadixTree
 from minillm.llm import BUNDLED_TARGET
@@ -27,9 +26,10 @@ from minillm.workload import LengthDist, make_trace
 FRESH_CASES = 20  # cases drawn at grade time, besides the seeded ones (memoised answers fail)
 LEARNER_TOOLS = ()
 
+private = private_reference("ex07_reference")  # salts, buckets, the radix tree: the teacher's
 MODEL = BUNDLED_TARGET
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
-PREFIX_CACHE = (HashChain, BlockManager, RadixTree, RadixNode, *private.REFERENCES)
+PREFIX_CACHE = (HashChain, BlockManager, RadixTree, RadixNode)
 
 
 def _reference_hashes(tokens, block_size, salt=None):

@@ -105,4 +105,3 @@ class ReferenceRadix:
         return removed
 
 
-REFERENCES = (salted_hashes, bucket_lookup, Edge, _common, _descend, _leaves, ReferenceRadix)  # forbid() these
