@@ -16,7 +16,15 @@ from minillm import LLM, SamplingParams
 from minillm.clock import SimClock
 from minillm.config import EngineConfig
 from minillm.engine import build_engine
-from minillm.grading import Fail, forbid, grade_time_seeds, private_reference, refuse_subclass, run_until_done, task
+from minillm.grading import (
+    Fail,
+    forbid,
+    grade_time_seeds,
+    private_reference,
+    refuse_subclass,
+    run_until_done,
+    task,
+)
 from minillm.kv.slab import SlabKVManager
 from minillm.llm import BUNDLED_TARGET
 from minillm.model.config import ModelConfig
