@@ -1,9 +1,12 @@
-"""Grader of exercise 03 (chapter 03: dynamic batching): the firing rule, who shares a batch, the
-rule inside minillm's scheduler, and choosing knobs on the simulator to meet an SLO.
+"""Grader of exercise 03 (chapter 03: dynamic batching with a deadline per request): the firing rule,
+who shares a batch, the rule inside minillm's scheduler, and choosing knobs on the simulator to meet
+an SLO.
 
-Everything runs on a simulated clock. The reference is minillm's `DynamicScheduler` (and the
-engine), disabled (`forbid`) while the learner's code runs. Task 4 is graded by the simulator: the
-learner's knobs run a Poisson trace through the engine with a Llama-7B on an A100, costed step by step.
+Everything runs on a simulated clock. The references are minillm's `DynamicScheduler` (and the
+engine) where every request has the same delay, and the grader-private `DeadlineScheduler`
+(`minillm.grading.private.ex03_reference`) for the variant chapter 03 does not show, a longest wait
+per request; all are disabled while the learner's code runs. Task 4 is graded by the simulator: the
+learner's knobs run Poisson traces through the engine with a Llama-7B on an A100, costed step by step.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from minillm import SamplingParams
 from minillm.clock import SimClock
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine, build_engine, make_kv_manager
-from minillm.grading import Fail, forbid, grade_time_seeds, task
+from minillm.grading import Fail, forbid, grade_time_seeds, private_reference, task
 from minillm.model.config import ModelConfig
 from minillm.request import Request
 from minillm.scheduler.base import ModelRunnerOutput
@@ -29,6 +32,7 @@ from minillm.workload import make_trace
 # module raises when learner code calls it while a check runs.
 FRESH_CASES = 20  # cases drawn at grade time, besides the seeded ones (memoised answers fail)
 LEARNER_TOOLS = {"simulate": (4,)}  # task 4: explore the trace on the simulator
+private = private_reference("ex03_reference")  # the deadline-per-request rule: the teacher's
 
 FIRING_RULES = ((DynamicScheduler, "should_fire"), (StaticScheduler, "should_fire"))
 
@@ -39,10 +43,16 @@ SEVEN_B = ModelConfig(model_type="llama", vocab_size=LLAMA_7B.vocab_size, hidden
                       head_dim=LLAMA_7B.head_dim, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=2048)
 
 
-def _reference_should_fire(now, waiting_arrival_times, max_batch_size, max_queue_delay_s):
-    config = EngineConfig(batching="dynamic", max_num_seqs=max_batch_size, max_queue_delay_ms=max_queue_delay_s * 1000)
+def _reference_should_fire(now, waiting, max_batch_size):
+    """minillm's DynamicScheduler where every waiting request has the same longest wait (one that survives
+    its round trip through milliseconds); the grader-private deadline rule otherwise."""
+    delays = {wait for _, wait in waiting}
+    delay_s = delays.pop() if len(delays) == 1 else None
+    if delay_s is None or delay_s * 1000 / 1000 != delay_s:
+        return private.fires(now, waiting, max_batch_size)
+    config = EngineConfig(batching="dynamic", max_num_seqs=max_batch_size, max_queue_delay_ms=delay_s * 1000)
     scheduler = DynamicScheduler(config, kv=None)
-    for i, t in enumerate(waiting_arrival_times):
+    for i, (t, _) in enumerate(waiting):
         scheduler.add_request(Request(str(i), [5], SamplingParams(temperature=0.0), t))
     return scheduler.should_fire(now, more_arrivals=True)
 
@@ -57,7 +67,7 @@ class OneUnitPerStep:
         return 1.0
 
 
-def run_engine(scheduler_class, executor, requests, max_batch_size, max_queue_delay_s):
+def run_engine(scheduler_class, executor, requests, max_batch_size, max_queue_delay_s, priorities=None):
     # requests: (arrival_time, prompt_len, max_tokens) tuples. Returns the engine once all finished.
     config = EngineConfig(batching="dynamic", max_num_seqs=max_batch_size,
                           max_queue_delay_ms=max_queue_delay_s * 1000, max_model_len=2048)
@@ -68,7 +78,8 @@ def run_engine(scheduler_class, executor, requests, max_batch_size, max_queue_de
     for i, (arrival, prompt_len, max_tokens) in enumerate(requests):
         engine.add_request({"prompt_token_ids": [5] * prompt_len},
                            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                           request_id=str(i), arrival_time=float(arrival))
+                           request_id=str(i), arrival_time=float(arrival),
+                           priority=priorities[i] if priorities else 0)
     while engine.has_unfinished():
         steps_before, now = engine.num_steps, engine.clock.now()
         engine.step()
@@ -88,13 +99,16 @@ def batches_of(engine):
 @task(1, "firing rule")
 def check_task_1(should_fire) -> str:
     cases = [
-        (1.0, [], 4, 0.1),  # nobody waits
-        (0.0, [0.0], 1, 0.5),  # a batch of one is full at once
-        (0.30, [0.25, 0.26, 0.28], 3, 1.0),  # full before the delay
-        (0.30, [0.25, 0.26], 3, 0.1),  # not full, the oldest waited 0.05 s of 0.1 s
-        (0.7 + 0.1, [0.7, 0.75], 4, 0.1),  # exactly oldest + delay: the engine's timer wakes here
-        (0.5, [0.5], 4, 0.0),  # no delay at all
-        (2.0, [0.1, 0.2, 0.3, 0.4, 0.5], 4, 5.0),  # more than a full batch waits
+        (1.0, [], 4),  # nobody waits
+        (0.0, [(0.0, 0.5)], 1),  # a batch of one is full at once
+        (0.30, [(0.25, 1.0), (0.26, 1.0), (0.28, 1.0)], 3),  # full before any deadline
+        (0.30, [(0.25, 0.1), (0.26, 0.1)], 3),  # not full, the oldest waited 0.05 s of 0.1 s
+        (0.7 + 0.1, [(0.7, 0.1), (0.75, 0.1)], 4),  # exactly oldest + delay: the engine's timer wakes here
+        (0.5, [(0.5, 0.0)], 4),  # no delay at all
+        (2.0, [(0.1, 5.0), (0.2, 5.0), (0.3, 5.0), (0.4, 5.0), (0.5, 5.0)], 4),  # more than a full batch waits
+        (0.30, [(0.10, 0.5), (0.25, 0.05)], 4),  # a younger request's deadline (0.30) comes first
+        (0.29, [(0.10, 0.5), (0.25, 0.05)], 4),  # ... but not yet
+        (0.2 + 0.1, [(0.0, 1.0), (0.2, 0.1)], 4),  # exactly a younger request's deadline
     ]
     rng = np.random.default_rng(7)
     for number in range(300 + FRESH_CASES):
@@ -102,17 +116,20 @@ def check_task_1(should_fire) -> str:
             rng = np.random.default_rng(grade_time_seeds(1)[0])
         arrivals = np.sort(rng.uniform(0, 1, size=rng.integers(0, 7))).tolist()
         delay = float(rng.choice([0.0, 0.005, 0.01, 0.05, 0.1, 0.25]))
-        oldest = arrivals[0] if arrivals else 0.0
-        now = float(rng.choice([oldest + delay, oldest + delay * rng.uniform(0, 2), max(arrivals, default=0.0)]))
-        cases.append((max(now, max(arrivals, default=0.0)), arrivals, int(rng.integers(1, 6)), delay))
-    for now, arrivals, size, delay in cases:
-        want = _reference_should_fire(now, arrivals, size, delay)
+        uniform = rng.random() < 0.4
+        waits = [delay if uniform else float(rng.choice([delay, delay / 10, 2 * delay])) for _ in arrivals]
+        deadlines = [a + w for a, w in zip(arrivals, waits)] or [0.0]
+        now = float(rng.choice([min(deadlines), max(deadlines), min(deadlines) * rng.uniform(0.5, 1.5),
+                                max(arrivals, default=0.0)]))
+        cases.append((max(now, max(arrivals, default=0.0)), list(zip(arrivals, waits)), int(rng.integers(1, 6))))
+    for now, waiting, size in cases:
+        want = _reference_should_fire(now, waiting, size)
         with forbid(*FIRING_RULES):
-            got = bool(should_fire(now, list(arrivals), size, delay))
+            got = bool(should_fire(now, [tuple(pair) for pair in waiting], size))
         if got != want:
-            raise Fail(f"now={now!r}, waiting since {arrivals}, max_batch_size={size}, delay={delay} s: "
+            raise Fail(f"now={now!r}, waiting (arrival, longest wait) {waiting}, max_batch_size={size}: "
                        f"you said {got}, expected {want}")
-    return f"{len(cases) - FRESH_CASES} cases agree with DynamicScheduler.should_fire"  # the seeded ones
+    return f"{len(cases) - FRESH_CASES} seeded cases and {FRESH_CASES} drawn now agree with the rule"  # counts the seeded ones
 
 
 def _engine_batches(arrival_times, durations, max_batch_size, max_queue_delay):
@@ -132,7 +149,9 @@ def check_task_2(dynamic_batches) -> str:
         ([5, 9], [1, 1], 1, 7),  # a batch of one is always full
     ]
     rng = np.random.default_rng(8)
-    for _ in range(40):
+    for number in range(40 + FRESH_CASES // 4):
+        if number == 40:  # then cases drawn at grade time: they cannot be memoised
+            rng = np.random.default_rng(grade_time_seeds(1)[0])
         n = int(rng.integers(1, 25))
         arrivals = np.cumsum(rng.integers(0, 6, size=n)).tolist()
         cases.append((arrivals, rng.integers(1, 20, size=n).tolist(), int(rng.integers(1, 7)), int(rng.integers(0, 9))))
@@ -144,7 +163,8 @@ def check_task_2(dynamic_batches) -> str:
         if got != want:
             raise Fail(f"arrivals {arrivals}, durations {durations}, max_batch_size {max_batch_size}, delay {delay}: "
                        f"you formed {got}, the engine {want}")
-    return f"{len(cases)} cases: the same batches, at the same times, as minillm's engine"
+    return (f"{len(cases) - FRESH_CASES // 4} seeded cases and {FRESH_CASES // 4} drawn now: the same batches, at the "
+            "same times, as minillm's engine")
 
 
 TRACE = dict(num_requests=200, seed=11, vocab_size=32000, rate_per_s=4, prompt_len=("lognormal", 256, 0.8),
@@ -155,24 +175,42 @@ def _token_times(engine, n):
     return [engine.metrics.requests[str(i)].token_times for i in range(n)]
 
 
+def _priorities(seed, n):
+    """Which requests are interactive (priority 0: a tenth of the delay) and which are not (1)."""
+    rng = np.random.default_rng(seed)
+    return [int(p) for p in rng.choice([0, 1], size=n, p=[0.3, 0.7])]
+
+
 @task(3, "your rule in the real scheduler")
 def check_task_3(scheduler_class) -> list[str]:
-    if "should_fire" not in vars(scheduler_class):
-        raise Fail(f"{scheduler_class.__name__} does not override should_fire")
+    missing = [name for name in ("should_fire", "next_wakeup") if name not in vars(scheduler_class)]
+    if missing:
+        raise Fail(f"{scheduler_class.__name__} does not override {' and '.join(missing)}")
     requests = [(r.arrival_time_s, r.prompt_len, r.max_tokens) for r in make_trace(**TRACE)]
+    runs = [(delay_s, requests, _priorities(13, len(requests)), True) for delay_s in (0.05, 0.5, 2.0)]
+    fresh = grade_time_seeds(1)[0]  # a trace and its priorities drawn now: they cannot be answered in advance
+    fresh_requests = [(r.arrival_time_s, r.prompt_len, r.max_tokens) for r in make_trace(**dict(TRACE, seed=fresh))]
+    runs.append((0.5, fresh_requests, _priorities(fresh, len(fresh_requests)), False))
     lines = []
-    for delay_s in (0.0, 0.05, 2.0):
-        ref = run_engine(DynamicScheduler, SimExecutor(A100_80GB, LLAMA_7B, token_id=7), requests, 8, delay_s)
+    for delay_s, trace, priorities, seeded in runs:
+        ref = run_engine(private.DeadlineScheduler, SimExecutor(A100_80GB, LLAMA_7B, token_id=7), trace, 8, delay_s,
+                         priorities)
         with forbid(*FIRING_RULES):
-            mine = run_engine(scheduler_class, SimExecutor(A100_80GB, LLAMA_7B, token_id=7), requests, 8, delay_s)
-        if batches_of(mine) != batches_of(ref) or _token_times(mine, len(requests)) != _token_times(ref, len(requests)):
-            raise Fail(f"delay {delay_s * 1e3:.0f} ms: your scheduler's batches or token times differ from "
-                       f"DynamicScheduler's ({len(batches_of(mine))} batches vs {len(batches_of(ref))})")
-        batches, summary = batches_of(mine), mine.metrics.summary()
-        lines.append(f"delay {delay_s * 1e3:4.0f} ms: {len(batches)} batches of {len(requests) / len(batches):.1f} "
-                     f"requests on average, {mine.num_steps} steps, mean TTFT {summary.ttft.mean_ms:.0f} ms, "
-                     f"p99 TTFT {summary.ttft.percentiles_ms[99]:.0f} ms")
-    return lines
+            mine = run_engine(scheduler_class, SimExecutor(A100_80GB, LLAMA_7B, token_id=7), trace, 8, delay_s,
+                              priorities)
+        if batches_of(mine) != batches_of(ref) or _token_times(mine, len(trace)) != _token_times(ref, len(trace)):
+            first = next((i for i, (a, b) in enumerate(zip(batches_of(mine), batches_of(ref))) if a != b), None)
+            raise Fail(f"{'seeded trace' if seeded else 'trace drawn now'}, delay {delay_s * 1e3:.0f} ms: your "
+                       f"scheduler's batches or token times differ from the deadline rule's "
+                       f"({len(batches_of(mine))} batches vs {len(batches_of(ref))}; first different batch: "
+                       f"{first}, yours {batches_of(mine)[first] if first is not None else None}, expected "
+                       f"{batches_of(ref)[first] if first is not None else None})")
+        if seeded:
+            batches, summary = batches_of(mine), mine.metrics.summary()
+            lines.append(f"delay {delay_s * 1e3:4.0f} ms: {len(batches)} batches of {len(trace) / len(batches):.1f} "
+                         f"requests on average, mean TTFT {summary.ttft.mean_ms:.0f} ms, "
+                         f"p99 TTFT {summary.ttft.percentiles_ms[99]:.0f} ms")
+    return lines + ["and a trace drawn now, with its own priorities: the same batches and token times"]
 
 
 # --- task 4: knobs for an SLO ---------------------------------------------------------------------
