@@ -54,10 +54,15 @@ KNOWN_WRONG = [
                                                                        "pairs = [(r.arrival_time, self.timeout_s) for r in self.waiting]"),)),
     Mutant(3, "delegates: super().should_fire", edits=(("        return should_fire(now, pairs, self.config.max_num_seqs)",
                                                         "        return super().should_fire(now, more_arrivals)"),), expect="reference DynamicScheduler.should_fire"),
-    # task 4: knobs for the SLO
-    Mutant(4, "batches too small: the TTFT promise is missed", edits=(('"max_num_seqs": 32', '"max_num_seqs": 16'),), expect="the SLO is missed"),
-    Mutant(4, "batches too large: the TPOT promise is missed", edits=(('"max_num_seqs": 32', '"max_num_seqs": 128'),), expect="the SLO is missed"),
-    Mutant(4, "knobs in the wrong units (seconds)", edits=(('"max_queue_delay_ms": 0', '"max_queue_delay_s": 0'),), expect="exactly the keys"),
+    # task 4: knobs for the SLO, by search
+    Mutant(4, "hard-coded knobs that fit the seeded trace", code=(
+        "def choose_knobs(simulate, ttft_slo_ms, tpot_slo_ms):\n"
+        "    return {'max_num_seqs': 32, 'max_queue_delay_ms': 0}\n"), expect="a trace drawn now"),
+    Mutant(4, "the TTFT promise ignored: the first size that keeps the TPOT promise", edits=((
+        'if result["p99_tpot_ms"] <= tpot_slo_ms and (best is None or result["p99_ttft_ms"] < best[0]):',
+        'if result["p99_tpot_ms"] <= tpot_slo_ms and best is None:'),), expect="the SLO is missed"),
+    Mutant(4, "knobs in the wrong units (seconds)", edits=(('"max_queue_delay_ms": 0}', '"max_queue_delay_s": 0}'),),
+           expect="exactly the keys"),
 ]
 
 # issue 18: the grader's private reference, the library's method copied, the check's frame
