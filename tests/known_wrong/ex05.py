@@ -40,6 +40,8 @@ KNOWN_WRONG = [
     # task 3: the engine on your allocator
     Mutant(3, "the engine keeps minillm's allocator", edits=(("        kv.allocator = LearnerAllocator(kv.allocator.num_blocks)\n", ""),),
            expect="not your LearnerAllocator"),
+    Mutant(3, "drops the knobs", edits=(("    return LLM(MODEL, scheduler_factory=factory, **knobs)", "    return LLM(MODEL, scheduler_factory=factory)"),),
+           expect="a size drawn now"),
     Mutant(3, "released blocks never come back", edits=(("        if self.ref_counts[block] == 0:\n            heapq.heappush(self.free_blocks, block)",
                                                          "        pass"),)),
     # task 4: the padded slot matrix, vectorised

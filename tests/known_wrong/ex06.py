@@ -33,6 +33,9 @@ KNOWN_WRONG = [
     # task 3: the engine
     Mutant(3, "the engine's own scheduler", edits=(("scheduler_factory=lambda config, kv: LearnerScheduler(config, kv), ", ""),),
            expect="not your LearnerScheduler"),
+    Mutant(3, "hard-coded knobs: the check's own", edits=(("LearnerScheduler(config, kv), **knobs)",
+                                                            "LearnerScheduler(config, kv), **grader.ENGINE_KNOBS)"),),
+           expect="a size drawn now"),
     Mutant(3, "preemptions not counted on the scheduler", edits=(("        self.num_preemptions += 1\n", ""),)),
     # task 4: the whole step with a bulk retraction
     Mutant(4, "admits newcomers in a step that preempted", edits=(("        if not plan.preempted:\n            while self.waiting",
