@@ -406,6 +406,8 @@ def snapshot(prefixes: Iterable[str] = ("minillm",), libraries: bool = True) -> 
     monkeypatch."""
     prefixes = tuple(prefixes)
     state: dict[str, tuple] = _library_state() if libraries else {}
+    if any("minillm.grading.provenance".startswith(prefix) for prefix in prefixes):
+        state["minillm.grading.provenance._GIVEN"] = (id(provenance._GIVEN),)  # what the copy detector skips
     for module_name, module in list(sys.modules.items()):
         if module is None or not module_name.startswith(prefixes):
             continue

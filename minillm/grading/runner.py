@@ -102,11 +102,27 @@ def course_cells(solution: dict, name: str) -> dict[str, Any]:
         elif _GRADED.search(source):
             entry.update(kind="graded", source=source)
         elif _BEGIN.search(source):
-            entry["kind"] = "learner"
+            entry.update(kind="learner", given=given_code(source))
         else:
             entry.update(kind="setup", source=source)
         cells.append(entry)
     return {"exercise": Path(name).name, "cells": cells}
+
+
+_REGION = re.compile(r"^([ \t]*)#[ \t]*BEGIN SOLUTION[ \t]*$.*?^[ \t]*#[ \t]*END SOLUTION[ \t]*$", re.MULTILINE | re.DOTALL)
+
+
+def given_code(source: str) -> str:
+    """A learner cell as every learner gets it: each solution region a bare `raise NotImplementedError`
+    (the exercise's stub without its hint). The copy detector leaves its functions out (provenance.set_given)."""
+    return _REGION.sub(lambda match: f"{match[1]}raise NotImplementedError", source)
+
+
+def given_sources(cells: list[dict[str, Any]]) -> list[str]:
+    """The code of a plan (or a manifest's cells) that is the same for every learner: setup cells and the
+    learner cells' given code."""
+    return [cell["source"] if cell["kind"] == "setup" else cell.get("given", "") for cell in cells
+            if cell["kind"] in ("setup", "learner")]
 
 
 def manifest_for(learner_path: Path, cells_dir: Path | None = None) -> Path:
@@ -153,6 +169,7 @@ def compose(course: Path | dict, learner_path: Path) -> Plan:
                               "where": where})
             else:
                 cells.append({"kind": "learner", "source": _source(mine), "where": where})
+            cells[-1]["given"] = entry.get("given", "")
         else:
             if mine is not None and _source(mine) != entry["source"]:
                 notes.append(f"{where} (given code) differs from the course's; the course's was run")
@@ -172,9 +189,10 @@ def _run_plan(plan: dict, result_file) -> None:
     # Everything the loop needs is bound here, before any learner code runs.
     import importlib
 
-    from minillm.grading import TaskResult, snapshot, tampered, tasks_of
+    from minillm.grading import TaskResult, provenance, snapshot, tampered, tasks_of
 
     dumps, write, flush, monotonic = json.dumps, result_file.write, result_file.flush, time.monotonic
+    provenance.set_given(given_sources(plan["cells"]))  # the exercise's given code is everyone's
     grader = importlib.import_module(plan["grader"])
     checks = tasks_of(grader)
     before = snapshot()
