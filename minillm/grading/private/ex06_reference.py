@@ -11,6 +11,8 @@ learner's answer on purpose: the copy detector compares learner code with them.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 from minillm.request import RequestStatus
 from minillm.scheduler.base import ScheduledBatch
 from minillm.scheduler.continuous import ContinuousScheduler
@@ -41,42 +43,50 @@ class AgingScheduler(ContinuousScheduler):
         self.waiting.push(req)
 
 
+def _retract(scheduler, plan):
+    """Preempt victims until every running request has room for its missing tokens and LOOKAHEAD more
+    (never the last one)."""
+    def shortfall():
+        kv = scheduler.kv
+        return sum(kv.num_blocks_needed(r, r.num_tokens - r.num_computed_tokens + LOOKAHEAD)
+                   for r in scheduler.running) - kv.num_free_blocks
+
+    while len(scheduler.running) > 1 and shortfall() > 0:
+        scheduler._preempt(scheduler._pick_victim(), plan)
+
+
+def _admissions(scheduler, plan, left):
+    """Newcomers from the head of the queue while a seat, the budget and the pool allow."""
+    out = []
+    while scheduler.waiting and len(scheduler.running) < scheduler.config.max_num_seqs and left > 0:
+        head = scheduler.waiting.peek()
+        need = head.num_tokens - head.num_computed_tokens
+        if need > left or not scheduler.kv.allocate(head, need):
+            return out
+        scheduler.waiting.remove(head)
+        plan.admitted.append((head, head.status))
+        head.status = RequestStatus.RUNNING
+        scheduler.running.append(head)
+        out.append((head, need))
+        left -= need
+    return out
+
+
 class RetractScheduler(AgingScheduler):
     """The step with a bulk retraction: room for every running request first, then the plan."""
 
     def schedule(self, now, more_arrivals=True):
-        plan = ScheduledBatch([], [])
-
-        def shortfall():
-            need = sum(self.kv.num_blocks_needed(r, r.num_tokens - r.num_computed_tokens + LOOKAHEAD)
-                       for r in self.running)
-            return need - self.kv.num_free_blocks
-
-        while len(self.running) > 1 and shortfall() > 0:  # the last one runs on what the pool has
-            self._preempt(self._pick_victim(), plan)
-        rows, left = [], self.config.max_num_batched_tokens
-        for req in list(self.running):
-            n = req.num_tokens - req.num_computed_tokens
-            if n > left:
-                break
-            if not self.kv.allocate(req, n):
-                raise RuntimeError("the retraction left too few blocks")
-            rows.append((req, n))
-            left -= n
-        while not plan.preempted and self.waiting and len(self.running) < self.config.max_num_seqs and left > 0:
-            head = self.waiting.peek()
-            n = head.num_tokens - head.num_computed_tokens
-            if n > left or not self.kv.allocate(head, n):
-                break
-            self.waiting.remove(head)
-            plan.admitted.append((head, head.status))
-            head.status = RequestStatus.RUNNING
-            self.running.append(head)
-            rows.append((head, n))
-            left -= n
+        plan, budget = ScheduledBatch([], []), self.config.max_num_batched_tokens
+        _retract(self, plan)
+        wants = [(r, r.num_tokens - r.num_computed_tokens) for r in self.running]
+        rows = [row for row, used in zip(wants, accumulate(n for _, n in wants)) if used <= budget]
+        if not all(self.kv.allocate(r, n) for r, n in rows):
+            raise RuntimeError("the retraction left too few blocks")
+        if not plan.preempted:
+            rows += _admissions(self, plan, budget - sum(n for _, n in rows))
         if not rows:
             return None
-        decode = [row for row in rows if row[1] == 1 and row[0].num_computed_tokens]
-        plan.requests = [r for r, _ in decode] + [r for r, n in rows if (r, n) not in decode]
-        plan.num_new_tokens = [n for _, n in decode] + [n for r, n in rows if (r, n) not in decode]
+        decode = {id(r) for r, n in rows if n == 1 and r.num_computed_tokens}
+        ordered = [row for row in rows if id(row[0]) in decode] + [row for row in rows if id(row[0]) not in decode]
+        plan.requests, plan.num_new_tokens = [r for r, _ in ordered], [n for _, n in ordered]
         return plan

@@ -20,18 +20,18 @@ def salted_hashes(tokens, block_size, salt):
 
 def bucket_lookup(cache, tokens, block_size, salt):
     """The cached blocks a request reuses when `cache` maps a hash to a list of entries
-    (block, parent block, token ids): per block, the entry with this block's tokens and the block
-    reused just before as parent; at least one token is left to compute."""
-    usable = (len(tokens) - 1) // block_size * block_size
-    reused = []
-    for index, name in enumerate(salted_hashes(tokens[:usable], block_size, salt)):
-        want = tuple(tokens[index * block_size : (index + 1) * block_size])
-        parent = reused[-1] if reused else None
-        found = [block for block, above, held in cache.get(name, ()) if tuple(held) == want and above == parent]
-        if not found:
-            break
-        reused.append(found[0])
-    return reused
+    (block, parent block, token ids): per block, the first entry with this block's tokens and the
+    block reused just before as parent; at least one token is left to compute."""
+    names = salted_hashes(tokens, block_size, salt)[: (len(tokens) - 1) // block_size]
+    chunks = [tuple(tokens[k : k + block_size]) for k in range(0, len(names) * block_size, block_size)]
+
+    def walk(index, parent):
+        if index == len(names):
+            return []
+        hits = [block for block, above, held in cache.get(names[index], ()) if (above, tuple(held)) == (parent, chunks[index])]
+        return [hits[0], *walk(index + 1, hits[0])] if hits else []
+
+    return walk(0, None)
 
 
 class Edge:
