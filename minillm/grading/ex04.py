@@ -25,6 +25,7 @@ from minillm.grading import (
     run_until_done,
     task,
 )
+from minillm.grading.plug_in import knobs_reach_the_engine
 from minillm.kv.slab import SlabKVManager
 from minillm.llm import BUNDLED_TARGET
 from minillm.model.config import ModelConfig
@@ -198,15 +199,6 @@ def check_task_3(scheduler_class, num_random: int = 64) -> str:
     return f"{count} seeded traces and {FRESH_SCENARIOS} drawn now, every step's plan as the seat rules say"
 
 
-def _knobs_reach_the_engine(make_llm, yours) -> None:
-    """A second LLM with a batch size drawn now: the knobs reach the engine, and your part is in it."""
-    knobs = dict(ENGINE_KNOBS, max_num_seqs=random.Random(grade_time_seeds(1)[0]).randint(2, 7))
-    other = make_llm(**knobs)
-    if other.engine.config.max_num_seqs != knobs["max_num_seqs"] or not yours(other):
-        raise Fail(f"make_learner_llm(max_num_seqs={knobs['max_num_seqs']}, ...) (a size drawn now) built an engine "
-                   f"with max_num_seqs={other.engine.config.max_num_seqs}: pass every knob on, and plug in your part")
-
-
 PROMPTS = ["Once upon a time", "The little robot", "In the morning the market", "She opened the door and",
            "A long time ago", "The rain fell on", "He looked at the map", "Every evening the old man",
            "The train was late", "Under the bridge", "They walked to the river", "The garden was quiet"]
@@ -229,7 +221,7 @@ def check_task_4(make_llm, scheduler_class) -> list[str]:
         used = type(llm.engine.scheduler).__name__
         if not isinstance(llm.engine.scheduler, scheduler_class):
             raise Fail(f"the engine runs {used}, not your {scheduler_class.__name__}")
-        _knobs_reach_the_engine(make_llm, lambda other: isinstance(other.engine.scheduler, scheduler_class))
+        knobs_reach_the_engine(make_llm, ENGINE_KNOBS, lambda other: isinstance(other.engine.scheduler, scheduler_class))
     ref_tokens, ref_steps, ref_computed = _engine_run(LLM(BUNDLED_TARGET, batching="continuous", **ENGINE_KNOBS))
     with forbid(ContinuousScheduler):
         tokens, steps, computed = _engine_run(llm)

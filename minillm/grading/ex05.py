@@ -29,6 +29,7 @@ from minillm.grading import (
     run_until_done,
     task,
 )
+from minillm.grading.plug_in import knobs_reach_the_engine
 from minillm.kv.block_allocator import BlockAllocator
 from minillm.kv.block_manager import BlockManager
 from minillm.kv.block_table import BlockTableBuffer
@@ -151,15 +152,6 @@ def check_task_2(grow_table, slots_for, num_traces: int = 100) -> str:
     return f"{num_traces} seeded traces and {FRESH_CASES} drawn now: ring tables, new tokens' slots and windows' slots"
 
 
-def _knobs_reach_the_engine(make_llm, yours) -> None:
-    """A second LLM with a batch size drawn now: the knobs reach the engine, and your part is in it."""
-    knobs = dict(ENGINE_KNOBS, max_num_seqs=random.Random(grade_time_seeds(1)[0]).randint(2, 7))
-    other = make_llm(**knobs)
-    if other.engine.config.max_num_seqs != knobs["max_num_seqs"] or not yours(other):
-        raise Fail(f"make_learner_llm(max_num_seqs={knobs['max_num_seqs']}, ...) (a size drawn now) built an engine "
-                   f"with max_num_seqs={other.engine.config.max_num_seqs}: pass every knob on, and plug in your part")
-
-
 PROMPTS = ["Once upon a time", "The little robot", "In the morning the market", "She opened the door and",
            "A long time ago", "The rain fell on", "He looked at the map", "Every evening the old man",
            "The train was late", "Under the bridge", "They walked to the river", "The garden was quiet"]
@@ -192,7 +184,7 @@ def check_task_3(make_llm, allocator_class) -> list[str]:
         used = type(llm.engine.kv.allocator).__name__
         if not isinstance(llm.engine.kv.allocator, allocator_class):
             raise Fail(f"the engine's BlockManager uses {used}, not your {allocator_class.__name__}")
-        _knobs_reach_the_engine(make_llm, lambda other: isinstance(other.engine.kv.allocator, allocator_class))
+        knobs_reach_the_engine(make_llm, ENGINE_KNOBS, lambda other: isinstance(other.engine.kv.allocator, allocator_class))
     ref_tokens, ref_steps, ref_preemptions, _ = _engine_run(LLM(BUNDLED_TARGET, **ENGINE_KNOBS))
     with forbid(*ALLOCATOR_METHODS):
         tokens, steps, preemptions, in_use = _engine_run(llm)

@@ -18,6 +18,7 @@ from minillm.clock import SimClock
 from minillm.config import EngineConfig
 from minillm.engine import build_engine, make_kv_manager
 from minillm.grading import Fail, forbid, grade_time_seeds, private_reference, run_until_done, task
+from minillm.grading.plug_in import knobs_reach_the_engine
 from minillm.llm import BUNDLED_TARGET
 from minillm.model.config import ModelConfig
 from minillm.request import Request, RequestStatus
@@ -135,15 +136,6 @@ def run_plans(make_scheduler, scenario):
     return executor.plans, engine.scheduler.num_preemptions, kv.num_free_blocks
 
 
-def _knobs_reach_the_engine(make_llm, yours) -> None:
-    """A second LLM with a batch size drawn now: the knobs reach the engine, and your part is in it."""
-    knobs = dict(ENGINE_KNOBS, max_num_seqs=random.Random(grade_time_seeds(1)[0]).randint(2, 7))
-    other = make_llm(**knobs)
-    if other.engine.config.max_num_seqs != knobs["max_num_seqs"] or not yours(other):
-        raise Fail(f"make_learner_llm(max_num_seqs={knobs['max_num_seqs']}, ...) (a size drawn now) built an engine "
-                   f"with max_num_seqs={other.engine.config.max_num_seqs}: pass every knob on, and plug in your part")
-
-
 PROMPTS = ["Once upon a time", "The little robot", "In the morning the market", "She opened the door and",
            "A long time ago", "The rain fell on", "He looked at the map", "Every evening the old man",
            "The train was late", "Under the bridge", "They walked to the river", "The garden was quiet"]
@@ -217,7 +209,7 @@ def check_task_3(make_llm, scheduler_class) -> list[str]:
         used = type(llm.engine.scheduler).__name__
         if not isinstance(llm.engine.scheduler, scheduler_class):
             raise Fail(f"the engine runs {used}, not your {scheduler_class.__name__}")
-        _knobs_reach_the_engine(make_llm, lambda other: isinstance(other.engine.scheduler, scheduler_class))
+        knobs_reach_the_engine(make_llm, ENGINE_KNOBS, lambda other: isinstance(other.engine.scheduler, scheduler_class))
     ref_tokens, ref_preemptions, ref_prefill = _engine_run(
         LLM(MODEL, scheduler_factory=lambda config, kv: private.AgingScheduler(config, kv), **ENGINE_KNOBS))
     roomy_tokens, _, _ = _engine_run(LLM(MODEL, **{**ENGINE_KNOBS, "num_kv_blocks": 256}))
