@@ -5,8 +5,9 @@ A learner's notebook only holds the learner's code. Every check lives here, in
 grades what the learner wrote, not what the notebook says about itself:
 
 - it keeps ONLY the learner's cells (the cells that hold a `raise NotImplementedError` stub in the
-  generated exercise, matched by cell id) and takes every other cell from `solutions/`; cells the
-  learner added are dropped, edited helper or graded cells are replaced by the solution's;
+  generated exercise, matched by cell id) and takes every other cell from the exercise's manifest
+  (`minillm/grading/cells/`); cells the learner added are dropped, edited helper or graded cells are
+  replaced by the course's;
 - it runs them in a fresh process with plain `exec`, and where a graded cell stands it calls the
   check function it captured *before* any learner code ran, so a redefined, reloaded or
   monkeypatched checker has no effect; the verdict is the check's return value, never printed text;
@@ -34,7 +35,11 @@ How to add an exercise (ex08, ex09, ex10 are added this way; nothing outside you
    A demo cell that no check needs (a plot, a run on the real model for show) may carry the cell
    tag `grading-skip`: grading does not run it. Execute the solution so the graded cells store
    their `task N (...): PASS` output, then run
-   `.venv/bin/python tools/build_exercises.py` (CI runs `--check`).
+   `.venv/bin/python tools/build_exercises.py` (CI runs `--check`): the exercise opens clean (no
+   output; cells from the first learner cell on tagged `raises-exception`, so Run All shows every
+   task), and the graded outputs go to the grader-private `private/expected/exNN_topic.json`.
+   Put the `def`/`class` line of a learner's function outside its solution region, so that the
+   stub still defines the name the graded cell passes.
    Hints: tiered, in markdown cells, `<details><summary>Hint 1</summary>…</details>` (a nudge),
    then `Hint 2` (stronger); never the solution's code.
 
@@ -65,7 +70,11 @@ How to add an exercise (ex08, ex09, ex10 are added this way; nothing outside you
    the check runs, they cannot be known in advance, and a correct answer passes them all.
    Every check also runs the rules of `minillm.grading.provenance` (the learner's code is the
    learner's; grader helpers are not answers; a check's data is not an input): list in
-   `LEARNER_TOOLS` what the module lends the learner during a check. `check_time_limit_s=` on `@task` bounds a check (default 180 s).
+   `LEARNER_TOOLS` what the module lends the learner during a check. A reference the library does
+   not have goes in a grader-private module, `private_reference("exNN_what")` (docs/grading.md,
+   "Grader-private references"): left out of a student release, compared with learner code at
+   every size. Let a learner's `NotImplementedError` through (or raise `Fail` from inside the
+   `except`): a stub then reads "not written yet". `check_time_limit_s=` on `@task` bounds a check (default 180 s).
 
 3. `tests/known_wrong/exNN.py`: `KNOWN_WRONG = [Mutant(...), ...]` (see tests/known_wrong/__init__.py):
    for every task, a few wrong implementations of the bug classes it is about, written either as
