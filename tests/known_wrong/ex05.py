@@ -12,9 +12,8 @@ KNOWN_WRONG = [
            edits=(("            heapq.heappush(self.free_blocks, block)", "            self.free_blocks.append(block)"),)),
     Mutant(1, "hands out the highest free block", edits=(("block = heapq.heappop(self.free_blocks)",
                                                          "block = max(self.free_blocks)\n        self.free_blocks.remove(block)"),)),
-    Mutant(1, "frees a shared block at the first release", edits=(("        if self.ref_counts[block] == 0:\n            heapq.heappush",
-                                                                    "        if True:\n            heapq.heappush"),)),
-    Mutant(1, "no double-release check", edits=(("        if self.ref_counts[block] <= 0:\n            raise RuntimeError(f\"block {block} released more often than allocated\")\n", ""),)),
+    Mutant(1, "frees a shared block at the first release", edits=(("        if readers == 1:", "        if True:"),)),
+    Mutant(1, "no double-release check", edits=(("        if readers == 0:\n            raise RuntimeError(f\"block {block} released more often than allocated\")\n", ""),)),
     Mutant(1, "delegates to BlockAllocator", code=(
         "from minillm.kv.block_allocator import BlockAllocator\n"
         "class LearnerAllocator(BlockAllocator):\n    pass\n"), expect="inherits from the reference BlockAllocator"),
@@ -42,8 +41,7 @@ KNOWN_WRONG = [
            expect="not your LearnerAllocator"),
     Mutant(3, "drops the knobs", edits=(("    return LLM(MODEL, scheduler_factory=factory, **knobs)", "    return LLM(MODEL, scheduler_factory=factory)"),),
            expect="a size drawn now"),
-    Mutant(3, "released blocks never come back", edits=(("        if self.ref_counts[block] == 0:\n            heapq.heappush(self.free_blocks, block)",
-                                                         "        pass"),)),
+    Mutant(3, "released blocks never come back", edits=(("            heapq.heappush(self.free_blocks, block)", "            pass"),)),
     # task 4: the padded slot matrix, vectorised
     Mutant(4, "a Python loop over rows", code=(
         "def slot_matrix(block_tables, starts, counts, block_size):\n"

@@ -23,9 +23,11 @@ KNOWN_WRONG = [
     Mutant(2, "progress kept (num_computed_tokens not reset)", edits=(("        req.num_computed_tokens = 0\n", ""),), expect="not 0"),
     Mutant(2, "not recorded in the plan", edits=(("        plan.preempted.append(req)\n", ""),), expect="not in plan.preempted"),
     Mutant(2, "left in running", edits=(("        self.running.remove(req)\n", ""),)),
-    Mutant(2, "the chapter's _preempt transcribed: no aging", edits=(("        req.priority -= 1\n", ""),), expect="the rules'"),
+    Mutant(2, "the chapter's _preempt transcribed: no aging", edits=((
+        "        req.priority -= 1  # aging, before the heap reads the priority\n", ""),), expect="the rules'"),
     Mutant(2, "aged after it is back in the queue (the heap read the old priority)", edits=((
-        "        req.priority -= 1\n        self.waiting.push(req)", "        self.waiting.push(req)\n        req.priority -= 1"),),
+        "        req.priority -= 1  # aging, before the heap reads the priority\n        self.waiting.push(req)",
+        "        self.waiting.push(req)\n        req.priority -= 1"),),
         expect="the rules'"),
     Mutant(2, "delegates: super()._preempt", code=(
         "def _preempt(self, req, plan):\n    super(LearnerScheduler, self)._preempt(req, plan)\n"
