@@ -50,6 +50,8 @@ def _outcome(call, *args):
     # What an operation did: its result, or the kind of error it raised.
     try:
         return ("ok", call(*args))
+    except NotImplementedError:
+        raise  # a stub: the task is not written yet
     except Exception as error:  # minillm raises RuntimeError; anything else is a difference
         return (type(error).__name__, None)
 
