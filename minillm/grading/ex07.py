@@ -125,39 +125,6 @@ def _crafted_cases():
     ]
 
 
-def _random_buckets(rng):
-    """A bucket cache grown from prompts sharing prefixes, under a few salts, with colliding entries
-    (other tokens, or the same tokens after another parent) added to some buckets, first or last."""
-    bs = rng.choice([2, 4, 8])
-    salts = [None, rng.randrange(1, 2**40)]
-    prefixes = [[rng.randrange(6, 40) for _ in range(rng.randint(0, 4 * bs))] for _ in range(3)]
-    cache, next_block, served = {}, 0, []
-    for _ in range(rng.randint(1, 6)):
-        tokens = rng.choice(prefixes) + [rng.randrange(6, 40) for _ in range(rng.randint(1, 3 * bs))]
-        salt, parent = rng.choice(salts), None
-        for i, name in enumerate(private.salted_hashes(tokens, bs, salt)):
-            chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            bucket = cache.setdefault(name, [])
-            known = next((b for b, p, t in bucket if p == parent and t == chunk), None)
-            if known is None:
-                known, next_block = next_block, next_block + 1
-                bucket.append((known, parent, chunk))
-            parent = known
-        served.append((tokens, salt))
-    for bucket in cache.values():
-        if rng.random() < 0.3:
-            block, parent, chunk = bucket[0]
-            fake = (1000 + block, parent, tuple(t + 1 for t in chunk)) if rng.random() < 0.5 else \
-                (2000 + block, 3000 + (parent or 0), chunk)
-            bucket.insert(0, fake) if rng.random() < 0.5 else bucket.append(fake)
-    tokens, salt = rng.choice(served)
-    if rng.random() < 0.5:
-        tokens = tokens + [rng.randrange(6, 40) for _ in range(rng.randint(0, 2 * bs))]
-    if rng.random() < 0.2:
-        salt = rng.choice(salts)  # sometimes another tenant asks
-    return cache, tokens, bs, salt
-
-
 @task(2, "prefix lookup")
 def check_task_2(lookup) -> str:
     cases = 0
@@ -184,7 +151,7 @@ def check_task_2(lookup) -> str:
                        f"BlockManager reuses blocks {want}, your lookup returned {got}")
         cases += 1
     for seed in [*range(50), *grade_time_seeds(FRESH_CASES)]:  # buckets with collisions; the fresh ones are new
-        cache, tokens, bs, salt = _random_buckets(random.Random(seed))
+        cache, tokens, bs, salt = private.random_buckets(random.Random(seed))
         want = private.bucket_lookup(cache, tokens, bs, salt)
         with forbid(*PREFIX_CACHE):
             got = list(lookup({h: list(b) for h, b in cache.items()}, list(tokens), bs, salt))
