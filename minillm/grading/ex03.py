@@ -2,10 +2,10 @@
 who shares a batch, the rule inside minillm's scheduler, and choosing knobs on the simulator to meet
 an SLO.
 
-Everything runs on a simulated clock. The references are minillm's `DynamicScheduler` (and the
-engine) where every request has the same delay, and the grader-private `DeadlineScheduler`
-(`minillm.grading.private.ex03_reference`) for the variant chapter 03 does not show, a longest wait
-per request; all are disabled while the learner's code runs. Task 4 is graded by the simulator: the
+Everything runs on a simulated clock. The references are minillm's `DynamicScheduler` and engine
+(task 1's rule is asked of one scheduler per request), and for task 3, a scheduler with a longest wait
+per request (a variant chapter 03 does not show), the grader-private `DeadlineScheduler`
+(`minillm.grading.private.ex03_reference`); all are disabled while the learner's code runs. Task 4 is graded by the simulator: the
 learner's knobs run Poisson traces through the engine with a Llama-7B on an A100, costed step by step.
 """
 
@@ -44,21 +44,34 @@ SEVEN_B = ModelConfig(model_type="llama", vocab_size=LLAMA_7B.vocab_size, hidden
                       head_dim=LLAMA_7B.head_dim, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=2048)
 
 
+def _library_fires(now, arrivals, max_batch_size, delay_s):
+    """minillm's DynamicScheduler.should_fire on requests that arrived at `arrivals` with one delay."""
+    config = EngineConfig(batching="dynamic", max_num_seqs=max_batch_size, max_queue_delay_ms=delay_s * 1000)
+    scheduler = DynamicScheduler(config, kv=None)
+    for i, t in enumerate(arrivals):
+        scheduler.add_request(Request(str(i), [5], SamplingParams(temperature=0.0), t))
+    return scheduler.should_fire(now, more_arrivals=True)
+
+
+def _exact_in_ms(wait_s: float) -> bool:
+    """The scheduler keeps its delay in ms: a wait that survives the round trip is compared exactly."""
+    return wait_s * 1000 / 1000 == wait_s
+
+
+NEVER_S = 1e9  # a delay no test reaches: the scheduler fires only when full
+
+
 def _reference_should_fire(now, waiting, max_batch_size, max_queue_delay_s=None):
-    """minillm's DynamicScheduler where every waiting request has the same longest wait (one that survives
-    its round trip through milliseconds); the grader-private deadline rule otherwise. `waiting` holds
+    """The deadline rule, asked of minillm's DynamicScheduler alone: full (one scheduler holding every
+    waiting request, with a delay never reached) or some request's own deadline (one scheduler per
+    request, holding it alone, never full, its longest wait as the delay). `waiting` holds
     (arrival, longest wait) pairs, or arrival times when one `max_queue_delay_s` is given (chapter 03's form)."""
     if max_queue_delay_s is not None:
         waiting = [(arrival, max_queue_delay_s) for arrival in waiting]
-    delays = {wait for _, wait in waiting}
-    delay_s = delays.pop() if len(delays) == 1 else None
-    if delay_s is None or delay_s * 1000 / 1000 != delay_s:
-        return private.fires(now, waiting, max_batch_size)
-    config = EngineConfig(batching="dynamic", max_num_seqs=max_batch_size, max_queue_delay_ms=delay_s * 1000)
-    scheduler = DynamicScheduler(config, kv=None)
-    for i, (t, _) in enumerate(waiting):
-        scheduler.add_request(Request(str(i), [5], SamplingParams(temperature=0.0), t))
-    return scheduler.should_fire(now, more_arrivals=True)
+    if not all(_exact_in_ms(wait) for _, wait in waiting):
+        raise ValueError("the check draws only waits that are exact in milliseconds")
+    full = _library_fires(now, [arrival for arrival, _ in waiting], max_batch_size, NEVER_S)
+    return full or any(_library_fires(now, [arrival], 2, wait) for arrival, wait in waiting)
 
 
 class OneUnitPerStep:
@@ -122,6 +135,7 @@ def check_task_1(should_fire) -> str:
         delay = float(rng.choice([0.0, 0.005, 0.01, 0.05, 0.1, 0.25]))
         uniform = rng.random() < 0.4
         waits = [delay if uniform else float(rng.choice([delay, delay / 10, 2 * delay])) for _ in arrivals]
+        waits = [wait if _exact_in_ms(wait) else delay for wait in waits]
         deadlines = [a + w for a, w in zip(arrivals, waits)] or [0.0]
         now = float(rng.choice([min(deadlines), max(deadlines), min(deadlines) * rng.uniform(0.5, 1.5),
                                 max(arrivals, default=0.0)]))

@@ -1,8 +1,8 @@
 """Exercise 05's references (chapter 05: paged KV), private to its grader (see the package docstring).
 
 Variants chapter 05 does not show: an allocator that hands out the lowest-numbered free block
-(task 1), a block table that is a ring of at most `max_blocks` blocks, as sliding-window attention
-needs (task 2), and a whole batch's slots laid out as a padded `[B, max(counts)]` matrix (task 4).
+(task 1) and a block table that is a ring of at most `max_blocks` blocks, as sliding-window attention
+needs (task 2). (Task 4's expected matrix, a loop the task forbids, stays in the grader.)
 Written unlike a learner's answer on purpose: the copy detector compares learner code with them.
 """
 
@@ -46,10 +46,3 @@ def ring_slot(table, position, block_size):
     """The slot of `position` in a ring table: logical block i lives in table[i mod len(table)]."""
     logical, offset = divmod(position, block_size)
     return table[logical % len(table)] * block_size + offset
-
-
-def padded_slots(tables, starts, counts, block_size):
-    """Row i: the slots of positions starts[i] .. starts[i] + counts[i] - 1, then -1 up to max(counts)."""
-    width = max(counts, default=0)
-    return [[(table[(start + j) // block_size] * block_size + (start + j) % block_size) if j < count else -1
-             for j in range(width)] for table, start, count in zip(tables, starts, counts)]
