@@ -143,17 +143,15 @@ def _is_function_code(code: types.CodeType) -> bool:
 
 
 class LibraryIndex:
-    """Every function of minillm's source, by bytecode: `exact` (tokens -> label, functions of at least
-    SMALL_INSTRUCTIONS), `sized` ((size, tokens, label), sorted by size) and `units`: each class (its
-    methods and what they nest) and each module's own functions, as (label, [tokens, ...], total)."""
+    """Every function of minillm's source, by bytecode: `exact` (exact tokens -> label, functions of at
+    least SMALL_INSTRUCTIONS, graders included), `sized` ((size, tokens, label), sorted by size) and
+    `units` (each class, its methods and what they nest, and each module's own functions, as (label,
+    [tokens, ...], total, bag of instructions)); the last two without the grading modules' own code."""
 
     def __init__(self) -> None:
         self.exact: dict[tuple[str, ...], str] = {}
         self.sized: list[tuple[int, tuple[str, ...], str]] = []
         self.units: list[tuple[str, list[tuple[str, ...]], int, Counter]] = []
-
-    def __iter__(self):  # (exact, sized), as callers unpacked it before units existed
-        return iter((self.exact, self.sized))
 
 
 def _unit_of(code: types.CodeType) -> str:
