@@ -22,12 +22,16 @@ from pathlib import Path
 
 import pytest
 
+import minillm.kernels  # noqa: F401  (its kernels/ folder is minillm's source too: the index covers it, as in ex10's grading)
 from minillm.grading import provenance
 from minillm.grading.runner import compose, given_sources
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((REPO_ROOT / "solutions").glob("ex[0-9][0-9]_*.ipynb"))
 MARGIN = 0.05
+# Solutions that are a transcription of code a chapter prints (issue 27), being turned into variants;
+# the lead removes a mark once its exercise passes.
+PENDING = {"ex10_paged_decode": "ex10 task 5's kernel is chapter 10's decode_attention._kernel retyped (91% shared)"}
 _MARKER = re.compile(r"^\s*#\s*(BEGIN|END) SOLUTION\s*$")
 
 
@@ -55,7 +59,8 @@ def lowered(monkeypatch: pytest.MonkeyPatch) -> None:
     provenance._MATCHES.clear()
 
 
-@pytest.mark.parametrize("solution", SOLUTIONS, ids=[s.stem for s in SOLUTIONS])
+@pytest.mark.parametrize("solution", [pytest.param(s, id=s.stem, marks=pytest.mark.xfail(strict=True, reason=PENDING[s.stem]))
+                                      if s.stem in PENDING else pytest.param(s, id=s.stem) for s in SOLUTIONS])
 def test_no_solution_is_near_the_copy_rules(solution: Path, lowered: None) -> None:
     provenance.set_given(given_sources(compose(solution, solution).cells))
     try:

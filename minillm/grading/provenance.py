@@ -72,7 +72,7 @@ from typing import Any
 # a 52-instruction method (rule: 0.92 under 60), 0.75 of a 97-instruction function (rule: 0.85),
 # 0.75 of one found inside an answer (rule: 0.90), 0.58 of a module's functions (rule: 0.80); a
 # hand-retyped copy with a few edits keeps over 0.9 (tests/known_wrong/copies.py).
-SMALL_INSTRUCTIONS = 24  # a function shorter than this is compared only as part of its class or group
+SMALL_INSTRUCTIONS = 30  # a function shorter than this is compared only as part of its class or group
 FUNCTION_SHARE = ((60, 0.85), (SMALL_INSTRUCTIONS, 0.92))  # (from this many instructions, share that is a copy)
 CONTAINED_MIN, CONTAINED_SHARE = 60, 0.90  # a minillm function of >= 60 found in yours, padded up to 2x
 UNIT_MIN, UNIT_SHARE = 40, 0.80  # a class or group of functions: the sum over its functions
@@ -93,12 +93,16 @@ _FAST = {"LOAD_FAST", "STORE_FAST", "DELETE_FAST", "LOAD_FAST_CHECK", "LOAD_FAST
 _SKIP = {"RESUME", "CACHE", "NOP", "EXTENDED_ARG", "PRECALL", "KW_NAMES"}
 _SAME = {"LOAD_METHOD": "LOAD_ATTR"}  # which one a call compiles to depends on how the source was compiled
 _JUMPS = set(dis.hasjrel) | set(dis.hasjabs)
-_TOKENS: dict[int, tuple[types.CodeType, tuple[str, ...]]] = {}  # id(code) -> (code, tokens)
+_TOKENS: dict[tuple[int, bool], tuple[types.CodeType, tuple[str, ...]]] = {}  # (id(code), exact) -> (code, tokens)
 
 
-def tokens(code: types.CodeType) -> tuple[str, ...]:
-    """The instructions of `code`, names left out: what two copies of one function share."""
-    hit = _TOKENS.get(id(code))
+def tokens(code: types.CodeType, exact: bool = False) -> tuple[str, ...]:
+    """The instructions of `code`, names left out: what two copies of one function share.
+
+    Locals other than arguments are all "a local" (adding one near the top would otherwise renumber
+    every local after it and hide a copy); `exact=True` keeps their numbers, for "the same bytecode"."""
+    key = (id(code), exact)
+    hit = _TOKENS.get(key)
     if hit is not None and hit[0] is code:
         return hit[1]
     out = []
@@ -110,9 +114,7 @@ def tokens(code: types.CodeType) -> tuple[str, ...]:
         if ins.opcode in _JUMPS:  # offsets depend on inline caches: the kind of jump is what counts
             arg = ""
         elif op in _FAST:
-            # An argument keeps its position; any other local is just "a local": adding one near the
-            # top would otherwise renumber every local after it and hide a copy.
-            arg: Any = f"a{ins.arg}" if ins.arg is not None and ins.arg < arguments else "local"
+            arg: Any = ins.arg if exact or ins.arg is None or ins.arg < arguments else "local"
         elif op == "LOAD_CONST":
             arg = "<code>" if isinstance(ins.argval, types.CodeType) else repr(ins.argval)[:80]
         elif ins.opcode in dis.hasname:
@@ -125,7 +127,7 @@ def tokens(code: types.CodeType) -> tuple[str, ...]:
     result = tuple(out)
     if len(_TOKENS) > 50_000:
         _TOKENS.clear()
-    _TOKENS[id(code)] = (code, result)
+    _TOKENS[key] = (code, result)
     return result
 
 
@@ -141,17 +143,15 @@ def _is_function_code(code: types.CodeType) -> bool:
 
 
 class LibraryIndex:
-    """Every function of minillm's source, by bytecode: `exact` (tokens -> label, functions of at least
-    SMALL_INSTRUCTIONS), `sized` ((size, tokens, label), sorted by size) and `units`: each class (its
-    methods and what they nest) and each module's own functions, as (label, [tokens, ...], total)."""
+    """Every function of minillm's source, by bytecode: `exact` (exact tokens -> label, functions of at
+    least SMALL_INSTRUCTIONS, graders included), `sized` ((size, tokens, label), sorted by size) and
+    `units` (each class, its methods and what they nest, and each module's own functions, as (label,
+    [tokens, ...], total, bag of instructions)); the last two without the grading modules' own code."""
 
     def __init__(self) -> None:
         self.exact: dict[tuple[str, ...], str] = {}
         self.sized: list[tuple[int, tuple[str, ...], str]] = []
         self.units: list[tuple[str, list[tuple[str, ...]], int, Counter]] = []
-
-    def __iter__(self):  # (exact, sized), as callers unpacked it before units existed
-        return iter((self.exact, self.sized))
 
 
 def _unit_of(code: types.CodeType) -> str:
@@ -184,7 +184,7 @@ def _library_index(roots: tuple[str, ...], stamp: float) -> LibraryIndex:
             if len(toks) < SMALL_INSTRUCTIONS:
                 continue
             label = f"{code.co_qualname} ({relative})"
-            index.exact.setdefault(toks, label)
+            index.exact.setdefault(tokens(code, exact=True), label)
             if not grader:
                 index.sized.append((len(toks), toks, label))
         for name, members in units.items() if not grader else ():
@@ -297,7 +297,7 @@ def _library_match(code: types.CodeType, index: LibraryIndex) -> str | None:
         toks = tokens(inner)
         if len(toks) < SMALL_INSTRUCTIONS or toks in _GIVEN:
             continue
-        label = index.exact.get(toks)
+        label = index.exact.get(tokens(inner, exact=True))
         if label is not None:
             return f"{inner.co_qualname} is minillm's {label}: the same bytecode"
         found = _near_function(toks, index)
