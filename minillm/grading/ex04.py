@@ -38,7 +38,14 @@ from minillm.scheduler.continuous import ContinuousScheduler
 FRESH_CASES = 50  # task 1's cases drawn at grade time, besides the seeded ones
 FRESH_SCENARIOS = 8  # tasks 2 and 3: scenarios drawn at grade time, besides the seeded ones
 LEARNER_TOOLS = ()
-private = private_reference("ex04_reference")  # the seat scheduler: the teacher's
+_TEACHERS = (private_reference("ex04_reference"),)  # the seat scheduler: withheld in a student release
+
+
+def _private():
+    """The grader-private references, loaded at import. Held in a tuple, not as a module global, so
+    that looking the grader's checks up never touches a withheld module."""
+    return _TEACHERS[0]
+
 
 # A small model config for the stand-in runs: the scheduler only reads its context limit.
 TOY_MODEL = ModelConfig(model_type="llama", vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=1,
@@ -105,7 +112,7 @@ def check_task_1(retire, num_cases: int = 200) -> str:
             if req.status.finished:
                 reference.finish(req)  # update_from_output calls finish() for every request that finished
         seats = _seated(mine_running, random.Random(seed))
-        expected = [getattr(r, "request_id", None) for r in private.retired(seats)]
+        expected = [getattr(r, "request_id", None) for r in _private().retired(seats)]
         with forbid(ContinuousScheduler):
             kept = retire(list(seats), mine_kv)
         if not isinstance(kept, list):
@@ -164,7 +171,7 @@ def _compare_plans(make_scheduler, num_random, what):
     scenarios = NAMED_SCENARIOS + [_random_scenario(seed) for seed in range(num_random)]
     scenarios += [_random_scenario(seed) for seed in grade_time_seeds(FRESH_SCENARIOS)]  # cannot be memoised
     for scenario in scenarios:
-        expected = run_plans(private.SeatScheduler, scenario)
+        expected = run_plans(_private().SeatScheduler, scenario)
         with forbid(ContinuousScheduler):
             try:
                 plans = run_plans(make_scheduler, scenario)
@@ -187,7 +194,7 @@ def check_task_2(scheduler_class, num_random: int = 64) -> str:
     refuse_subclass(scheduler_class, ContinuousScheduler)
     if "admit" not in {name for klass in scheduler_class.__mro__ for name in vars(klass)}:
         raise Fail(f"{scheduler_class.__name__} has no admit method")
-    probe = type("YourAdmit", (private.AdmitHarness, scheduler_class), {})  # the harness's step, your admit
+    probe = type("YourAdmit", (_private().AdmitHarness, scheduler_class), {})  # the harness's step, your admit
     count = _compare_plans(probe, num_random, "your admit")
     return f"{count} seeded traces and {FRESH_SCENARIOS} drawn now, every step's admissions as the seat rules say"
 

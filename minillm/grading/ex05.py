@@ -39,7 +39,14 @@ from minillm.llm import BUNDLED_TARGET
 # module raises when learner code calls it while a check runs.
 FRESH_CASES = 20  # cases drawn at grade time, besides the seeded ones (memoised answers fail)
 LEARNER_TOOLS = ("NoLoops",)  # task 4 hands the tensors in as NoLoops
-private = private_reference("ex05_reference")  # the variants' references: the teacher's
+_TEACHERS = (private_reference("ex05_reference"),)  # the variants' references: withheld in a student release
+
+
+def _private():
+    """The grader-private references, loaded at import. Held in a tuple, not as a module global, so
+    that looking the grader's checks up never touches a withheld module."""
+    return _TEACHERS[0]
+
 
 # What the learner writes in task 1: disabled while learner code runs (the engine still builds a
 # BlockAllocator before the factory replaces it, so __init__ stays allowed in task 3).
@@ -67,7 +74,7 @@ def check_task_1(make_allocator, num_sequences: int = 200) -> str:
     for seed in [*range(num_sequences), *grade_time_seeds(FRESH_CASES)]:  # fresh ones cannot be memoised
         rng = random.Random(seed)
         num_blocks = rng.randint(1, 12)
-        ref = private.LowestFirstAllocator(num_blocks)
+        ref = _private().LowestFirstAllocator(num_blocks)
         with forbid(BlockAllocator):
             mine = make_allocator(num_blocks)
         history = []
@@ -123,7 +130,7 @@ def check_task_2(grow_table, slots_for, num_traces: int = 100) -> str:
                 continue
             n = rng.randint(1, window) if start == 0 else rng.choice([1, 1, 1, rng.randint(1, window)])
             ref_table = ref_tables.setdefault(rid, [])
-            extra = max(0, private.ring_length(start + n, block_size, max_blocks) - len(ref_table))
+            extra = max(0, _private().ring_length(start + n, block_size, max_blocks) - len(ref_table))
             expected = extra <= ref.num_free
             ref_table.extend(ref.allocate() for _ in range(extra * expected))
             table = tables.setdefault(rid, [])
@@ -139,9 +146,9 @@ def check_task_2(grow_table, slots_for, num_traces: int = 100) -> str:
                     del tables[rid], ref_tables[rid]
                 continue
             end = start + n
-            ref_slots = [private.ring_slot(table, p, block_size) for p in range(start, end)]
+            ref_slots = [_private().ring_slot(table, p, block_size) for p in range(start, end)]
             first = max(0, end - window)
-            ref_keys = [private.ring_slot(table, p, block_size) for p in range(first, end)]
+            ref_keys = [_private().ring_slot(table, p, block_size) for p in range(first, end)]
             with forbid(BlockManager, BlockTableBuffer):
                 slots = list(slots_for(table, start, n, block_size))
                 keys = list(slots_for(table, first, end - first, block_size))

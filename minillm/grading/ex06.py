@@ -30,7 +30,14 @@ from minillm.scheduler.continuous import ContinuousScheduler
 FRESH_CASES = 50  # task 1's cases drawn at grade time, besides the seeded ones
 FRESH_SCENARIOS = 6  # tasks 2 and 4: traces drawn at grade time, besides the seeded ones
 LEARNER_TOOLS = ()
-private = private_reference("ex06_reference")  # the variants' references: the teacher's
+_TEACHERS = (private_reference("ex06_reference"),)  # the variants' references: withheld in a student release
+
+
+def _private():
+    """The grader-private references, loaded at import. Held in a tuple, not as a module global, so
+    that looking the grader's checks up never touches a withheld module."""
+    return _TEACHERS[0]
+
 
 MODEL = BUNDLED_TARGET
 # What tasks 1-3 write, and what task 4 writes on top: disabled while the learner's code runs.
@@ -156,7 +163,7 @@ def _engine_run(llm):
 def check_task_1(pick_victim, num_cases: int = 300) -> str:
     for seed in [*range(num_cases), *grade_time_seeds(FRESH_CASES)]:  # fresh ones cannot be memoised
         running, policy = _victim_case(seed)
-        expected = private.least_work_victim(list(running), policy).request_id
+        expected = _private().least_work_victim(list(running), policy).request_id
         with forbid(*VICTIM_AND_PREEMPT):
             got = pick_victim(list(running), policy)
         got = getattr(got, "request_id", got)
@@ -197,7 +204,7 @@ def _compare_plans(make_scheduler, disabled, reference, num_cases=60):
 
 @task(2, "preempt by recompute, with aging")
 def check_task_2(make_scheduler, num_cases: int = 60) -> str:
-    count, total = _compare_plans(make_scheduler, VICTIM_AND_PREEMPT, private.AgingScheduler, num_cases)
+    count, total = _compare_plans(make_scheduler, VICTIM_AND_PREEMPT, _private().AgingScheduler, num_cases)
     return (f"{count} seeded traces ({total} preemptions) and {FRESH_SCENARIOS} drawn now, every step's plan "
             "as the least-work victim and aging say")
 
@@ -211,7 +218,7 @@ def check_task_3(make_llm, scheduler_class) -> list[str]:
             raise Fail(f"the engine runs {used}, not your {scheduler_class.__name__}")
         knobs_reach_the_engine(make_llm, ENGINE_KNOBS, lambda other: isinstance(other.engine.scheduler, scheduler_class))
     ref_tokens, ref_preemptions, ref_prefill = _engine_run(
-        LLM(MODEL, scheduler_factory=lambda config, kv: private.AgingScheduler(config, kv), **ENGINE_KNOBS))
+        LLM(MODEL, scheduler_factory=lambda config, kv: _private().AgingScheduler(config, kv), **ENGINE_KNOBS))
     roomy_tokens, _, _ = _engine_run(LLM(MODEL, **{**ENGINE_KNOBS, "num_kv_blocks": 256}))
     with forbid(*VICTIM_AND_PREEMPT):
         _guard(llm.engine.scheduler)
@@ -230,6 +237,6 @@ def check_task_3(make_llm, scheduler_class) -> list[str]:
 def check_task_4(step_scheduler_class, num_cases: int = 60) -> str:
     if "schedule" not in vars(step_scheduler_class):
         raise Fail(f"{step_scheduler_class.__name__} does not define its own schedule()")
-    count, total = _compare_plans(step_scheduler_class, THE_STEP, private.RetractScheduler, num_cases)
+    count, total = _compare_plans(step_scheduler_class, THE_STEP, _private().RetractScheduler, num_cases)
     return (f"{count} seeded traces ({total} preemptions) and {FRESH_SCENARIOS} drawn now, every step of your "
             "schedule() as the retraction rules say")

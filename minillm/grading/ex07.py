@@ -26,7 +26,13 @@ from minillm.workload import LengthDist, make_trace
 FRESH_CASES = 20  # cases drawn at grade time, besides the seeded ones (memoised answers fail)
 LEARNER_TOOLS = ()
 
-private = private_reference("ex07_reference")  # salts, buckets, the radix tree: the teacher's
+_TEACHERS = (private_reference("ex07_reference"),)  # salts, buckets, the radix tree: withheld in a student release
+
+
+def _private():
+    """The grader-private references, loaded at import. Held in a tuple, not as a module global, so
+    that looking the grader's checks up never touches a withheld module."""
+    return _TEACHERS[0]
 MODEL = BUNDLED_TARGET
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 PREFIX_CACHE = (HashChain, BlockManager, RadixTree, RadixNode)
@@ -34,7 +40,7 @@ PREFIX_CACHE = (HashChain, BlockManager, RadixTree, RadixNode)
 
 def _reference_hashes(tokens, block_size, salt=None):
     if salt is not None:
-        return private.salted_hashes(tokens, block_size, salt)
+        return _private().salted_hashes(tokens, block_size, salt)
     chain = HashChain(block_size)  # the library's chain: no salt
     blocks = list(range(len(tokens) // block_size))
     chain.insert(tokens, blocks)
@@ -151,8 +157,8 @@ def check_task_2(lookup) -> str:
                        f"BlockManager reuses blocks {want}, your lookup returned {got}")
         cases += 1
     for seed in [*range(50), *grade_time_seeds(FRESH_CASES)]:  # buckets with collisions; the fresh ones are new
-        cache, tokens, bs, salt = private.random_buckets(random.Random(seed))
-        want = private.bucket_lookup(cache, tokens, bs, salt)
+        cache, tokens, bs, salt = _private().random_buckets(random.Random(seed))
+        want = _private().bucket_lookup(cache, tokens, bs, salt)
         with forbid(*PREFIX_CACHE):
             got = list(lookup({h: list(b) for h, b in cache.items()}, list(tokens), bs, salt))
         if got != want:
@@ -217,7 +223,7 @@ def check_task_4(radix_class, num_sequences: int = 150) -> str:
     operations = 0
     for seed in [*range(num_sequences), *grade_time_seeds(FRESH_CASES)]:  # fresh ones cannot be memoised
         rng = random.Random(700 + seed)
-        ref = private.ReferenceRadix()
+        ref = _private().ReferenceRadix()
         with forbid(*PREFIX_CACHE):
             mine = radix_class()
         history = []
