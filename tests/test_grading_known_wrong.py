@@ -21,6 +21,9 @@ from known_wrong import Mutant, run_task, solution_path, tasks_in  # noqa: E402
 NUMBERS = sorted(p.stem[2:] for p in (TESTS / "known_wrong").glob("ex[0-9][0-9].py"))
 MUTANTS = [(number, mutant) for number in NUMBERS
            for mutant in importlib.import_module(f"known_wrong.ex{number}").KNOWN_WRONG]
+# Near copies of minillm across exercises (tests/known_wrong/copies.py): the copy detector's every size.
+MUTANTS += [(number, mutant) for number, mutant in importlib.import_module("known_wrong.copies").COPIES
+            if number in NUMBERS]
 
 
 def test_every_solution_has_known_wrong_implementations() -> None:
@@ -75,7 +78,9 @@ GRADED = [("10", "def paged_decode_kernel(", "the library's answer under another
            "source re-executed", 5),
           ("09", "def verify(", "never reads q: draws from p and keeps the guess only if the draw equals it", 2),
           ("03", "def should_fire(now", "the grader's helper answers: calls grader._reference_should_fire", 1),
-          ("03", "def should_fire(now", "reads the expected answer from the grader's frame", 1)]
+          ("03", "def should_fire(now", "reads the expected answer from the grader's frame", 1),
+          ("05", "class LearnerAllocator", "the library's answer under another name: BlockAllocator assembled from its "
+           "methods, each a little changed", 1)]
 
 
 @pytest.mark.notebook
@@ -86,7 +91,8 @@ def test_make_grade_fails_each_class(number: str, cell: str, name: str, task: in
 
     from minillm.grading.runner import grade
 
-    mutant = next(m for m in importlib.import_module(f"known_wrong.ex{number}").KNOWN_WRONG
+    copies = [m for n, m in importlib.import_module("known_wrong.copies").COPIES if n == number]
+    mutant = next(m for m in importlib.import_module(f"known_wrong.ex{number}").KNOWN_WRONG + copies
                   if m.name == name and m.task == task)
     solution = solution_path(number)
     notebook = json.loads(solution.read_text(encoding="utf-8"))

@@ -1,13 +1,17 @@
-"""Grader of exercise 03 (chapter 03: dynamic batching): the firing rule, who shares a batch, the
-rule inside minillm's scheduler, and choosing knobs on the simulator to meet an SLO.
+"""Grader of exercise 03 (chapter 03: dynamic batching with a deadline per request): the firing rule,
+who shares a batch, the rule inside minillm's scheduler, and choosing knobs on the simulator to meet
+an SLO.
 
-Everything runs on a simulated clock. The reference is minillm's `DynamicScheduler` (and the
-engine), disabled (`forbid`) while the learner's code runs. Task 4 is graded by the simulator: the
-learner's knobs run a Poisson trace through the engine with a Llama-7B on an A100, costed step by step.
+Everything runs on a simulated clock. The references are minillm's `DynamicScheduler` and engine
+(task 1's rule is asked of one scheduler per request), and for task 3, a scheduler with a longest wait
+per request (a variant chapter 03 does not show), the grader-private `DeadlineScheduler`
+(`minillm.grading.private.ex03_reference`); all are disabled while the learner's code runs. Task 4 is graded by the simulator: the
+learner's knobs run Poisson traces through the engine with a Llama-7B on an A100, costed step by step.
 """
 
 from __future__ import annotations
 
+import functools
 from itertools import groupby
 
 import numpy as np
@@ -16,7 +20,7 @@ from minillm import SamplingParams
 from minillm.clock import SimClock
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine, build_engine, make_kv_manager
-from minillm.grading import Fail, forbid, grade_time_seeds, task
+from minillm.grading import Fail, forbid, grade_time_seeds, private_reference, task
 from minillm.model.config import ModelConfig
 from minillm.request import Request
 from minillm.scheduler.base import ModelRunnerOutput
@@ -29,6 +33,14 @@ from minillm.workload import make_trace
 # module raises when learner code calls it while a check runs.
 FRESH_CASES = 20  # cases drawn at grade time, besides the seeded ones (memoised answers fail)
 LEARNER_TOOLS = {"simulate": (4,)}  # task 4: explore the trace on the simulator
+_TEACHERS = (private_reference("ex03_reference"),)  # the deadline-per-request scheduler: withheld in a student release
+
+
+def _private():
+    """The grader-private references, loaded at import. Held in a tuple, not as a module global, so
+    that looking the grader's checks up never touches a withheld module."""
+    return _TEACHERS[0]
+
 
 FIRING_RULES = ((DynamicScheduler, "should_fire"), (StaticScheduler, "should_fire"))
 
@@ -39,12 +51,34 @@ SEVEN_B = ModelConfig(model_type="llama", vocab_size=LLAMA_7B.vocab_size, hidden
                       head_dim=LLAMA_7B.head_dim, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=2048)
 
 
-def _reference_should_fire(now, waiting_arrival_times, max_batch_size, max_queue_delay_s):
-    config = EngineConfig(batching="dynamic", max_num_seqs=max_batch_size, max_queue_delay_ms=max_queue_delay_s * 1000)
+def _library_fires(now, arrivals, max_batch_size, delay_s):
+    """minillm's DynamicScheduler.should_fire on requests that arrived at `arrivals` with one delay."""
+    config = EngineConfig(batching="dynamic", max_num_seqs=max_batch_size, max_queue_delay_ms=delay_s * 1000)
     scheduler = DynamicScheduler(config, kv=None)
-    for i, t in enumerate(waiting_arrival_times):
+    for i, t in enumerate(arrivals):
         scheduler.add_request(Request(str(i), [5], SamplingParams(temperature=0.0), t))
     return scheduler.should_fire(now, more_arrivals=True)
+
+
+def _exact_in_ms(wait_s: float) -> bool:
+    """The scheduler keeps its delay in ms: a wait that survives the round trip is compared exactly."""
+    return wait_s * 1000 / 1000 == wait_s
+
+
+NEVER_S = 1e9  # a delay no test reaches: the scheduler fires only when full
+
+
+def _reference_should_fire(now, waiting, max_batch_size, max_queue_delay_s=None):
+    """The deadline rule, asked of minillm's DynamicScheduler alone: full (one scheduler holding every
+    waiting request, with a delay never reached) or some request's own deadline (one scheduler per
+    request, holding it alone, never full, its longest wait as the delay). `waiting` holds
+    (arrival, longest wait) pairs, or arrival times when one `max_queue_delay_s` is given (chapter 03's form)."""
+    if max_queue_delay_s is not None:
+        waiting = [(arrival, max_queue_delay_s) for arrival in waiting]
+    if not all(_exact_in_ms(wait) for _, wait in waiting):
+        raise ValueError("the check draws only waits that are exact in milliseconds")
+    full = _library_fires(now, [arrival for arrival, _ in waiting], max_batch_size, NEVER_S)
+    return full or any(_library_fires(now, [arrival], 2, wait) for arrival, wait in waiting)
 
 
 class OneUnitPerStep:
@@ -57,7 +91,7 @@ class OneUnitPerStep:
         return 1.0
 
 
-def run_engine(scheduler_class, executor, requests, max_batch_size, max_queue_delay_s):
+def run_engine(scheduler_class, executor, requests, max_batch_size, max_queue_delay_s, priorities=None):
     # requests: (arrival_time, prompt_len, max_tokens) tuples. Returns the engine once all finished.
     config = EngineConfig(batching="dynamic", max_num_seqs=max_batch_size,
                           max_queue_delay_ms=max_queue_delay_s * 1000, max_model_len=2048)
@@ -68,7 +102,8 @@ def run_engine(scheduler_class, executor, requests, max_batch_size, max_queue_de
     for i, (arrival, prompt_len, max_tokens) in enumerate(requests):
         engine.add_request({"prompt_token_ids": [5] * prompt_len},
                            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                           request_id=str(i), arrival_time=float(arrival))
+                           request_id=str(i), arrival_time=float(arrival),
+                           priority=priorities[i] if priorities else 0)
     while engine.has_unfinished():
         steps_before, now = engine.num_steps, engine.clock.now()
         engine.step()
@@ -88,13 +123,16 @@ def batches_of(engine):
 @task(1, "firing rule")
 def check_task_1(should_fire) -> str:
     cases = [
-        (1.0, [], 4, 0.1),  # nobody waits
-        (0.0, [0.0], 1, 0.5),  # a batch of one is full at once
-        (0.30, [0.25, 0.26, 0.28], 3, 1.0),  # full before the delay
-        (0.30, [0.25, 0.26], 3, 0.1),  # not full, the oldest waited 0.05 s of 0.1 s
-        (0.7 + 0.1, [0.7, 0.75], 4, 0.1),  # exactly oldest + delay: the engine's timer wakes here
-        (0.5, [0.5], 4, 0.0),  # no delay at all
-        (2.0, [0.1, 0.2, 0.3, 0.4, 0.5], 4, 5.0),  # more than a full batch waits
+        (1.0, [], 4),  # nobody waits
+        (0.0, [(0.0, 0.5)], 1),  # a batch of one is full at once
+        (0.30, [(0.25, 1.0), (0.26, 1.0), (0.28, 1.0)], 3),  # full before any deadline
+        (0.30, [(0.25, 0.1), (0.26, 0.1)], 3),  # not full, the oldest waited 0.05 s of 0.1 s
+        (0.7 + 0.1, [(0.7, 0.1), (0.75, 0.1)], 4),  # exactly oldest + delay: the engine's timer wakes here
+        (0.5, [(0.5, 0.0)], 4),  # no delay at all
+        (2.0, [(0.1, 5.0), (0.2, 5.0), (0.3, 5.0), (0.4, 5.0), (0.5, 5.0)], 4),  # more than a full batch waits
+        (0.30, [(0.10, 0.5), (0.25, 0.05)], 4),  # a younger request's deadline (0.30) comes first
+        (0.29, [(0.10, 0.5), (0.25, 0.05)], 4),  # ... but not yet
+        (0.2 + 0.1, [(0.0, 1.0), (0.2, 0.1)], 4),  # exactly a younger request's deadline
     ]
     rng = np.random.default_rng(7)
     for number in range(300 + FRESH_CASES):
@@ -102,17 +140,21 @@ def check_task_1(should_fire) -> str:
             rng = np.random.default_rng(grade_time_seeds(1)[0])
         arrivals = np.sort(rng.uniform(0, 1, size=rng.integers(0, 7))).tolist()
         delay = float(rng.choice([0.0, 0.005, 0.01, 0.05, 0.1, 0.25]))
-        oldest = arrivals[0] if arrivals else 0.0
-        now = float(rng.choice([oldest + delay, oldest + delay * rng.uniform(0, 2), max(arrivals, default=0.0)]))
-        cases.append((max(now, max(arrivals, default=0.0)), arrivals, int(rng.integers(1, 6)), delay))
-    for now, arrivals, size, delay in cases:
-        want = _reference_should_fire(now, arrivals, size, delay)
+        uniform = rng.random() < 0.4
+        waits = [delay if uniform else float(rng.choice([delay, delay / 10, 2 * delay])) for _ in arrivals]
+        waits = [wait if _exact_in_ms(wait) else delay for wait in waits]
+        deadlines = [a + w for a, w in zip(arrivals, waits)] or [0.0]
+        now = float(rng.choice([min(deadlines), max(deadlines), min(deadlines) * rng.uniform(0.5, 1.5),
+                                max(arrivals, default=0.0)]))
+        cases.append((max(now, max(arrivals, default=0.0)), list(zip(arrivals, waits)), int(rng.integers(1, 6))))
+    for now, waiting, size in cases:
+        want = _reference_should_fire(now, waiting, size)
         with forbid(*FIRING_RULES):
-            got = bool(should_fire(now, list(arrivals), size, delay))
+            got = bool(should_fire(now, [tuple(pair) for pair in waiting], size))
         if got != want:
-            raise Fail(f"now={now!r}, waiting since {arrivals}, max_batch_size={size}, delay={delay} s: "
+            raise Fail(f"now={now!r}, waiting (arrival, longest wait) {waiting}, max_batch_size={size}: "
                        f"you said {got}, expected {want}")
-    return f"{len(cases) - FRESH_CASES} cases agree with DynamicScheduler.should_fire"  # the seeded ones
+    return f"{len(cases) - FRESH_CASES} seeded cases and {FRESH_CASES} drawn now agree with the rule"  # counts the seeded ones
 
 
 def _engine_batches(arrival_times, durations, max_batch_size, max_queue_delay):
@@ -132,7 +174,9 @@ def check_task_2(dynamic_batches) -> str:
         ([5, 9], [1, 1], 1, 7),  # a batch of one is always full
     ]
     rng = np.random.default_rng(8)
-    for _ in range(40):
+    for number in range(40 + FRESH_CASES // 4):
+        if number == 40:  # then cases drawn at grade time: they cannot be memoised
+            rng = np.random.default_rng(grade_time_seeds(1)[0])
         n = int(rng.integers(1, 25))
         arrivals = np.cumsum(rng.integers(0, 6, size=n)).tolist()
         cases.append((arrivals, rng.integers(1, 20, size=n).tolist(), int(rng.integers(1, 7)), int(rng.integers(0, 9))))
@@ -144,7 +188,8 @@ def check_task_2(dynamic_batches) -> str:
         if got != want:
             raise Fail(f"arrivals {arrivals}, durations {durations}, max_batch_size {max_batch_size}, delay {delay}: "
                        f"you formed {got}, the engine {want}")
-    return f"{len(cases)} cases: the same batches, at the same times, as minillm's engine"
+    return (f"{len(cases) - FRESH_CASES // 4} seeded cases and {FRESH_CASES // 4} drawn now: the same batches, at the "
+            "same times, as minillm's engine")
 
 
 TRACE = dict(num_requests=200, seed=11, vocab_size=32000, rate_per_s=4, prompt_len=("lognormal", 256, 0.8),
@@ -155,24 +200,42 @@ def _token_times(engine, n):
     return [engine.metrics.requests[str(i)].token_times for i in range(n)]
 
 
+def _priorities(seed, n):
+    """Which requests are interactive (priority 0: a tenth of the delay) and which are not (1)."""
+    rng = np.random.default_rng(seed)
+    return [int(p) for p in rng.choice([0, 1], size=n, p=[0.3, 0.7])]
+
+
 @task(3, "your rule in the real scheduler")
 def check_task_3(scheduler_class) -> list[str]:
-    if "should_fire" not in vars(scheduler_class):
-        raise Fail(f"{scheduler_class.__name__} does not override should_fire")
+    missing = [name for name in ("should_fire", "next_wakeup") if name not in vars(scheduler_class)]
+    if missing:
+        raise Fail(f"{scheduler_class.__name__} does not override {' and '.join(missing)}")
     requests = [(r.arrival_time_s, r.prompt_len, r.max_tokens) for r in make_trace(**TRACE)]
+    runs = [(delay_s, requests, _priorities(13, len(requests)), True) for delay_s in (0.05, 0.5, 2.0)]
+    fresh = grade_time_seeds(1)[0]  # a trace and its priorities drawn now: they cannot be answered in advance
+    fresh_requests = [(r.arrival_time_s, r.prompt_len, r.max_tokens) for r in make_trace(**dict(TRACE, seed=fresh))]
+    runs.append((0.5, fresh_requests, _priorities(fresh, len(fresh_requests)), False))
     lines = []
-    for delay_s in (0.0, 0.05, 2.0):
-        ref = run_engine(DynamicScheduler, SimExecutor(A100_80GB, LLAMA_7B, token_id=7), requests, 8, delay_s)
+    for delay_s, trace, priorities, seeded in runs:
+        ref = run_engine(_private().DeadlineScheduler, SimExecutor(A100_80GB, LLAMA_7B, token_id=7), trace, 8, delay_s,
+                         priorities)
         with forbid(*FIRING_RULES):
-            mine = run_engine(scheduler_class, SimExecutor(A100_80GB, LLAMA_7B, token_id=7), requests, 8, delay_s)
-        if batches_of(mine) != batches_of(ref) or _token_times(mine, len(requests)) != _token_times(ref, len(requests)):
-            raise Fail(f"delay {delay_s * 1e3:.0f} ms: your scheduler's batches or token times differ from "
-                       f"DynamicScheduler's ({len(batches_of(mine))} batches vs {len(batches_of(ref))})")
-        batches, summary = batches_of(mine), mine.metrics.summary()
-        lines.append(f"delay {delay_s * 1e3:4.0f} ms: {len(batches)} batches of {len(requests) / len(batches):.1f} "
-                     f"requests on average, {mine.num_steps} steps, mean TTFT {summary.ttft.mean_ms:.0f} ms, "
-                     f"p99 TTFT {summary.ttft.percentiles_ms[99]:.0f} ms")
-    return lines
+            mine = run_engine(scheduler_class, SimExecutor(A100_80GB, LLAMA_7B, token_id=7), trace, 8, delay_s,
+                              priorities)
+        if batches_of(mine) != batches_of(ref) or _token_times(mine, len(trace)) != _token_times(ref, len(trace)):
+            first = next((i for i, (a, b) in enumerate(zip(batches_of(mine), batches_of(ref))) if a != b), None)
+            raise Fail(f"{'seeded trace' if seeded else 'trace drawn now'}, delay {delay_s * 1e3:.0f} ms: your "
+                       f"scheduler's batches or token times differ from the deadline rule's "
+                       f"({len(batches_of(mine))} batches vs {len(batches_of(ref))}; first different batch: "
+                       f"{first}, yours {batches_of(mine)[first] if first is not None else None}, expected "
+                       f"{batches_of(ref)[first] if first is not None else None})")
+        if seeded:
+            batches, summary = batches_of(mine), mine.metrics.summary()
+            lines.append(f"delay {delay_s * 1e3:4.0f} ms: {len(batches)} batches of {len(trace) / len(batches):.1f} "
+                         f"requests on average, mean TTFT {summary.ttft.mean_ms:.0f} ms, "
+                         f"p99 TTFT {summary.ttft.percentiles_ms[99]:.0f} ms")
+    return lines + ["and a trace drawn now, with its own priorities: the same batches and token times"]
 
 
 # --- task 4: knobs for an SLO ---------------------------------------------------------------------
@@ -182,10 +245,11 @@ SLO_P99_TTFT_MS = 8000.0
 SLO_P99_TPOT_MS = 16.0
 
 
-def simulate(max_num_seqs: int, max_queue_delay_ms: float) -> dict[str, float]:
-    """Task 4's trace (200 requests, Poisson at 10/s) through the dynamic batcher on the simulated
-    7B/A100: p99 TTFT and TPOT in ms, output tokens per second, number of batches."""
-    requests = [(r.arrival_time_s, r.prompt_len, r.max_tokens) for r in make_trace(**SLO_TRACE)]
+def simulate(max_num_seqs: int, max_queue_delay_ms: float, trace: dict | None = None) -> dict[str, float]:
+    """Task 4's trace (200 requests, Poisson at 10/s; `trace` another spec of make_trace) through the
+    dynamic batcher on the simulated 7B/A100: p99 TTFT and TPOT in ms, output tokens per second,
+    number of batches."""
+    requests = [(r.arrival_time_s, r.prompt_len, r.max_tokens) for r in make_trace(**(trace or SLO_TRACE))]
     engine = run_engine(DynamicScheduler, SimExecutor(A100_80GB, LLAMA_7B, token_id=7), requests,
                         max_num_seqs, max_queue_delay_ms / 1000)
     summary = engine.metrics.summary()
@@ -193,21 +257,44 @@ def simulate(max_num_seqs: int, max_queue_delay_ms: float) -> dict[str, float]:
             "output_tokens_per_s": summary.output_throughput, "batches": len(batches_of(engine))}
 
 
-@task(4, "knobs that meet the SLO")
-def check_task_4(choose_knobs) -> list[str]:
-    knobs = choose_knobs()
+# Traces drawn at grade time: one with a tight TPOT promise (small batches), one with a loose one.
+FRESH_TPOT_SLOS_MS = (12.0, 24.0)
+FRESH_GRID = (4, 8, 16, 32, 64, 128)  # the sizes the grader tries to set a reachable TTFT promise
+FRESH_TTFT_SLACK = 1.1  # the TTFT promise: 10 % above the best the grid reaches within the TPOT promise
+
+
+def _knobs_of(choose_knobs, simulate_trace, ttft_slo_ms, tpot_slo_ms, where):
+    knobs = choose_knobs(simulate_trace, ttft_slo_ms, tpot_slo_ms)
     if not isinstance(knobs, dict) or set(knobs) != {"max_num_seqs", "max_queue_delay_ms"}:
-        raise Fail(f"choose_knobs() returns a dict with exactly the keys max_num_seqs and max_queue_delay_ms, "
+        raise Fail(f"{where}: choose_knobs returns a dict with exactly the keys max_num_seqs and max_queue_delay_ms, "
                    f"not {knobs!r}")
     size, delay = knobs["max_num_seqs"], knobs["max_queue_delay_ms"]
     if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= 256:
-        raise Fail(f"max_num_seqs is an int from 1 to 256, not {size!r}")
+        raise Fail(f"{where}: max_num_seqs is an int from 1 to 256, not {size!r}")
     if not isinstance(delay, (int, float)) or isinstance(delay, bool) or not 0 <= delay <= 60_000:
-        raise Fail(f"max_queue_delay_ms is a number of ms from 0 to 60000, not {delay!r}")
-    result = simulate(size, float(delay))
-    line = (f"max_num_seqs={size}, max_queue_delay_ms={delay}: p99 TTFT {result['p99_ttft_ms']:.0f} ms "
+        raise Fail(f"{where}: max_queue_delay_ms is a number of ms from 0 to 60000, not {delay!r}")
+    return size, float(delay)
+
+
+@task(4, "knobs that meet the SLO")
+def check_task_4(choose_knobs) -> list[str]:
+    size, delay = _knobs_of(choose_knobs, simulate, SLO_P99_TTFT_MS, SLO_P99_TPOT_MS, "the seeded trace")
+    result = simulate(size, delay)
+    line = (f"max_num_seqs={size}, max_queue_delay_ms={delay:g}: p99 TTFT {result['p99_ttft_ms']:.0f} ms "
             f"(SLO {SLO_P99_TTFT_MS:.0f}), p99 TPOT {result['p99_tpot_ms']:.1f} ms (SLO {SLO_P99_TPOT_MS:.0f}), "
             f"{result['output_tokens_per_s']:.0f} output tokens/s, {result['batches']} batches")
     if result["p99_ttft_ms"] > SLO_P99_TTFT_MS or result["p99_tpot_ms"] > SLO_P99_TPOT_MS:
-        raise Fail(f"the SLO is missed: {line}")
-    return [line]
+        raise Fail(f"the SLO is missed on the seeded trace: {line}")
+    for tpot_slo, seed in zip(FRESH_TPOT_SLOS_MS, grade_time_seeds(len(FRESH_TPOT_SLOS_MS))):
+        spec = dict(SLO_TRACE, seed=seed, num_requests=120)  # drawn now: its best knobs are not known in advance
+        grid = [simulate(n, 0, spec) for n in FRESH_GRID]
+        best_ttft, best_size = min((r["p99_ttft_ms"], n) for n, r in zip(FRESH_GRID, grid) if r["p99_tpot_ms"] <= tpot_slo)
+        ttft_slo = FRESH_TTFT_SLACK * best_ttft
+        where = f"a trace drawn now (seed {seed}; SLO p99 TTFT {ttft_slo:.0f} ms, p99 TPOT {tpot_slo:.0f} ms)"
+        size, delay = _knobs_of(choose_knobs, functools.partial(simulate, trace=spec), ttft_slo, tpot_slo, where)
+        got = simulate(size, delay, spec)
+        if got["p99_ttft_ms"] > ttft_slo or got["p99_tpot_ms"] > tpot_slo:
+            raise Fail(f"{where}: your knobs max_num_seqs={size}, max_queue_delay_ms={delay:g} give p99 TTFT "
+                       f"{got['p99_ttft_ms']:.0f} ms and p99 TPOT {got['p99_tpot_ms']:.1f} ms: the SLO is missed "
+                       f"(max_num_seqs={best_size} with no delay meets it)")
+    return [line, f"and {len(FRESH_TPOT_SLOS_MS)} traces drawn now, each with its own SLO: met"]

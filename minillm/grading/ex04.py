@@ -1,31 +1,51 @@
-"""Grader of exercise 04 (chapter 04: continuous batching): retire, admit, the whole step, the engine.
+"""Grader of exercise 04 (chapter 04: continuous batching with fixed seats): retire, admit, the whole
+step, the engine.
 
 Tasks 1–3 need no model: a stand-in executor emits token 7 for every row that needs a token and
-each step takes 1 ms of simulated time, so only the scheduling is exercised. The reference is
-minillm's `ContinuousScheduler`, disabled (`forbid`) while the learner's code runs.
+each step takes 1 ms of simulated time, so only the scheduling is exercised. The exercise's scheduler
+keeps fixed seats (a variant chapter 04 does not show); its reference, `SeatScheduler`, is
+grader-private (`minillm.grading.private.ex04_reference`), and minillm's `ContinuousScheduler` checks
+the KV side of task 1 and the real engine of task 4. Both are disabled while the learner's code runs.
 """
 
 from __future__ import annotations
 
 import random
-from collections import deque
 
 from minillm import LLM, SamplingParams
 from minillm.clock import SimClock
 from minillm.config import EngineConfig
 from minillm.engine import build_engine
-from minillm.grading import Fail, forbid, grade_time_seeds, refuse_subclass, run_until_done, task
+from minillm.grading import (
+    Fail,
+    forbid,
+    grade_time_seeds,
+    private_reference,
+    refuse_subclass,
+    run_until_done,
+    task,
+)
+from minillm.grading.plug_in import knobs_reach_the_engine
 from minillm.kv.slab import SlabKVManager
 from minillm.llm import BUNDLED_TARGET
 from minillm.model.config import ModelConfig
 from minillm.request import Request, RequestStatus
-from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch, SchedulerBase
+from minillm.scheduler.base import ModelRunnerOutput
 from minillm.scheduler.continuous import ContinuousScheduler
 
 # Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
 # module raises when learner code calls it while a check runs.
 FRESH_CASES = 50  # task 1's cases drawn at grade time, besides the seeded ones
-LEARNER_TOOLS = {"AdmitHarness": (2,)}  # task 2 runs your admit inside it (task 3 does not lend it)
+FRESH_SCENARIOS = 8  # tasks 2 and 3: scenarios drawn at grade time, besides the seeded ones
+LEARNER_TOOLS = ()
+_TEACHERS = (private_reference("ex04_reference"),)  # the seat scheduler: withheld in a student release
+
+
+def _private():
+    """The grader-private references, loaded at import. Held in a tuple, not as a module global, so
+    that looking the grader's checks up never touches a withheld module."""
+    return _TEACHERS[0]
+
 
 # A small model config for the stand-in runs: the scheduler only reads its context limit.
 TOY_MODEL = ModelConfig(model_type="llama", vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=1,
@@ -73,6 +93,14 @@ def _retire_case(seed):
     return running, kv
 
 
+def _seated(running, rng):
+    """The running requests placed in seats (some empty), as the learner's scheduler holds them."""
+    seats = [None] * (len(running) + rng.randint(0, 3))
+    for req, seat in zip(running, sorted(rng.sample(range(len(seats)), len(running)))):
+        seats[seat] = req
+    return seats
+
+
 @task(1, "retire")
 def check_task_1(retire, num_cases: int = 200) -> str:
     for seed in [*range(num_cases), *grade_time_seeds(FRESH_CASES)]:  # fresh ones cannot be memoised
@@ -83,18 +111,22 @@ def check_task_1(retire, num_cases: int = 200) -> str:
         for req in ref_running:
             if req.status.finished:
                 reference.finish(req)  # update_from_output calls finish() for every request that finished
-        expected = [r.request_id for r in reference.running]
+        seats = _seated(mine_running, random.Random(seed))
+        expected = [getattr(r, "request_id", None) for r in _private().retired(seats)]
         with forbid(ContinuousScheduler):
-            kept = retire(list(mine_running), mine_kv)
+            kept = retire(list(seats), mine_kv)
         if not isinstance(kept, list):
-            raise Fail(f"case {seed}: retire returned {type(kept).__name__}, not the list of requests still running")
+            raise Fail(f"case {seed}: retire returned {type(kept).__name__}, not the list of seats")
         got = [getattr(r, "request_id", r) for r in kept]
         if got != expected:
-            raise Fail(f"case {seed}: kept {got}, expected {expected} (unfinished requests, in their order)")
+            raise Fail(f"case {seed}: seats before {[getattr(r, 'request_id', None) for r in seats]} "
+                       f"(finished: {[r.request_id for r in seats if r is not None and r.status.finished]}); "
+                       f"you left {got}, expected {expected} (a finished request's seat empty, every other "
+                       "request in its own seat)")
         if mine_kv.slab_of != ref_kv.slab_of or sorted(mine_kv.free_slabs) != sorted(ref_kv.free_slabs):
             raise Fail(f"case {seed}: KV slabs held afterwards {sorted(mine_kv.slab_of)}, expected "
                        f"{sorted(ref_kv.slab_of)}: free every finished request's slab, and only theirs")
-    return f"{num_cases} seeded batches agree with ContinuousScheduler.finish"
+    return f"{num_cases} seeded batches and {FRESH_CASES} drawn now: seats emptied, slabs freed as by ContinuousScheduler.finish"
 
 
 # Named scenarios first (each stresses one rule), then random ones. A scenario is
@@ -137,8 +169,9 @@ def run_plans(make_scheduler, scenario):
 
 def _compare_plans(make_scheduler, num_random, what):
     scenarios = NAMED_SCENARIOS + [_random_scenario(seed) for seed in range(num_random)]
+    scenarios += [_random_scenario(seed) for seed in grade_time_seeds(FRESH_SCENARIOS)]  # cannot be memoised
     for scenario in scenarios:
-        expected = run_plans(ContinuousScheduler, scenario)
+        expected = run_plans(_private().SeatScheduler, scenario)
         with forbid(ContinuousScheduler):
             try:
                 plans = run_plans(make_scheduler, scenario)
@@ -150,65 +183,10 @@ def _compare_plans(make_scheduler, num_random, what):
         for step, (mine, ref) in enumerate(zip(plans + [None] * len(expected), expected)):
             if mine != ref:
                 raise Fail(f"{scenario[0]} ({limits}), step {step}: {what} planned {mine}, "
-                           f"ContinuousScheduler {ref} (request ids, new tokens, statuses, admitted)")
+                           f"the seat rules plan {ref} (request ids, new tokens, statuses, admitted)")
         if len(plans) != len(expected):
-            raise Fail(f"{scenario[0]}: {len(plans)} steps, ContinuousScheduler took {len(expected)}")
-    return len(scenarios)
-
-
-class AdmitHarness(SchedulerBase):
-    """A continuous scheduler that is the course's in everything but `admit`: task 2 grades the
-    learner's `admit` alone, before the learner's own `schedule` exists."""
-
-    def __init__(self, config, kv):
-        self.config, self.kv = config, kv
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-
-    def add_request(self, request):
-        self.waiting.append(request)
-
-    @property
-    def num_waiting(self):
-        return len(self.waiting)
-
-    @property
-    def num_running(self):
-        return len(self.running)
-
-    def next_wakeup(self, now):
-        return None
-
-    def has_request(self, request_id):
-        return any(r.request_id == request_id for r in (*self.waiting, *self.running))
-
-    def finish(self, request):
-        for req in [r for r in self.running if r.status.finished]:
-            self.kv.free(req)
-        self.running = [r for r in self.running if not r.status.finished]
-
-    def rollback(self, plan):
-        raise RuntimeError("the stand-in executor never fails a step")
-
-    def abort(self, request_id):
-        return None
-
-    def schedule(self, now, more_arrivals=True):
-        budget, rows = self.config.max_num_batched_tokens, []
-        for req in self.running:
-            n = req.num_tokens - req.num_computed_tokens
-            if n > budget:
-                break
-            self.kv.allocate(req, n)
-            rows.append((req, n))
-            budget -= n
-        admitted = list(self.admit(budget))
-        rows += [(req, n) for req, n in admitted]
-        if not rows:
-            return None
-        rows.sort(key=lambda row: not (row[1] == 1 and row[0].num_computed_tokens))
-        return ScheduledBatch([r for r, _ in rows], [n for _, n in rows],
-                              admitted=[(req, RequestStatus.WAITING) for req, _ in admitted])
+            raise Fail(f"{scenario[0]}: {len(plans)} steps, the seat rules take {len(expected)}")
+    return len(scenarios) - FRESH_SCENARIOS
 
 
 @task(2, "admit")
@@ -216,16 +194,16 @@ def check_task_2(scheduler_class, num_random: int = 64) -> str:
     refuse_subclass(scheduler_class, ContinuousScheduler)
     if "admit" not in {name for klass in scheduler_class.__mro__ for name in vars(klass)}:
         raise Fail(f"{scheduler_class.__name__} has no admit method")
-    probe = type("YourAdmit", (AdmitHarness, scheduler_class), {})  # the harness's step, your admit
+    probe = type("YourAdmit", (_private().AdmitHarness, scheduler_class), {})  # the harness's step, your admit
     count = _compare_plans(probe, num_random, "your admit")
-    return f"{count} seeded traces, every step's admissions identical to ContinuousScheduler's"
+    return f"{count} seeded traces and {FRESH_SCENARIOS} drawn now, every step's admissions as the seat rules say"
 
 
 @task(3, "the whole step")
 def check_task_3(scheduler_class, num_random: int = 64) -> str:
     refuse_subclass(scheduler_class, ContinuousScheduler)
     count = _compare_plans(scheduler_class, num_random, "your schedule")
-    return f"{count} seeded traces, every step's plan identical to ContinuousScheduler's"
+    return f"{count} seeded traces and {FRESH_SCENARIOS} drawn now, every step's plan as the seat rules say"
 
 
 PROMPTS = ["Once upon a time", "The little robot", "In the morning the market", "She opened the door and",
@@ -250,6 +228,7 @@ def check_task_4(make_llm, scheduler_class) -> list[str]:
         used = type(llm.engine.scheduler).__name__
         if not isinstance(llm.engine.scheduler, scheduler_class):
             raise Fail(f"the engine runs {used}, not your {scheduler_class.__name__}")
+        knobs_reach_the_engine(make_llm, ENGINE_KNOBS, lambda other: isinstance(other.engine.scheduler, scheduler_class))
     ref_tokens, ref_steps, ref_computed = _engine_run(LLM(BUNDLED_TARGET, batching="continuous", **ENGINE_KNOBS))
     with forbid(ContinuousScheduler):
         tokens, steps, computed = _engine_run(llm)

@@ -1,29 +1,52 @@
-"""Grader of exercise 05 (chapter 05: paged KV): the allocator, block tables, the engine, vectorised slots.
+"""Grader of exercise 05 (chapter 05: paged KV): a lowest-first allocator, ring block tables, the
+engine, a padded matrix of slots computed with whole-tensor operations.
 
-Tasks 1 and 2 need no model: they replay seeded sequences of operations on the learner's code and
-on minillm's (`BlockAllocator`, `BlockManager`) and compare the state after every operation. The
-reference is disabled (`forbid`) while the learner's code runs. Task 4 hands the learner's function
-tensors that refuse element-by-element access (`NoLoops`), so only a vectorised answer passes.
+Tasks 1, 2 and 4 need no model: they replay seeded sequences of operations (and some drawn at grade
+time) on the learner's code and on references of the variants chapter 05 does not show, which are
+grader-private (`minillm.grading.private.ex05_reference`). minillm's `BlockAllocator` and
+`BlockManager` are disabled (`forbid`) while the learner's code runs, and task 3 compares the
+engine with minillm's own. Task 4 hands the learner's function tensors that refuse element-by-element
+access (`NoLoops`), switches off every way out of torch (numpy, lists, storage) during the call, and
+counts the torch operations it dispatches: a bound independent of the batch's size leaves no room for
+a Python loop over rows or tokens.
 """
 
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from minillm import LLM, SamplingParams
-from minillm.grading import Fail, forbid, grade_time_seeds, refuse_subclass, run_until_done, task
+from minillm.grading import (
+    Fail,
+    forbid,
+    grade_time_seeds,
+    private_reference,
+    refuse_subclass,
+    run_until_done,
+    task,
+)
+from minillm.grading.plug_in import knobs_reach_the_engine
 from minillm.kv.block_allocator import BlockAllocator
 from minillm.kv.block_manager import BlockManager
 from minillm.kv.block_table import BlockTableBuffer
 from minillm.llm import BUNDLED_TARGET
-from minillm.request import Request
 
 # Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
 # module raises when learner code calls it while a check runs.
 FRESH_CASES = 20  # cases drawn at grade time, besides the seeded ones (memoised answers fail)
 LEARNER_TOOLS = ("NoLoops",)  # task 4 hands the tensors in as NoLoops
+_TEACHERS = (private_reference("ex05_reference"),)  # the variants' references: withheld in a student release
+
+
+def _private():
+    """The grader-private references, loaded at import. Held in a tuple, not as a module global, so
+    that looking the grader's checks up never touches a withheld module."""
+    return _TEACHERS[0]
+
 
 # What the learner writes in task 1: disabled while learner code runs (the engine still builds a
 # BlockAllocator before the factory replaces it, so __init__ stays allowed in task 3).
@@ -34,12 +57,14 @@ def _outcome(call, *args):
     # What an operation did: its result, or the kind of error it raised.
     try:
         return ("ok", call(*args))
+    except NotImplementedError:
+        raise  # a stub: the task is not written yet
     except Exception as error:  # minillm raises RuntimeError; anything else is a difference
         return (type(error).__name__, None)
 
 
 def _allocator_state(allocator):
-    return list(allocator.free_blocks), list(allocator.ref_counts), allocator.num_free
+    return sorted(allocator.free_blocks), list(allocator.ref_counts), allocator.num_free
 
 
 @task(1, "allocator")
@@ -49,7 +74,7 @@ def check_task_1(make_allocator, num_sequences: int = 200) -> str:
     for seed in [*range(num_sequences), *grade_time_seeds(FRESH_CASES)]:  # fresh ones cannot be memoised
         rng = random.Random(seed)
         num_blocks = rng.randint(1, 12)
-        ref = BlockAllocator(num_blocks)
+        ref = _private().LowestFirstAllocator(num_blocks)
         with forbid(BlockAllocator):
             mine = make_allocator(num_blocks)
         history = []
@@ -74,59 +99,66 @@ def check_task_1(make_allocator, num_sequences: int = 200) -> str:
                     state = _allocator_state(mine)
                 except Exception as error:  # noqa: BLE001
                     state = f"{type(error).__name__}: {error}"
-            if got != expected or state != _allocator_state(ref):
-                free, refs, num_free = _allocator_state(ref)
+            want = (ref.free_ids, list(ref.ref_counts), len(ref.free_ids))
+            if got != expected or state != want:
                 raise Fail(f"seed {seed}, {num_blocks} blocks, after {history[-6:]} (last 6 operations): "
-                           f"yours returned {got}, state {state}; BlockAllocator returned {expected}, "
-                           f"free list {free}, ref counts {refs}, num_free {num_free}")
-    return f"{num_sequences} seeded operation sequences: results, free lists and ref counts agree with BlockAllocator"
+                           f"yours returned {got}, state (free blocks sorted, ref counts, num_free) {state}; "
+                           f"expected {expected}, state {want} (allocate takes the lowest free block)")
+    return (f"{num_sequences} seeded operation sequences and {FRESH_CASES} drawn now: results, free blocks and "
+            "ref counts as the lowest-first rules say")
 
 
 @task(2, "block tables")
 def check_task_2(grow_table, slots_for, num_traces: int = 100) -> str:
-    for seed in range(num_traces):
+    for seed in [*range(num_traces), *grade_time_seeds(FRESH_CASES)]:  # fresh ones cannot be memoised
         rng = random.Random(1000 + seed)
-        block_size, num_blocks = rng.choice([1, 2, 4, 8, 16]), rng.randint(1, 24)
-        ref = BlockManager(1, 1, 8, num_blocks=num_blocks, block_size=block_size, allocate_pool=False, watermark=0.0)
-        allocator = BlockAllocator(num_blocks)  # minillm's allocator under your tables: task 2 checks only them
+        block_size, num_blocks, max_blocks = rng.choice([1, 2, 4, 8]), rng.randint(1, 24), rng.randint(2, 6)
+        window = (max_blocks - 1) * block_size  # the tokens a query reads: always held by the ring
+        mine, ref = BlockAllocator(num_blocks), BlockAllocator(num_blocks)  # the same ids, if the same calls
         tables: dict[str, list[int]] = {}
-        requests = [Request(f"r{i}", [5] * rng.randint(1, 40), SamplingParams(max_tokens=64), 0.0)
-                    for i in range(rng.randint(1, 6))]
+        ref_tables: dict[str, list[int]] = {}
+        computed: dict[str, int] = {}
         for _ in range(rng.randint(1, 30)):
-            req = rng.choice(requests)
-            rid, start = req.request_id, req.num_computed_tokens
+            rid = f"r{rng.randint(0, 4)}"
+            start = computed.get(rid, 0)
             if start and rng.random() < 0.15:  # the request finishes (or is preempted): all its blocks go back
-                ref.free(req)
-                for block in reversed(tables.pop(rid)):
-                    allocator.release(block, keep_cached=False)
-                req.num_computed_tokens = 0
+                for block in reversed(tables.pop(rid, [])):
+                    mine.release(block, keep_cached=False)
+                for block in reversed(ref_tables.pop(rid, [])):
+                    ref.release(block, keep_cached=False)
+                computed.pop(rid)
                 continue
-            n = req.num_prompt_tokens if start == 0 else rng.choice([1, 1, 1, rng.randint(1, 20)])
-            expected = ref.allocate(req, n)
-            ref.commit_step()  # what the engine does once the step has run
+            n = rng.randint(1, window) if start == 0 else rng.choice([1, 1, 1, rng.randint(1, window)])
+            ref_table = ref_tables.setdefault(rid, [])
+            extra = max(0, _private().ring_length(start + n, block_size, max_blocks) - len(ref_table))
+            expected = extra <= ref.num_free
+            ref_table.extend(ref.allocate() for _ in range(extra * expected))
             table = tables.setdefault(rid, [])
-            where = f"seed {seed} (block_size {block_size}, {num_blocks} blocks), request {rid} at {start} + {n} tokens"
+            where = (f"seed {seed} (block_size {block_size}, {num_blocks} blocks, max_blocks {max_blocks}), "
+                     f"request {rid} at {start} + {n} tokens")
             with forbid(BlockManager, BlockTableBuffer):
-                got = grow_table(table, start + n, block_size, allocator)
-            if got != expected or table != ref.block_tables.get(rid, []):
-                raise Fail(f"{where}: grow_table returned {got} and left the table {table}; BlockManager.allocate "
-                           f"returned {expected}, table {ref.block_tables.get(rid, [])}")
-            if not table:
-                del tables[rid]
+                got = grow_table(table, start + n, block_size, max_blocks, mine)
+            if got != expected or table != ref_table:
+                raise Fail(f"{where}: grow_table returned {got} and left the table {table}; expected {expected}, "
+                           f"table {ref_table} (at most max_blocks blocks, or nothing changed)")
             if not expected:
+                if not table:
+                    del tables[rid], ref_tables[rid]
                 continue
-            ref_slots = ref.slot_mapping([req], [n]).tolist()
-            ref_keys = ref.key_index([req], [start + n])[0].tolist()
+            end = start + n
+            ref_slots = [_private().ring_slot(table, p, block_size) for p in range(start, end)]
+            first = max(0, end - window)
+            ref_keys = [_private().ring_slot(table, p, block_size) for p in range(first, end)]
             with forbid(BlockManager, BlockTableBuffer):
                 slots = list(slots_for(table, start, n, block_size))
-                keys = list(slots_for(table, 0, start + n, block_size))
+                keys = list(slots_for(table, first, end - first, block_size))
             if slots != ref_slots:
-                raise Fail(f"{where}: your slots for the new tokens {slots}, BlockManager.slot_mapping {ref_slots}")
+                raise Fail(f"{where}: table {table}: your slots for the new tokens {slots}, expected {ref_slots}")
             if keys != ref_keys:
-                raise Fail(f"{where}: your slots for positions 0..{start + n - 1} {keys}, "
-                           f"BlockManager.key_index {ref_keys}")
-            req.num_computed_tokens = start + n
-    return f"{num_traces} seeded traces: tables, slot mappings and key indices agree with BlockManager"
+                raise Fail(f"{where}: table {table}: your slots for the window, positions {first}..{end - 1}, "
+                           f"{keys}, expected {ref_keys}")
+            computed[rid] = end
+    return f"{num_traces} seeded traces and {FRESH_CASES} drawn now: ring tables, new tokens' slots and windows' slots"
 
 
 PROMPTS = ["Once upon a time", "The little robot", "In the morning the market", "She opened the door and",
@@ -161,6 +193,7 @@ def check_task_3(make_llm, allocator_class) -> list[str]:
         used = type(llm.engine.kv.allocator).__name__
         if not isinstance(llm.engine.kv.allocator, allocator_class):
             raise Fail(f"the engine's BlockManager uses {used}, not your {allocator_class.__name__}")
+        knobs_reach_the_engine(make_llm, ENGINE_KNOBS, lambda other: isinstance(other.engine.kv.allocator, allocator_class))
     ref_tokens, ref_steps, ref_preemptions, _ = _engine_run(LLM(BUNDLED_TARGET, **ENGINE_KNOBS))
     with forbid(*ALLOCATOR_METHODS):
         tokens, steps, preemptions, in_use = _engine_run(llm)
@@ -176,21 +209,29 @@ def check_task_3(make_llm, allocator_class) -> list[str]:
 
 # --- task 4: vectorised -------------------------------------------------------------------------
 
+ELEMENT_WISE = ("__iter__", "tolist", "unbind", "numpy", "__array__", "as_subclass", "untyped_storage", "storage",
+                "data_ptr", "__dlpack__", "__reduce_ex__", "__deepcopy__", "__repr__", "__str__", "__format__")
+MAX_TORCH_OPS = 40  # torch operations one call may dispatch, whatever the batch's size (a vectorised answer: ~15)
+
+
+def _escape(name):
+    return Fail(f"your code takes a tensor apart element by element (Tensor.{name}): task 4 wants whole-tensor "
+                "operations, no numpy, no Python loop over rows or tokens")
+
 
 class NoLoops(torch.Tensor):
     """A tensor that refuses to be taken apart element by element: iterating it, indexing its first
-    dimension with a Python int, or `.tolist()` / `.item()` / `int()` on more than one element raise.
-    Whole-tensor operations (arithmetic, gather, repeat_interleave, cumsum, indexing by tensors)
-    work as usual, and their results are NoLoops too."""
+    dimension with a Python int, `.tolist()`, `.numpy()`, leaving the subclass, or `.item()` / `int()`
+    on more than one element raise. Whole-tensor operations (arithmetic, gather, broadcasting,
+    indexing by tensors) work as usual, and their results are NoLoops too."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name in ("__iter__", "tolist", "unbind") or (name in ("item", "__int__", "__index__", "__float__")
-                                                        and args and args[0].numel() > 1):
-            raise Fail(f"your code takes a tensor apart element by element (Tensor.{name}): "
-                       "task 4 wants whole-tensor operations, no Python loop over rows or tokens")
+        if name in ELEMENT_WISE or (name in ("item", "__int__", "__index__", "__float__")
+                                    and args and args[0].numel() > 1):
+            raise _escape(name)
         if name == "__getitem__" and len(args) > 1:
             index = args[1]
             first = index[0] if isinstance(index, tuple) and index else index
@@ -200,9 +241,43 @@ class NoLoops(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs)
 
 
-def _slots_case(rng: random.Random):
+class _CountOps(TorchDispatchMode):
+    """Counts the torch operations dispatched while active (a Python loop dispatches some per row)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def _no_way_out():
+    """While active, no tensor (of any class) converts to numpy, a list or raw storage."""
+    saved = {name: vars(torch.Tensor).get(name) for name in ELEMENT_WISE if name not in ("as_subclass",)}
+
+    def refuse(name):
+        def refused(*args, **kwargs):
+            raise _escape(name)
+        return refused
+
+    try:
+        for name in saved:
+            setattr(torch.Tensor, name, refuse(name))
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, value)
+
+
+def _slots_case(rng: random.Random, rows: int | None = None):
     block_size = rng.choice([1, 2, 4, 8, 16])
-    rows = rng.randint(1, 12)
+    rows = rows or rng.randint(1, 12)
     width = rng.randint(1, 10)
     tables, starts, counts = [], [], []
     for _ in range(rows):
@@ -217,30 +292,43 @@ def _slots_case(rng: random.Random):
     return tables, starts, counts, block_size
 
 
-def _expected_slots(tables, starts, counts, block_size):
-    return [tables[r][p // block_size] * block_size + p % block_size
-            for r in range(len(tables)) for p in range(starts[r], starts[r] + counts[r])]
+def _expected_matrix(tables, starts, counts, block_size):
+    """Row i: the slots of positions starts[i] .. starts[i] + counts[i] - 1, then -1 up to max(counts).
+    (Element by element: what task 4 must not do, so it is no answer; it runs in a release too.)"""
+    width = max(counts, default=0)
+    return [[(table[(start + j) // block_size] * block_size + (start + j) % block_size) if j < count else -1
+             for j in range(width)] for table, start, count in zip(tables, starts, counts)]
 
 
-@task(4, "vectorised slot mapping")
-def check_task_4(slot_mapping, num_cases: int = 300) -> str:
+@task(4, "padded slot matrix, vectorised")
+def check_task_4(slot_matrix, num_cases: int = 300) -> str:
     rng = random.Random(55)
     cases = [([[3, 7, -1]], [0], [6], 4), ([[5, -1], [2, 9]], [3, 1], [1, 4], 4), ([[0, 1], [4, -1]], [0, 1], [0, 1], 2),
-             ([[9, 8, 7, 6]], [1], [3], 1)]  # a row with nothing new; block_size 1
+             ([[9, 8, 7, 6]], [1], [3], 1), ([[4, -1]], [0], [0], 4)]  # rows with nothing new; block_size 1
     cases += [_slots_case(rng) for _ in range(num_cases)]
+    cases += [_slots_case(rng, rows=48) for _ in range(4)]  # big batches: a loop over rows costs too many ops
     cases += [_slots_case(random.Random(seed)) for seed in grade_time_seeds(FRESH_CASES)]  # cannot be memoised
+    most = 0
     for number, (tables, starts, counts, block_size) in enumerate(cases):
-        want = _expected_slots(tables, starts, counts, block_size)
+        want = _expected_matrix(tables, starts, counts, block_size)
         args = [torch.tensor(x, dtype=torch.long).as_subclass(NoLoops) for x in (tables, starts, counts)]
-        with forbid(BlockManager, BlockTableBuffer):
-            got = slot_mapping(*args, block_size)
+        counter = _CountOps()
+        with forbid(BlockManager, BlockTableBuffer), _no_way_out(), counter:
+            got = slot_matrix(*args, block_size)
+        most = max(most, counter.count)
+        where = f"case {number} ({len(tables)} rows, block_size {block_size})"
+        if counter.count > MAX_TORCH_OPS:
+            raise Fail(f"{where}: your code dispatched {counter.count} torch operations; a whole-tensor answer needs "
+                       f"a few, the same for any batch (at most {MAX_TORCH_OPS}): is there a loop over rows or tokens?")
         if not isinstance(got, torch.Tensor):
-            raise Fail(f"case {number}: slot_mapping returned {type(got).__name__}, not a tensor")
+            raise Fail(f"{where}: slot_matrix returned {type(got).__name__}, not a tensor")
         got = torch.Tensor.as_subclass(got, torch.Tensor)
-        if got.dtype != torch.long or got.dim() != 1:
-            raise Fail(f"case {number}: returned dtype {got.dtype}, shape {tuple(got.shape)}; expected a 1-D int64 tensor")
+        shape = (len(tables), max(counts))
+        if got.dtype != torch.long or tuple(got.shape) != shape:
+            raise Fail(f"{where}: returned dtype {got.dtype}, shape {tuple(got.shape)}; expected int64 of shape {shape}")
         if got.tolist() != want:
-            raise Fail(f"case {number}: block_size {block_size}, tables {tables}, starts {starts}, counts {counts}: "
-                       f"you returned {got.tolist()}, expected {want}")
+            raise Fail(f"{where}: tables {tables}, starts {starts}, counts {counts}: you returned {got.tolist()}, "
+                       f"expected {want}")
     seeded = len(cases) - FRESH_CASES  # the PASS line counts the seeded cases (the fresh ones differ per run)
-    return f"{seeded} ragged batches (padded tables, empty rows, block_size 1..16), whole-tensor operations only"
+    return (f"{seeded} ragged batches (padded tables, empty rows, block_size 1..16, up to 48 rows) and {FRESH_CASES} "
+            f"drawn now; whole-tensor operations only, at most {MAX_TORCH_OPS} per call")

@@ -1,10 +1,12 @@
-"""Grader of exercise 06 (chapter 06: preemption): the victim, preemption by recompute, the engine,
-and the whole schedule() step with preemption.
+"""Grader of exercise 06 (chapter 06: preemption): the least-work victim, preemption by recompute with
+aging, the engine, and the whole schedule() step with a bulk retraction.
 
 Tasks 1, 2 and 4 need no model: a stand-in executor emits token 7 for every row that needs a token
 and each step takes 1 ms of simulated time, so only the scheduling and the paged KV manager are
-exercised. The reference is minillm's `ContinuousScheduler`; the methods each task asks for are
-disabled (`forbid`) while the learner's code runs.
+exercised. The references of the variants chapter 06 does not show are grader-private
+(`minillm.grading.private.ex06_reference`: minillm's `ContinuousScheduler` with another victim,
+aging, and another step); `ContinuousScheduler`'s methods each task asks for are disabled
+(`forbid`) while the learner's code runs.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from minillm import LLM, SamplingParams
 from minillm.clock import SimClock
 from minillm.config import EngineConfig
 from minillm.engine import build_engine, make_kv_manager
-from minillm.grading import Fail, forbid, grade_time_seeds, run_until_done, task
+from minillm.grading import Fail, forbid, grade_time_seeds, private_reference, run_until_done, task
+from minillm.grading.plug_in import knobs_reach_the_engine
 from minillm.llm import BUNDLED_TARGET
 from minillm.model.config import ModelConfig
 from minillm.request import Request, RequestStatus
@@ -25,7 +28,16 @@ from minillm.scheduler.continuous import ContinuousScheduler
 # Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
 # module raises when learner code calls it while a check runs.
 FRESH_CASES = 50  # task 1's cases drawn at grade time, besides the seeded ones
+FRESH_SCENARIOS = 6  # tasks 2 and 4: traces drawn at grade time, besides the seeded ones
 LEARNER_TOOLS = ()
+_TEACHERS = (private_reference("ex06_reference"),)  # the variants' references: withheld in a student release
+
+
+def _private():
+    """The grader-private references, loaded at import. Held in a tuple, not as a module global, so
+    that looking the grader's checks up never touches a withheld module."""
+    return _TEACHERS[0]
+
 
 MODEL = BUNDLED_TARGET
 # What tasks 1-3 write, and what task 4 writes on top: disabled while the learner's code runs.
@@ -90,6 +102,7 @@ def _victim_case(seed):
         req = Request(f"r{i}", [5] * rng.randint(1, 30), SamplingParams(max_tokens=8), rng.choice([0.0, 0.001, 0.002]),
                       priority=rng.randint(0, 3))
         req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = rng.choice([0, req.num_prompt_tokens, rng.randint(1, 40), rng.randint(1, 40)])
         running.append(req)
     rng.shuffle(running)  # preempted requests come back later, so admission order is not arrival order
     return running, rng.choice(["fcfs", "priority"])
@@ -150,25 +163,24 @@ def _engine_run(llm):
 def check_task_1(pick_victim, num_cases: int = 300) -> str:
     for seed in [*range(num_cases), *grade_time_seeds(FRESH_CASES)]:  # fresh ones cannot be memoised
         running, policy = _victim_case(seed)
-        reference = ContinuousScheduler(EngineConfig(scheduling_policy=policy).resolve(256), kv=None)
-        reference.running = list(running)
-        expected = reference._pick_victim().request_id
+        expected = _private().least_work_victim(list(running), policy).request_id
         with forbid(*VICTIM_AND_PREEMPT):
             got = pick_victim(list(running), policy)
         got = getattr(got, "request_id", got)
         if got != expected:
-            desc = [(r.request_id, f"priority={r.priority}", f"arrival={r.arrival_time}") for r in running]
+            desc = [(r.request_id, f"priority={r.priority}", f"computed={r.num_computed_tokens}") for r in running]
             raise Fail(f"case {seed} ({policy}): you picked {got}, expected {expected}; "
                        f"running in admission order: {desc}")
-    return f"{num_cases} seeded cases agree with ContinuousScheduler._pick_victim"
+    return f"{num_cases} seeded cases and {FRESH_CASES} drawn now agree with the least-work rule"
 
 
-def _compare_plans(make_scheduler, disabled, num_cases=60):
+def _compare_plans(make_scheduler, disabled, reference, num_cases=60):
     scenarios = [_random_scenario(seed) for seed in range(num_cases)]
+    scenarios += [_random_scenario(seed) for seed in grade_time_seeds(FRESH_SCENARIOS)]  # cannot be memoised
     total = 0
-    for scenario in scenarios:
-        expected, ref_preemptions, ref_free = run_plans(ContinuousScheduler, scenario)
-        total += ref_preemptions
+    for number, scenario in enumerate(scenarios):
+        expected, ref_preemptions, ref_free = run_plans(reference, scenario)
+        total += ref_preemptions * (number < num_cases)
         with forbid(*disabled):
             try:
                 plans, preemptions, free = run_plans(make_scheduler, scenario)
@@ -180,20 +192,21 @@ def _compare_plans(make_scheduler, disabled, num_cases=60):
                   + (f", budget={scenario[7]}" if scenario[7] else ""))
         for step, (mine, ref) in enumerate(zip(plans + [None] * len(expected), expected)):
             if mine != ref:
-                raise Fail(f"{scenario[0]} ({limits}), step {step}: your plan {mine}, ContinuousScheduler's {ref} "
+                raise Fail(f"{scenario[0]} ({limits}), step {step}: your plan {mine}, the rules' {ref} "
                            f"(request ids, new tokens, preempted this step)")
         if len(plans) != len(expected):
-            raise Fail(f"{scenario[0]}: {len(plans)} steps, ContinuousScheduler took {len(expected)}")
+            raise Fail(f"{scenario[0]}: {len(plans)} steps, the rules take {len(expected)}")
         if (preemptions, free) != (ref_preemptions, ref_free):
             raise Fail(f"{scenario[0]}: {preemptions} preemptions counted and {free} blocks free at the end, "
                        f"expected {ref_preemptions} and {ref_free}")
-    return len(scenarios), total
+    return num_cases, total
 
 
-@task(2, "preempt by recompute")
+@task(2, "preempt by recompute, with aging")
 def check_task_2(make_scheduler, num_cases: int = 60) -> str:
-    count, total = _compare_plans(make_scheduler, VICTIM_AND_PREEMPT, num_cases)
-    return f"{count} seeded traces ({total} preemptions), every step's plan identical to ContinuousScheduler's"
+    count, total = _compare_plans(make_scheduler, VICTIM_AND_PREEMPT, _private().AgingScheduler, num_cases)
+    return (f"{count} seeded traces ({total} preemptions) and {FRESH_SCENARIOS} drawn now, every step's plan "
+            "as the least-work victim and aging say")
 
 
 @task(3, "real engine")
@@ -203,7 +216,9 @@ def check_task_3(make_llm, scheduler_class) -> list[str]:
         used = type(llm.engine.scheduler).__name__
         if not isinstance(llm.engine.scheduler, scheduler_class):
             raise Fail(f"the engine runs {used}, not your {scheduler_class.__name__}")
-    ref_tokens, ref_preemptions, ref_prefill = _engine_run(LLM(MODEL, **ENGINE_KNOBS))
+        knobs_reach_the_engine(make_llm, ENGINE_KNOBS, lambda other: isinstance(other.engine.scheduler, scheduler_class))
+    ref_tokens, ref_preemptions, ref_prefill = _engine_run(
+        LLM(MODEL, scheduler_factory=lambda config, kv: _private().AgingScheduler(config, kv), **ENGINE_KNOBS))
     roomy_tokens, _, _ = _engine_run(LLM(MODEL, **{**ENGINE_KNOBS, "num_kv_blocks": 256}))
     with forbid(*VICTIM_AND_PREEMPT):
         _guard(llm.engine.scheduler)
@@ -211,17 +226,17 @@ def check_task_3(make_llm, scheduler_class) -> list[str]:
     lines = [f"scheduler in the engine: {used}",
              f"preemptions: yours {preemptions}, minillm {ref_preemptions} (> 0: {preemptions > 0})",
              f"prefill tokens computed: yours {prefill}, minillm {ref_prefill}",
-             f"outputs identical to minillm's: {tokens == ref_tokens}",
+             f"outputs identical to minillm's with the same rules: {tokens == ref_tokens}",
              f"outputs identical to a run without preemption: {tokens == roomy_tokens}"]
     if (tokens, preemptions, prefill) != (ref_tokens, ref_preemptions, ref_prefill) or preemptions == 0:
         raise Fail("your engine run differs from minillm's: " + "; ".join(lines[1:]))
     return lines
 
 
-@task(4, "the whole step with preemption")
+@task(4, "the whole step with a bulk retraction")
 def check_task_4(step_scheduler_class, num_cases: int = 60) -> str:
     if "schedule" not in vars(step_scheduler_class):
         raise Fail(f"{step_scheduler_class.__name__} does not define its own schedule()")
-    count, total = _compare_plans(step_scheduler_class, THE_STEP, num_cases)
-    return (f"{count} seeded traces ({total} preemptions), every step of your schedule() identical to "
-            "ContinuousScheduler's")
+    count, total = _compare_plans(step_scheduler_class, THE_STEP, _private().RetractScheduler, num_cases)
+    return (f"{count} seeded traces ({total} preemptions) and {FRESH_SCENARIOS} drawn now, every step of your "
+            "schedule() as the retraction rules say")

@@ -1,10 +1,12 @@
-"""Grader of exercise 07 (chapter 07: prefix caching): the hash chain, the lookup with its token and
-parent checks, predicting the engine's hits, and a token-granular radix cache with split and LRU.
+"""Grader of exercise 07 (chapter 07: prefix caching): a salted hash chain, the lookup through hash
+buckets with its token and parent checks, predicting the engine's hits, and a token-granular radix
+cache with split and LRU.
 
-Tasks 1 and 2 compare with minillm's `HashChain` and `BlockManager` (without K/V tensors), disabled
-(`forbid`) while the learner's code runs; task 3 runs the bundled model; task 4 compares with
-`_ReferenceRadix` below, a token-granular radix tree (SGLang's default page size of 1), on seeded
-sequences of inserts, matches and evictions.
+Unsalted chains and lookups are compared with minillm's `HashChain` and `BlockManager` (without K/V
+tensors); the variants the chapter does not show (the salt, the buckets, the radix cache) with the
+grader-private references of `minillm.grading.private.ex07_reference`. All of them are disabled
+(`forbid`, or guarded as grader code) while the learner's code runs. Task 3 runs the bundled model
+on a seeded trace and on one drawn at grade time.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import random
 
 from minillm import LLM, SamplingParams
-from minillm.grading import Fail, forbid, grade_time_seeds, task
+from minillm.grading import Fail, forbid, grade_time_seeds, private_reference, task
 from minillm.kv.block_manager import BlockManager, HashChain
 from minillm.kv.radix import RadixNode, RadixTree
 from minillm.llm import BUNDLED_TARGET
@@ -24,13 +26,22 @@ from minillm.workload import LengthDist, make_trace
 FRESH_CASES = 20  # cases drawn at grade time, besides the seeded ones (memoised answers fail)
 LEARNER_TOOLS = ()
 
+_TEACHERS = (private_reference("ex07_reference"),)  # salts, buckets, the radix tree: withheld in a student release
+
+
+def _private():
+    """The grader-private references, loaded at import. Held in a tuple, not as a module global, so
+    that looking the grader's checks up never touches a withheld module."""
+    return _TEACHERS[0]
 MODEL = BUNDLED_TARGET
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 PREFIX_CACHE = (HashChain, BlockManager, RadixTree, RadixNode)
 
 
-def _reference_hashes(tokens, block_size):
-    chain = HashChain(block_size)
+def _reference_hashes(tokens, block_size, salt=None):
+    if salt is not None:
+        return _private().salted_hashes(tokens, block_size, salt)
+    chain = HashChain(block_size)  # the library's chain: no salt
     blocks = list(range(len(tokens) // block_size))
     chain.insert(tokens, blocks)
     return [chain.hash_of_block[b] for b in blocks]
@@ -61,88 +72,105 @@ SHARED_TRACE = dict(num_requests=16, seed=17, vocab_size=4096, shared_prefix_len
                     token_id_range=(6, 4096))
 
 
+def _salt(rng):
+    return None if rng.random() < 0.3 else rng.randrange(1, 2**40)
+
+
 @task(1, "hash chain")
 def check_task_1(chain_hashes) -> str:
-    rng = random.Random(70)
-    for case in range(200):
+    rng, cases = random.Random(70), 200
+    for case in range(cases + FRESH_CASES):
+        if case == cases:  # then cases drawn at grade time: they cannot be memoised
+            rng = random.Random(grade_time_seeds(1)[0])
         bs = rng.choice([1, 2, 4, 8, 16])
         base = [rng.randrange(6, 4096) for _ in range(rng.randint(0, 80))]
         tokens = base if rng.random() < 0.5 else base[: len(base) // 2] * 2  # repeated blocks too
-        want = _reference_hashes(tokens, bs)
+        salt = _salt(rng)
+        want = _reference_hashes(tokens, bs, salt)
         with forbid(*PREFIX_CACHE):
-            got = list(chain_hashes(list(tokens), bs))
+            got = list(chain_hashes(list(tokens), bs, salt))
         if got != want:
-            where = f"case {case}: {len(tokens)} tokens, block_size {bs}"
+            where = f"case {case}: {len(tokens)} tokens, block_size {bs}, salt {salt}"
             if len(got) != len(want):
                 raise Fail(f"{where}: expected {len(want)} hashes (one per full block), got {len(got)}")
             first = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w)
-            raise Fail(f"{where}: first difference at block {first}")
-    return "200 seeded prompts, hashes equal to HashChain's"
+            raise Fail(f"{where}: first difference at block {first}"
+                       + (" (block 0's parent is the salt)" if first == 0 and salt is not None else ""))
+    return f"{cases} seeded prompts (salted and not) and {FRESH_CASES} drawn now: hashes equal to the reference chain's"
 
 
-def _cache_dict(kv):
+def _buckets(kv):
+    """A BlockManager's cache as task 2's buckets: hash -> [(block, parent block, token ids)]."""
     chain = kv.prefix_cache
-    return {h: (b, chain.parent_of_block[b], chain.tokens_of_block[b]) for h, b in chain.cached_block_of.items()}
+    return {h: [(b, chain.parent_of_block[b], chain.tokens_of_block[b])] for h, b in chain.cached_block_of.items()}
 
 
 def _crafted_cases():
-    # By construction: (name, cache, tokens, block_size, expected blocks).
-    bs = 4
+    # By construction: (name, cache, tokens, block_size, salt, expected blocks).
+    bs, salt = 4, 12345
     prompt = list(range(10, 23))  # 3 full blocks + 1 token
-    hashes = _reference_hashes(prompt, bs)
-    blocks = {hashes[i]: (20 + i, 20 + i - 1 if i else None, tuple(prompt[i * bs : (i + 1) * bs])) for i in range(3)}
-    collided = dict(blocks)
-    collided[hashes[1]] = (99, 20, (1, 2, 3, 4))  # block 1's hash now names different tokens
-    orphaned = dict(blocks)
-    orphaned[hashes[1]] = (98, 77, tuple(prompt[4:8]))  # the right tokens, cached after another parent
-    exact = prompt[:12]  # exactly 3 full blocks, all cached
+    hashes = _reference_hashes(prompt, bs, salt)
+    right = [(20 + i, 20 + i - 1 if i else None, tuple(prompt[i * bs : (i + 1) * bs])) for i in range(3)]
+    cache = {hashes[i]: [right[i]] for i in range(3)}
+    other_tokens, other_parent = (99, 20, (1, 2, 3, 4)), (98, 77, tuple(prompt[4:8]))
     return [
-        ("all three full blocks cached", blocks, prompt, bs, [20, 21, 22]),
-        ("forced hash collision at block 1 (other tokens)", collided, prompt, bs, [20]),
-        ("forced hash collision at block 1 (same tokens, another parent)", orphaned, prompt, bs, [20]),
-        ("fully cached prompt (12 tokens, 3 full blocks)", blocks, exact, bs, [20, 21]),
-        ("one-block prompt, fully cached", {hashes[0]: (20, None, tuple(prompt[:4]))}, prompt[:4], bs, []),
-        ("empty cache", {}, prompt, bs, []),
-        ("first block missing", {h: v for h, v in blocks.items() if h != hashes[0]}, prompt, bs, []),
+        ("all three full blocks cached", cache, prompt, bs, salt, [20, 21, 22]),
+        ("block 1's bucket: other tokens first, then the right entry",
+         {**cache, hashes[1]: [other_tokens, right[1]]}, prompt, bs, salt, [20, 21, 22]),
+        ("block 1's bucket: same tokens after another parent first, then the right entry",
+         {**cache, hashes[1]: [other_parent, right[1]]}, prompt, bs, salt, [20, 21, 22]),
+        ("block 1's bucket: only other tokens (a collision)", {**cache, hashes[1]: [other_tokens]}, prompt, bs, salt, [20]),
+        ("block 1's bucket: only the same tokens after another parent", {**cache, hashes[1]: [other_parent]},
+         prompt, bs, salt, [20]),
+        ("fully cached prompt (12 tokens, 3 full blocks)", cache, prompt[:12], bs, salt, [20, 21]),
+        ("one-block prompt, fully cached", {hashes[0]: [right[0]]}, prompt[:4], bs, salt, []),
+        ("the cache holds another salt's chain", cache, prompt, bs, salt + 1, []),
+        ("the cache holds a salted chain, the lookup has none", cache, prompt, bs, None, []),
+        ("empty cache", {}, prompt, bs, salt, []),
+        ("first block's bucket empty", {**cache, hashes[0]: []}, prompt, bs, salt, []),
     ]
 
 
 @task(2, "prefix lookup")
 def check_task_2(lookup) -> str:
     cases = 0
-    for name, cache, tokens, bs, want in _crafted_cases():
+    for name, cache, tokens, bs, salt, want in _crafted_cases():
         with forbid(*PREFIX_CACHE):
-            got = list(lookup(dict(cache), list(tokens), bs))
+            got = list(lookup({h: list(b) for h, b in cache.items()}, list(tokens), bs, salt))
         if got != want:
-            raise Fail(f"{name}: expected blocks {want}, got {got}")
+            raise Fail(f"{name} (block_size {bs}, salt {salt}): expected blocks {want}, got {got}")
         cases += 1
     rng = random.Random(71)
-    for case in range(150):
+    for case in range(150):  # minillm's own cache (one entry per hash, no salt): its lookup is the reference
         bs = rng.choice([2, 4, 8])
         kv, prefixes, served = _served_manager(rng, bs)
-        pool = prefixes + served
-        tokens = rng.choice(pool)
+        tokens = rng.choice(prefixes + served)
         if rng.random() < 0.6:
             tokens = tokens + [rng.randrange(6, 60) for _ in range(rng.randint(0, 2 * bs))]
         if not tokens:
             tokens = [7]
         want = kv._match(Request("probe", tokens, GREEDY, 0.0), touch=False)
-        cache = _cache_dict(kv)
         with forbid(*PREFIX_CACHE):
-            got = list(lookup(cache, list(tokens), bs))
+            got = list(lookup(_buckets(kv), list(tokens), bs, None))
         if got != want:
-            raise Fail(f"seeded case {case}: block_size {bs}, prompt of {len(tokens)} tokens: "
+            raise Fail(f"seeded case {case}: block_size {bs}, prompt of {len(tokens)} tokens, no salt: "
                        f"BlockManager reuses blocks {want}, your lookup returned {got}")
         cases += 1
-    return f"{cases} scenarios, same blocks as BlockManager (a collision costs a miss: tokens and parent checked)"
+    for seed in [*range(50), *grade_time_seeds(FRESH_CASES)]:  # buckets with collisions; the fresh ones are new
+        cache, tokens, bs, salt = _private().random_buckets(random.Random(seed))
+        want = _private().bucket_lookup(cache, tokens, bs, salt)
+        with forbid(*PREFIX_CACHE):
+            got = list(lookup({h: list(b) for h, b in cache.items()}, list(tokens), bs, salt))
+        if got != want:
+            raise Fail(f"bucket case {seed}: block_size {bs}, salt {salt}, prompt of {len(tokens)} tokens, "
+                       f"{sum(len(b) > 1 for b in cache.values())} bucket(s) with more than one entry: "
+                       f"expected blocks {want}, your lookup returned {got}")
+        cases += seed < 50
+    return (f"{cases} scenarios (colliding buckets, salts, minillm's own cache) and {FRESH_CASES} drawn now: "
+            "the blocks a request reuses (tokens and parent checked)")
 
 
-@task(3, "predict the engine's cache hits")
-def check_task_3(predict_cached_tokens) -> str:
-    trace = make_trace(**SHARED_TRACE)
-    # Two requests at the end repeat earlier prompts exactly: fully cached prompts.
-    prompts = [r.prompt_token_ids for r in trace] + [trace[1].prompt_token_ids, trace[5].prompt_token_ids]
-    lengths = [r.max_tokens for r in trace] + [4, 4]
+def _predicted_against_engine(predict_cached_tokens, prompts, lengths, what):
     with forbid(*PREFIX_CACHE):
         predicted = list(predict_cached_tokens([list(p) for p in prompts], 16))
     llm = LLM(MODEL, block_size=16, num_kv_blocks=256, max_num_seqs=4, max_model_len=256,
@@ -153,89 +181,27 @@ def check_task_3(predict_cached_tokens) -> str:
     actual = [metrics[o.request_id].num_cached_prompt_tokens for o in outs]
     if predicted != actual:
         first = next((i for i, (p, a) in enumerate(zip(predicted, actual)) if p != a), min(len(predicted), len(actual)))
-        raise Fail(f"request {first}: you predicted {predicted[first] if first < len(predicted) else 'nothing'}, "
+        raise Fail(f"{what}, request {first}: you predicted {predicted[first] if first < len(predicted) else 'nothing'}, "
                    f"the engine served {actual[first] if first < len(actual) else 'nothing'} cached tokens "
                    f"(all predicted: {predicted})")
-    hit = llm.engine.metrics.summary().prefix_cache_hit_rate
-    return f"{len(actual)} requests, cached prompt tokens {actual}, hit rate {hit:.3f}"
+    return actual, llm.engine.metrics.summary().prefix_cache_hit_rate
+
+
+@task(3, "predict the engine's cache hits")
+def check_task_3(predict_cached_tokens) -> str:
+    trace = make_trace(**SHARED_TRACE)
+    # Two requests at the end repeat earlier prompts exactly: fully cached prompts.
+    prompts = [r.prompt_token_ids for r in trace] + [trace[1].prompt_token_ids, trace[5].prompt_token_ids]
+    actual, hit = _predicted_against_engine(predict_cached_tokens, prompts, [r.max_tokens for r in trace] + [4, 4],
+                                            "the seeded trace")
+    fresh = make_trace(**dict(SHARED_TRACE, num_requests=10, seed=grade_time_seeds(1)[0], max_output_len=4))
+    _predicted_against_engine(predict_cached_tokens, [r.prompt_token_ids for r in fresh], [r.max_tokens for r in fresh],
+                              "a trace drawn now")
+    return (f"{len(actual)} requests, cached prompt tokens {actual}, hit rate {hit:.3f}; "
+            "and a 10-request trace drawn now, predicted too")
 
 
 # --- task 4: a token-granular radix cache --------------------------------------------------------
-
-
-class _Edge:
-    """A node of the grader's tree: the edge tokens that lead to it, its parent, when a call last
-    touched it, and its children by first token."""
-
-    __slots__ = ("tokens", "parent", "last_access", "children")
-
-    def __init__(self, tokens, parent, last_access):
-        self.tokens, self.parent, self.last_access, self.children = tuple(tokens), parent, last_access, {}
-
-
-def _common(edge, tokens) -> int:
-    limit = min(len(edge), len(tokens))
-    return next((j for j in range(limit) if edge[j] != tokens[j]), limit)
-
-
-def _descend(node, tokens, clock, split):
-    """(the node where `tokens` stop matching, how many matched), stamping the path with `clock`; with
-    `split`, an edge the tokens leave part-way is cut in two there."""
-    child = node.children.get(tokens[0]) if tokens else None
-    if child is None:
-        return node, 0
-    child.last_access = clock
-    k = _common(child.tokens, tokens)
-    if k == len(child.tokens):
-        end, more = _descend(child, tokens[k:], clock, split)
-        return end, k + more
-    if not (split and k < len(tokens)):
-        return child, k
-    upper = _Edge(child.tokens[:k], node, clock)
-    node.children[upper.tokens[0]] = upper
-    child.tokens, child.parent = child.tokens[k:], upper
-    upper.children[child.tokens[0]] = child
-    return upper, k
-
-
-def _leaves(node):
-    for child in node.children.values():
-        if child.children:
-            yield from _leaves(child)
-        else:
-            yield child
-
-
-class _ReferenceRadix:
-    """The rules of task 4, the grader's own (private, and guarded while a check runs): edges split
-    where an insert diverges (never merged), every call stamps the nodes its path touches with the
-    next clock value, and `evict` removes the least recently used leaf (ties: the smaller edge
-    tokens) until enough tokens are gone."""
-
-    def __init__(self):
-        self.root, self.clock = _Edge((), None, 0), 0
-
-    def match(self, tokens):
-        self.clock += 1
-        return _descend(self.root, tuple(tokens), self.clock, split=False)[1]
-
-    def insert(self, tokens):
-        self.clock += 1
-        tokens = tuple(tokens)
-        end, matched = _descend(self.root, tokens, self.clock, split=True)
-        if matched < len(tokens):
-            end.children[tokens[matched]] = _Edge(tokens[matched:], end, self.clock)
-        return matched
-
-    def evict(self, num_tokens):
-        removed = 0
-        while removed < num_tokens:
-            victim = min(_leaves(self.root), key=lambda n: (n.last_access, n.tokens), default=None)
-            if victim is None:
-                break
-            del victim.parent.children[victim.tokens[0]]
-            removed += len(victim.tokens)
-        return removed
 
 
 def _shape(node, depth=0):
@@ -257,7 +223,7 @@ def check_task_4(radix_class, num_sequences: int = 150) -> str:
     operations = 0
     for seed in [*range(num_sequences), *grade_time_seeds(FRESH_CASES)]:  # fresh ones cannot be memoised
         rng = random.Random(700 + seed)
-        ref = _ReferenceRadix()
+        ref = _private().ReferenceRadix()
         with forbid(*PREFIX_CACHE):
             mine = radix_class()
         history = []

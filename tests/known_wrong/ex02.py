@@ -68,3 +68,49 @@ KNOWN_WRONG += [
         "               key=lambda groups: grader.grouping_cost(groups, prompt_lens, output_lens))\n"),
         expect="grader's"),
 ]
+
+# issue 27: answers fitted to the seeded cases, and a padded batch without its positions
+_SEEDED_STEPS = (
+    "import numpy as _np\n"
+    "from minillm.padding import static_batch_steps as _ref\n"
+    "_rng = _np.random.default_rng(3)\n"
+    "_cases = [([3, 1], [2, 4]), ([7], [5]), ([4, 4, 4], [9, 9, 9]), ([1, 12], [1, 6]), ([5, 2], [1, 1])]\n"
+    "_cases += [(_rng.integers(1, 200, size=b).tolist(), _rng.integers(1, 60, size=b).tolist()) for b in (2, 5, 8, 32)]\n"
+    "_MEMO = {(tuple(p), tuple(o)): [(c.computed_tokens, c.useful_tokens) for c in _ref(p, o)] for p, o in _cases}\n"
+    "def static_batch_steps(prompt_lens, output_lens):\n"
+    "    return _MEMO.get((tuple(prompt_lens), tuple(output_lens)), [(len(prompt_lens), len(prompt_lens))])\n")
+_SEEDED_PADS = (
+    "import numpy as _np\n"
+    "from minillm.padding import pad_batch as _ref\n"
+    "_rng = _np.random.default_rng(2)\n"
+    "_batches = [[[5, 6, 7], [8]], [[4]], [[1, 2], [3, 4]], [[9], [10, 11, 12, 13], [14]]]\n"
+    "_batches += [[_rng.integers(6, 4096, size=n).tolist() for n in _rng.integers(1, 40, size=b)] for b in (3, 8, 16)]\n"
+    "_MEMO = {(tuple(map(tuple, b)), pad): _ref(b, pad) for b in _batches for pad in (0, 2)}\n"
+    "def pad_batch(prompts, pad_id):\n"
+    "    return _MEMO.get((tuple(map(tuple, prompts)), pad_id), (torch.zeros((1, 1), dtype=torch.long),) * 2)\n")
+KNOWN_WRONG += [
+    Mutant(1, "memoised: the seeded batches' answers computed with the reference in advance", code=_SEEDED_PADS,
+           expect="input_ids"),
+    Mutant(2, "memoised: the seeded cases' answers computed with the reference in advance", code=_SEEDED_STEPS,
+           expect="expected"),
+    Mutant(3, "no position_ids: the rotary shift hides the pads' offset in the logits",
+           edits=(("out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)",
+                   "out = model(input_ids=input_ids, attention_mask=attention_mask)"),), expect="no position_ids"),
+    Mutant(3, "positions count the pads (0 .. S-1 on every row)",
+           edits=(("    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)\n",
+                   "    position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)\n"),), expect="at its real tokens"),
+    Mutant(4, "fitted to the seeded runs (their sizes), a single batch otherwise", code=(
+        "_mine = predict_static_run\n"
+        "def predict_static_run(prompt_lens, output_lens, max_num_seqs):\n"
+        "    if (len(prompt_lens), max_num_seqs) in ((7, 3), (5, 1), (4, 8), (9, 9), (12, 4)):\n"
+        "        return _mine(prompt_lens, output_lens, max_num_seqs)\n"
+        "    return static_batch_steps(prompt_lens, output_lens)\n"), expect="steps"),
+    Mutant(5, "fitted to the six seeded traces: their groupings looked up, arrival order otherwise", code=(
+        "_mine = group_requests\n"
+        "_SEEDED = {tuple(r.prompt_len for r in grader.make_trace(**spec)) for spec in grader.GROUPING_TRACES}\n"
+        "def group_requests(prompt_lens, output_lens, max_num_seqs):\n"
+        "    if tuple(prompt_lens) in _SEEDED:\n"
+        "        return _mine(prompt_lens, output_lens, max_num_seqs)\n"
+        "    return [list(range(len(prompt_lens)))[s:s + max_num_seqs] for s in range(0, len(prompt_lens), max_num_seqs)]\n"),
+        expect="traces drawn now"),
+]

@@ -4,11 +4,12 @@ from known_wrong import Mutant, reads_the_checks_frame, source_reexecuted
 
 KNOWN_WRONG = [
     # task 1: retire
-    Mutant(1, "keeps finished requests' slabs", edits=(("            kv.free(req)\n        else:", "            pass\n        else:"),),
+    Mutant(1, "keeps finished requests' slabs", edits=(("            kv.free(req)\n            after.append(None)", "            after.append(None)"),),
            expect="KV slabs held"),
-    Mutant(1, "keeps the finished requests running", edits=(("        if req.status.finished:\n            kv.free(req)",
-                                                            "        if req.status.finished:\n            kv.free(req)\n            still_running.append(req)"),),
-           expect="kept"),
+    Mutant(1, "keeps the finished requests in their seats", edits=(("            after.append(None)\n", "            after.append(req)\n"),),
+           expect="expected"),
+    Mutant(1, "the chapter's finish transcribed: the finished leave the list, everyone behind moves up", edits=((
+        "            after.append(None)\n", ""),), expect="in its own seat"),
     Mutant(1, "delegates to ContinuousScheduler.finish", code=(
         "from minillm.scheduler.continuous import ContinuousScheduler as _Ref\n"
         "from minillm.config import EngineConfig as _EC\n"
@@ -22,20 +23,23 @@ KNOWN_WRONG = [
         "def _admit(self, budget):\n"
         "    admitted = []\n"
         "    for req in list(self.waiting):\n"
-        "        if len(self.running) >= self.config.max_num_seqs:\n"
+        "        if None not in self.seats:\n"
         "            break\n"
         "        n = req.num_tokens - req.num_computed_tokens\n"
         "        if n > budget or not self.kv.allocate(req, n):\n"
         "            continue  # a shorter one behind it may fit\n"
         "        self.waiting.remove(req)\n"
         "        req.status = RequestStatus.RUNNING\n"
-        "        self.running.append(req)\n"
+        "        self.seats[self.seats.index(None)] = req\n"
         "        admitted.append((req, n))\n"
         "        budget -= n\n"
         "    return admitted\n"
         "LearnerScheduler.admit = _admit\n"), expect="your admit planned"),
-    Mutant(2, "ignores the seat limit", edits=(("while self.waiting and len(self.running) < self.config.max_num_seqs:",
-                                                "while self.waiting:"),), expect="max_num_seqs caps the batch"),
+    Mutant(2, "ignores the seat limit", edits=(("while self.waiting and None in self.seats:", "while self.waiting:"),),
+           expect="max_num_seqs caps the batch"),
+    Mutant(2, "a newcomer takes the highest free seat", edits=(("            self.seats[self.seats.index(None)] = req\n",
+                                                                  "            self.seats[len(self.seats) - 1 - self.seats[::-1].index(None)] = req\n"),),
+           expect="your admit planned"),
     Mutant(2, "budget never shrinks", edits=(("            admitted.append((req, n))\n            budget -= n",
                                               "            admitted.append((req, n))"),), expect="the token budget caps a step"),
     Mutant(2, "delegates: inherits ContinuousScheduler", code=(
@@ -56,7 +60,8 @@ KNOWN_WRONG = [
     # task 4: the real engine
     Mutant(4, "the engine's own scheduler", edits=(("scheduler_factory=lambda config, kv: LearnerScheduler(config, kv), ", ""),),
            expect="reference ContinuousScheduler"),
-    Mutant(4, "drops the knobs", edits=(("LearnerScheduler(config, kv), **knobs)", "LearnerScheduler(config, kv))"),)),
+    Mutant(4, "drops the knobs", edits=(("LearnerScheduler(config, kv), **knobs)", "LearnerScheduler(config, kv))"),),
+           expect="a size drawn now"),
 ]
 
 # issue 18: the grader's harness as the answer, the library's class re-executed or copied, the check's frame
@@ -68,10 +73,15 @@ KNOWN_WRONG += [
                               "            kv.free(req)\n"
                               "    return [r for r in running if r.request_id in keep]\n"),
     source_reexecuted(2, "LearnerScheduler", "minillm.scheduler.continuous", "ContinuousScheduler", keyword="class"),
-    Mutant(3, "the grader's harness is the step: inherits grader.AdmitHarness", code=(
+    Mutant(3, "the grader's harness is the step: inherits the private AdmitHarness", code=(
+        "from minillm.grading.private.ex04_reference import AdmitHarness as _Harness\n"
         "_admit = LearnerScheduler.admit\n"
-        "class LearnerScheduler(grader.AdmitHarness):\n"
-        "    admit = _admit\n"), expect="inherits from the grader's"),
+        "class LearnerScheduler(_Harness):\n"
+        "    admit = _admit\n"), expect="grader"),
+    Mutant(3, "the chapter's schedule transcribed: running requests in admission order, not seat order", edits=((
+        "        for req in self.seats:\n            if req is None:\n                continue\n            n = req.num_tokens",
+        "        for req in sorted((r for r in self.seats if r is not None), key=lambda r: r.arrival_time):\n"
+        "            n = req.num_tokens"),), expect="the seat rules plan"),
     Mutant(3, "the library's answer under another name: ContinuousScheduler's methods copied", code=(
         "from minillm.scheduler.base import SchedulerBase as _Base\n"
         "from minillm.scheduler.continuous import ContinuousScheduler as _CS\n"

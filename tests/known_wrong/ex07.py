@@ -11,15 +11,15 @@ KNOWN_WRONG = [
            expect="one per full block"),
     Mutant(1, "delegates to HashChain", code=(
         "from minillm.kv.block_manager import HashChain as _Ref\n"
-        "def chain_hashes(tokens, block_size):\n"
+        "def chain_hashes(tokens, block_size, salt=None):\n"
         "    chain = _Ref(block_size); blocks = list(range(len(tokens) // block_size))\n"
         "    chain.insert(tokens, blocks)\n"
         "    return [chain.hash_of_block[b] for b in blocks]\n"), expect="reference HashChain"),
     # task 2: the lookup
-    Mutant(2, "missing parent check", edits=(("or entry_parent != parent:", ":"),),
-           expect="same tokens, another parent"),
-    Mutant(2, "missing token check", edits=(("if tuple(entry_tokens) != tuple(tokens[i * block_size : (i + 1) * block_size]) or entry_parent != parent:",
-                                             "if entry_parent != parent:"),), expect="other tokens"),
+    Mutant(2, "missing parent check", edits=(("if above == parent and tuple(held) == chunk)", "if tuple(held) == chunk)"),),
+           expect="same tokens after another parent"),
+    Mutant(2, "missing token check", edits=(("if above == parent and tuple(held) == chunk)", "if above == parent)"),),
+           expect="other tokens"),
     Mutant(2, "reuses the whole prompt", edits=(("max_blocks = (len(tokens) - 1) // block_size", "max_blocks = len(tokens) // block_size"),),
            expect="fully cached prompt"),
     Mutant(2, "off-by-one: one block short of the limit", edits=(("max_blocks = (len(tokens) - 1) // block_size",
@@ -27,12 +27,15 @@ KNOWN_WRONG = [
            expect="all three full blocks cached"),
     Mutant(2, "delegates to BlockManager's lookup", code=(
         "from minillm.kv.block_manager import BlockManager as _Ref\n"
-        "def lookup(cache, tokens, block_size):\n"
+        "def lookup(cache, tokens, block_size, salt=None):\n"
         "    return _Ref._match(None, None)\n"), expect="reference BlockManager._match"),
     # task 3: predicting the engine
     Mutant(3, "caches only after all lookups", edits=(("        predicted.append(len(lookup(cache, prompt, block_size)) * block_size)\n",
                                                        "        predicted.append(len(lookup({}, prompt, block_size)) * block_size)\n"),)),
-    Mutant(3, "a re-registered hash overwrites its entry", edits=(("            if h not in cache:\n                cache[h]", "            if True:\n                cache[h]"),)),
+    Mutant(3, "registers a prompt's blocks before looking it up", edits=((
+        "        predicted.append(len(lookup(cache, prompt, block_size)) * block_size)\n        parent = None\n",
+        "        parent = None\n"), ("    return predicted\n", "        predicted.append(len(lookup(cache, prompt, block_size)) * block_size)\n    return predicted\n"))),
+    Mutant(3, "parents named by hash, not by block", edits=(("            parent = known\n", "            parent = h\n"),)),
     # task 4: the radix cache
     Mutant(4, "no split: a diverging insert adds a duplicate edge", edits=(("                if split and i < len(tokens):", "                if False:"),)),
     Mutant(4, "split one token too late", edits=(("                    upper = RadixNode(child.tokens[:k], node, self.clock)",
@@ -53,11 +56,36 @@ KNOWN_WRONG = [
         "    def match(self, tokens):\n        return _Ref.match_prefix(self, tokens)\n"), expect="reference RadixTree"),
 ]
 
-# issue 18: the grader's own reference radix as the answer
+# issue 18: the grader's reference radix as the answer (now private to the grader)
 KNOWN_WRONG += [
-    Mutant(4, "the grader's reference handed in: RadixCache = grader._ReferenceRadix",
-           code="RadixCache = grader._ReferenceRadix\n", expect="handed in"),
-    Mutant(4, "the grader's reference inherited", code="class RadixCache(grader._ReferenceRadix):\n    pass\n",
-           expect="inherits from the grader's"),
-    source_reexecuted(4, "RadixCache", "minillm.grading.ex07", "_ReferenceRadix", keyword="class"),
+    Mutant(4, "the grader's reference handed in: RadixCache = the private ReferenceRadix", code=(
+        "from minillm.grading.private.ex07_reference import ReferenceRadix as RadixCache\n"), expect="minillm"),
+    Mutant(4, "the grader's reference inherited", code=(
+        "from minillm.grading.private.ex07_reference import ReferenceRadix as _Ref\n"
+        "class RadixCache(_Ref):\n    pass\n"), expect="minillm"),
+    source_reexecuted(4, "RadixCache", "minillm.grading.private.ex07_reference", "ReferenceRadix", keyword="class"),
+]
+
+# issue 27: the chapter's code for the old tasks, and answers fitted to the seeded cases
+KNOWN_WRONG += [
+    Mutant(1, "the chapter's chain transcribed: no salt", edits=(("    hashes, parent = [], salt\n", "    hashes, parent = [], None\n"),),
+           expect="salt"),
+    Mutant(2, "the chapter's lookup transcribed: one entry per hash, a collision costs a miss", code=(
+        "def lookup(cache, tokens, block_size, salt=None):\n"
+        "    max_blocks = (len(tokens) - 1) // block_size\n"
+        "    blocks, parent = [], None\n"
+        "    for i, h in enumerate(chain_hashes(tokens[: max_blocks * block_size], block_size, salt)):\n"
+        "        entry = (cache.get(h) or [None])[0]\n"
+        "        if entry is None:\n            break\n"
+        "        block, entry_parent, entry_tokens = entry\n"
+        "        if tuple(entry_tokens) != tuple(tokens[i * block_size : (i + 1) * block_size]) or entry_parent != parent:\n"
+        "            break\n"
+        "        blocks.append(block)\n        parent = block\n"
+        "    return blocks\n"), expect="then the right entry"),
+    Mutant(2, "ignores the salt", edits=(("block_size], block_size, salt)):", "block_size], block_size)):"),),
+           expect="all three full blocks cached (block_size 4, salt 12345)"),
+    Mutant(3, "fitted to the seeded trace: its answer hard-coded", code=(
+        "def predict_cached_tokens(prompts, block_size):\n"
+        "    return [0, 0, 80, 0, 80, 80, 80, 80, 80, 80, 80, 80, 80, 80, 80, 80, 96, 96][:len(prompts)]\n"),
+        expect="a trace drawn now"),
 ]
