@@ -4,14 +4,15 @@ tests/known_wrong/__init__.py.
 Tasks 1-4 (the ladder): the bug each rung is about: a missing guard, a missing barrier (a race,
 caught by the trace on every run), no shared memory, no halo, a serial "reduction", a max padded
 with 0, no running max, two passes, reading past a row's end, calling the spec. Task 5's mutants
-are the bug classes of chapter 10, section 6 (they are also minillm.grading.ex10.KNOWN_WRONG,
-written as kernels of their own); task 6's run fine as Python in the simulator but are not GPU
+are the bug classes of chapter 10, section 6 (minillm.grading.ex10.KNOWN_WRONG has them in the
+chapter's block-table layout), in the exercise's CSR layout, and the chapter's printed kernel
+transcribed under the new argument names; task 6's run fine as Python in the simulator but are not GPU
 code; task 7's break the kernel inside the engine.
 """
 
 from known_wrong import Mutant
 
-NO_PARTIAL_MASK = (("for slot in range(min(block_size, n - j * block_size)):", "for slot in range(block_size):"),)
+NO_PARTIAL_MASK = (("used = kv_last_page_len[seq] if page == end_page - 1 else block_size", "used = block_size"),)
 WRONG_GQA = (("kv_head = head // (q_heads // key_cache.shape[2])", "kv_head = head % key_cache.shape[2]"),)
 DELEGATE = "from minillm.kernels.decode_attention import python_function as paged_decode_kernel\n"
 
@@ -23,12 +24,45 @@ KNOWN_WRONG = [
            expect="OverflowError"),
     Mutant(5, "max kept, sums never rescaled", edits=(("rescale = math.exp(running_max - new_max)", "rescale = 1.0"),),
            expect="max |error|"),
-    Mutant(5, "reads the -1 padding, masks after the read", edits=(
-        ("for j in range((n + block_size - 1) // block_size):", "for j in range(block_tables.shape[1]):"),
-        ("for slot in range(min(block_size, n - j * block_size)):", "for slot in range(block_size):"),
-        ("            score *= scale\n", "            score *= scale\n            if j * block_size + slot >= n:\n"
-                                       "                score = -math.inf\n"),
+    Mutant(5, "reads on past its own pages, into the next sequence's and the -1 padding", edits=(
+        ("for page in range(first_page, end_page):", "for page in range(first_page, kv_indices.shape[0]):"),),
+        expect="NaN in"),
+    Mutant(5, "the last page read in full, masked after the read", edits=(
+        ("used = kv_last_page_len[seq] if page == end_page - 1 else block_size", "used = block_size"),
+        ("            score *= scale\n", "            score *= scale\n"
+         "            if page == end_page - 1 and slot >= kv_last_page_len[seq]:\n"
+         "                score = -math.inf\n"),
     ), expect="NaN in"),
+    Mutant(5, "sequence b's pages taken from the next sequence's entries of kv_indptr", edits=(
+        ("first_page, end_page = kv_indptr[seq], kv_indptr[seq + 1]",
+         "first_page, end_page = kv_indptr[seq + 1], kv_indptr[min(seq + 2, num_seqs)]"),)),
+    Mutant(5, "transcribes the chapter's printed kernel: the block-table layout under the new names", code=(
+        "def paged_decode_kernel(query, key_cache, value_cache, kv_indptr, kv_indices, kv_last_page_len, scale, out):\n"
+        "    i = cuda.grid(1)\n"
+        "    num_seqs, q_heads, dim = query.shape\n"
+        "    if i >= num_seqs * q_heads:\n"
+        "        return\n"
+        "    b, h = i // q_heads, i % q_heads\n"
+        "    kv_head = h // (q_heads // key_cache.shape[2])\n"
+        "    bs = key_cache.shape[1]\n"
+        "    acc = cuda.local.array(MAX_HEAD_DIM, float32)\n"
+        "    for d in range(dim):\n"
+        "        acc[d] = 0.0\n"
+        "    m, total = -math.inf, 0.0\n"
+        "    for p in range(kv_last_page_len[b]):  # the chapter's seq_lens[b]\n"
+        "        block, off = kv_indices[b * kv_indices.shape[0] // num_seqs + p // bs], p % bs  # its table row\n"
+        "        s = 0.0\n"
+        "        for d in range(dim):\n"
+        "            s += query[b, h, d] * key_cache[block, off, kv_head, d]\n"
+        "        s *= scale\n"
+        "        m_new = max(m, s)\n"
+        "        correction, weight = math.exp(m - m_new), math.exp(s - m_new)\n"
+        "        total = total * correction + weight\n"
+        "        for d in range(dim):\n"
+        "            acc[d] = acc[d] * correction + weight * value_cache[block, off, kv_head, d]\n"
+        "        m = m_new\n"
+        "    for d in range(dim):\n"
+        "        out[b, h, d] = acc[d] / total\n")),
     Mutant(5, "no guard for the spare threads", edits=(("    if i >= num_seqs * q_heads:\n        return\n", ""),),
            expect="IndexError"),
     Mutant(5, "delegates to minillm's kernel", code=DELEGATE, expect="reference"),
