@@ -15,7 +15,14 @@ edit here):
 - cheat (c), the same patch placed inside the learner's own cell of the *solved* notebook, fails
   every task with "your code changed the grader": the runner compares the grader and minillm with
   a snapshot before each check;
-- the generated exercise is byte-identical to what `tools/build_exercises.py` makes now.
+- the generated exercise is byte-identical to what `tools/build_exercises.py` makes now, and opens
+  clean: no stored output (what a graded cell prints when its task passes is the grader's,
+  minillm/grading/private/expected/, which a student release leaves out);
+- Run All on the untouched exercise (nbclient, which stops on an error as Jupyter does, except in a
+  cell tagged `raises-exception`) runs to the end and every task's graded cell says "not written yet";
+- nbval, comparing the graded cells with the grader's expected outputs, passes the solution and
+  fails the untouched exercise;
+- README's chapter table links every exercise.
 
 Each grade runs a notebook's cells in a fresh process (seconds for a stubbed one, up to a minute
 for a solution), hence the notebook and slow marks. The known-wrong implementations of every task
@@ -25,6 +32,7 @@ are in test_grading_known_wrong.py; the build tool and the runner's pieces in te
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -56,6 +64,10 @@ def _ids(paths: list[Path]) -> list[str]:
 def _graded(cell: dict) -> bool:
     return cell["cell_type"] == "code" and any(line.strip() == "# NBVAL_CHECK_OUTPUT"
                                                 for line in "".join(cell["source"]).splitlines())
+
+
+def _expected(solution: Path) -> dict:
+    return json.loads(bx.expected_path(solution.name, REPO_ROOT).read_text(encoding="utf-8"))
 
 
 def _stored_text(cell: dict) -> str:
@@ -95,8 +107,8 @@ def test_untouched_exercise_and_both_cheats_fail(solution: Path, tmp_path: Path)
     assert untouched.results and not any(r["passed"] for r in untouched.results), untouched.text()
     assert all("NotImplementedError" in " ".join(r["lines"]) for r in untouched.results), untouched.text()
 
-    # (a) every graded cell replaced by a print of its stored PASS text
-    notebook = json.loads(exercise.read_text(encoding="utf-8"))
+    # (a) every graded cell replaced by a print of the PASS text it shows when its task passes
+    notebook = bx.with_expected_outputs(json.loads(exercise.read_text(encoding="utf-8")), _expected(solution))
     graded = [cell for cell in notebook["cells"] if _graded(cell)]
     assert graded and all("PASS" in _stored_text(cell) for cell in graded)
     for cell in graded:
@@ -136,6 +148,80 @@ def test_exercise_is_in_sync_with_its_solution(solution: Path) -> None:
     planned = bx.plan(REPO_ROOT / "solutions", REPO_ROOT / "exercises", only=number)
     stale = [f"{item.status}: {item.exercise.name}" for item in planned if item.status != "in sync"]
     assert not stale, f"{stale}; run `python tools/build_exercises.py --only {number}`"
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=_ids(SOLUTIONS))
+def test_exercise_opens_clean(solution: Path) -> None:
+    exercise = json.loads((REPO_ROOT / "exercises" / solution.name).read_text(encoding="utf-8"))
+    assert bx.stored_outputs(exercise) == [], f"{solution.name}: stored outputs; run `make exercises`"
+    expected = _expected(solution)["graded_outputs"]
+    graded = [cell["id"] for cell in exercise["cells"] if _graded(cell)]
+    assert graded and sorted(expected) == sorted(graded), "every graded cell has its expected output, kept privately"
+    assert all("PASS" in _stored_text(expected[cid]) for cid in graded)
+
+
+def test_readme_links_every_exercise() -> None:
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    missing = [s.name for s in SOLUTIONS if f"](exercises/{s.name})" not in readme]
+    assert not missing, f"README's chapter table does not link {missing}"
+
+
+def _graded_text(cell: dict) -> str:
+    return _stored_text(cell) + "".join(f"{o['ename']}: {o['evalue']}" for o in cell.get("outputs", [])
+                                        if o.get("output_type") == "error")
+
+
+# Exercises whose untouched Run All does not yet show every task's "not written yet" (their graders and
+# solutions are being reworked, issue 27; the lead removes a mark once its exercise passes):
+RUN_ALL_PENDING = {
+    "ex05_block_allocator": "ex05 task 1's check records the stub's NotImplementedError as an answer "
+                            "('NotImplementedError', None) instead of letting it through",
+    "ex08_chunked_budget": "ex08 task 5's solution region starts at the top level, so the stub does not "
+                           "define splitfuse_hurts and the graded cell raises NameError",
+}
+
+
+def _pending(solutions: list[Path], pending: dict[str, str]) -> list:
+    return [pytest.param(s, id=s.stem, marks=pytest.mark.xfail(strict=True, reason=pending[s.stem]))
+            if s.stem in pending else pytest.param(s, id=s.stem) for s in solutions]
+
+
+@pytest.mark.notebook
+@pytest.mark.slow
+@pytest.mark.parametrize("solution", _pending(SOLUTIONS, RUN_ALL_PENDING))
+def test_run_all_on_the_untouched_exercise_shows_every_tasks_message(solution: Path) -> None:
+    """Run All as Jupyter runs it: nbclient stops at the first cell that raises, unless the cell is
+    tagged `raises-exception` (JupyterLab then sends it with stop_on_error off), so a demo cell that
+    calls a stub would hide every later task. The whole notebook must run, and every task's graded
+    cell must say that task is not written yet."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    exercise = REPO_ROOT / "exercises" / solution.name
+    notebook = nbformat.read(exercise, as_version=4)
+    NotebookClient(notebook, timeout=GRADE_TIMEOUT_S, kernel_name="python3",
+                   resources={"metadata": {"path": str(exercise.parent)}}).execute()  # raises if Run All stops
+    tasks = [(int(re.search(r"check_task_(\d+)", cell.source)[1]), _graded_text(cell))
+             for cell in notebook.cells if _graded(cell)]
+    assert tasks
+    for number, text in tasks:
+        assert re.search(rf"^task {number} \(.*\): FAIL$", text, re.MULTILINE), f"task {number} shows:\n{text}"
+        assert "not written yet (NotImplementedError: TODO" in text, f"task {number} shows:\n{text}"
+
+
+@pytest.mark.notebook
+@pytest.mark.slow
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=_ids(SOLUTIONS))
+def test_nbval_with_the_graders_expected_outputs_passes_the_solution_and_fails_the_untouched(
+        solution: Path) -> None:
+    """nbval (--nbval-lax: the graded cells compared) on the solution, as stored; on the untouched
+    exercise with the grader's expected outputs put back into a copy (an exercise holds none)."""
+    solved = bx.run_nbval(solution, timeout_s=GRADE_TIMEOUT_S)
+    assert solved.passed, solved.output[-4000:]
+    untouched = bx.run_nbval(REPO_ROOT / "exercises" / solution.name, timeout_s=GRADE_TIMEOUT_S,
+                             expected=bx.expected_path(solution.name, REPO_ROOT))
+    assert not untouched.passed and "Cell outputs differ" in untouched.output, untouched.output[-4000:]
+    assert "not written yet" in untouched.output, untouched.output[-4000:]
 
 
 def _regions(source: str) -> list[str]:

@@ -7,7 +7,9 @@ stored outputs are real. Kernel start-ups are slow on a shared CPU, so it is exe
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -153,7 +155,8 @@ def test_stub_hint_is_the_learners_message() -> None:
 # --- building notebooks --------------------------------------------------------------------------
 
 
-def test_build_replaces_solutions_and_keeps_the_rest(dirs: tuple[Path, Path]) -> None:
+def test_build_replaces_solutions_opens_clean_and_keeps_the_expected_outputs_private(
+        dirs: tuple[Path, Path]) -> None:
     solutions, exercises = dirs
     assert build(solutions, exercises) == 0
     solution = nbformat.read(solutions / NAME, as_version=4)
@@ -161,20 +164,52 @@ def test_build_replaces_solutions_and_keeps_the_rest(dirs: tuple[Path, Path]) ->
     assert [cell.source for cell in exercise.cells] == [
         solution.cells[0].source, SETUP, TASK1_STUB, TASK2_STUB, GRADED, NOISY,
     ]  # fmt: skip
-    # The graded cells keep their stored outputs: they are what nbval compares against.
-    assert (
-        "".join(o.text for o in exercise.cells[4].outputs) == "task 1 (add): PASS\ntask 2 (counter): PASS\n"
-    )
-    assert "0x" in exercise.cells[5].outputs[0].text
+    # The exercise opens clean (nbgrader's release does the same): no stored output anywhere, the
+    # graded cells' included; the setup cell ran in the solution and its output is dropped as well.
+    assert solution.cells[1].execution_count is not None and solution.cells[4].outputs
+    for cell in exercise.cells[1:]:
+        assert cell.outputs == [] and cell.execution_count is None
+    assert bx.stored_outputs(exercise) == [] and bx.stored_outputs(solution) == [f"cell {i}" for i in range(1, 6)]
+    # What the graded cells print when every task passes is the grader's, in the private folder.
+    expected = json.loads((exercises.parent / bx.EXPECTED_SUBDIR / NAME.replace(".ipynb", ".json")).read_text())
+    assert sorted(expected["graded_outputs"]) == sorted([solution.cells[4].id, solution.cells[5].id])
+    stored = expected["graded_outputs"][solution.cells[4].id]["outputs"]
+    assert "".join(stored[0]["text"]) == "task 1 (add): PASS\ntask 2 (counter): PASS\n"
+    restored = bx.with_expected_outputs(json.loads((exercises / NAME).read_text()), expected)
+    assert restored["cells"][4]["outputs"] == stored and restored["cells"][1]["outputs"] == []
+    # Run All goes on past a stub that raises: every code cell from the first learner cell is tagged.
+    assert [bx.RUN_ALL_TAG in cell.metadata.get("tags", []) for cell in exercise.cells] == [
+        False, False, True, True, True, True]
     for index in (0, 1, 4, 5):
-        assert exercise.cells[index].get("outputs") == solution.cells[index].get("outputs")
-        assert exercise.cells[index].get("execution_count") == solution.cells[index].get("execution_count")
         assert exercise.cells[index].id == solution.cells[index].id
     # Execution timestamps make noise in diffs; the kernelspec is what Jupyter opens it with.
     assert "execution" in solution.cells[4].metadata
     assert all("execution" not in cell.metadata for cell in exercise.cells)
     assert exercise.metadata.kernelspec == KERNELSPEC
     assert exercise.metadata.language_info.name == "python"
+
+
+def test_check_fails_on_a_stored_output_planted_in_a_copy_of_the_course(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`make check-exercises` (`--check`) on a copy of this repository's exercises: in step and clean,
+    then one output planted into an exercise's code cell: it fails, naming the notebook and the cell."""
+    course = tmp_path / "course"
+    for folder in ("solutions", "exercises", str(bx.CELLS_SUBDIR), str(bx.EXPECTED_SUBDIR)):
+        shutil.copytree(REPO_ROOT / folder, course / folder)
+    args = ["--solutions", str(course / "solutions"), "--exercises", str(course / "exercises"), "--check"]
+    assert bx.main(args) == 0, capsys.readouterr().out
+    assert "in sync and clean" in capsys.readouterr().out
+    target = sorted((course / "exercises").glob(bx.NOTEBOOK_GLOB))[0]
+    notebook = json.loads(target.read_text(encoding="utf-8"))
+    index, cell = next((i, c) for i, c in enumerate(notebook["cells"]) if c["cell_type"] == "code")
+    cell["outputs"] = [{"name": "stdout", "output_type": "stream", "text": ["an answer\n"]}]
+    target.write_text(json.dumps(notebook, indent=1), encoding="utf-8")
+    assert bx.main(args) == 1
+    out = capsys.readouterr().out
+    assert f"stored output: {target}: cell {index}" in out, out
+    # The same through make's command line, as CI runs it.
+    check = subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=300)
+    assert check.returncode == 1 and "stored output" in check.stdout, check.stdout + check.stderr
 
 
 def test_rebuild_is_byte_identical_and_check_passes(dirs: tuple[Path, Path]) -> None:
@@ -189,7 +224,7 @@ def test_rebuild_is_byte_identical_and_check_passes(dirs: tuple[Path, Path]) -> 
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert check.returncode == 0, check.stdout + check.stderr
-    assert "1 exercise(s) in sync" in check.stdout
+    assert "1 exercise(s) in sync and clean" in check.stdout
 
 
 def test_check_reports_an_edited_solution(
@@ -338,16 +373,21 @@ def test_sanitize_file_cleans_addresses_and_kernel_paths() -> None:
 def test_nbval_passes_the_solution_and_fails_the_untouched_exercise(dirs: tuple[Path, Path]) -> None:
     solutions, exercises = dirs
     assert build(solutions, exercises) == 0
+    expected = bx.expected_path(NAME, exercises.parent)
     solved = bx.run_nbval(solutions / NAME, timeout_s=180)
     assert solved.passed, solved.output
     assert "5 passed" in solved.output  # one item per code cell, the two graded ones compared
 
-    untouched = bx.run_nbval(exercises / NAME, timeout_s=180)
+    # The exercise holds no output: nbval compares its graded cells with the grader's expected outputs.
+    untouched = bx.run_nbval(exercises / NAME, timeout_s=180, expected=expected)
     assert not untouched.passed, untouched.output
-    assert "NotImplementedError: TODO: return the sum of a and b" in untouched.output
-    assert "1 failed, 4 passed" in untouched.output  # the graded cell 4 calls the stubs
+    # The graded cell calls the stubs: it raises (tagged raises-exception, so Run All goes on) and
+    # its output is not the PASS the grader expects.
+    assert "Cell 3: Cell outputs differ" in untouched.output and "Missing output fields" in untouched.output
+    assert "1 failed, 4 passed" in untouched.output
+    assert not list(exercises.glob(".*")), "the restored copy was not removed"
 
-    # A wrong answer runs without error but prints FAIL: the stored PASS output catches it.
+    # A wrong answer runs without error but prints FAIL: the expected PASS output catches it.
     wrong = exercises / "ex99_wrong.ipynb"
     text = (exercises / NAME).read_text(encoding="utf-8")
     wrong.write_text(
@@ -359,10 +399,18 @@ def test_nbval_passes_the_solution_and_fails_the_untouched_exercise(dirs: tuple[
         ),
         encoding="utf-8",
     )
-    answered = bx.run_nbval(wrong, timeout_s=180)
+    answered = bx.run_nbval(wrong, timeout_s=180, expected=expected)
     assert not answered.passed, answered.output
     assert "Cell outputs differ" in answered.output and "task 1 (add): FAIL" in answered.output
     assert "1 failed, 4 passed" in answered.output
+    # Without the expected outputs nbval has nothing to compare: the same wrong answer would pass.
+    assert bx.run_nbval(wrong, timeout_s=180).passed
+    # And the right answer, in the learner's notebook, passes against the expected outputs.
+    right = exercises / "ex99_right.ipynb"
+    right.write_text(text.replace('raise NotImplementedError(\\"TODO: return the sum of a and b\\")', "return a + b")
+                     .replace('raise NotImplementedError(\\"TODO: your code here\\")',
+                              "self.total += k\\n        return self.total"), encoding="utf-8")
+    assert bx.run_nbval(right, timeout_s=180, expected=expected).passed
 
     # The helper the per-exercise tests call: a run past its time limit is a failure, not a hang.
     assert bx.nbval_passes(solutions / NAME, timeout_s=1) is False

@@ -305,3 +305,84 @@ def test_reexecuting_minillm_source_during_a_check_fails() -> None:
 
     result = check_task_9(late)
     assert not result.passed and "minillm's" in result.lines[0], result
+
+
+# --- a stub met by a check, grader-private references (minillm/grading/private/) --------------------
+
+
+def test_a_stub_the_check_caught_still_says_not_written_yet() -> None:
+    @task(4, "step")
+    def check_task_4(fn):
+        try:
+            fn()
+        except Exception as error:  # noqa: BLE001  (a check reporting the learner's exception its own way)
+            raise Fail(f"scenario 0: {type(error).__name__}: {error}") from None
+        return "fine"
+
+    def stub():
+        raise NotImplementedError("TODO: task 4: the whole step")
+
+    assert check_task_4(stub).lines == ["not written yet (NotImplementedError: TODO: task 4: the whole step)"]
+    assert check_task_4(lambda: 1 / 0).lines == ["scenario 0: ZeroDivisionError: division by zero"]
+
+
+def test_a_private_reference_missing_from_a_release_is_not_graded_here_and_never_a_pass() -> None:
+    from minillm.grading import ReferenceWithheld, private_reference
+
+    withheld = private_reference("no_such_reference_in_this_copy")  # as in a student release
+    with pytest.raises(ReferenceWithheld, match="not in a student release"):
+        withheld.Reference  # noqa: B018
+
+    @task(3, "step")
+    def check_task_3(fn):
+        expected = withheld.reference_step(5)  # the check needs the teacher's reference
+        return f"{fn(5) == expected}"
+
+    result = check_task_3(lambda n: n)
+    assert not result.passed and result.withheld and result.headline == "task 3 (step): NOT GRADED HERE", result
+    assert result.to_json()["withheld"] is True
+
+
+def test_a_private_module_that_imports_something_missing_is_an_error(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import minillm.grading.private as private_package
+    from minillm.grading import private_reference
+
+    monkeypatch.setattr(private_package, "__path__", [*private_package.__path__, str(tmp_path)])
+    (tmp_path / "_broken_for_test.py").write_text("import a_module_nobody_installed_for_test\n", encoding="utf-8")
+    try:
+        with pytest.raises(ModuleNotFoundError, match="a_module_nobody_installed_for_test"):
+            private_reference("_broken_for_test")  # the module is there: not a release, a real error
+    finally:
+        sys.modules.pop("minillm.grading.private._broken_for_test", None)
+
+
+def test_private_modules_are_guarded_like_graders_while_a_check_runs(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import minillm.grading.private as private_package
+    from minillm.grading import private_reference, provenance
+
+    name = "_reference_for_test"
+    monkeypatch.setattr(private_package, "__path__", [*private_package.__path__, str(tmp_path)])
+    (tmp_path / f"{name}.py").write_text("def reference_step(n):\n    return n + 1\n", encoding="utf-8")
+    try:
+        reference = private_reference(name)
+        assert reference.reference_step(1) == 2
+        assert reference in provenance.grading_modules()
+        calls = _learner_fn("def mine(n):\n    return ref.reference_step(n)\n", "mine", ref=reference)
+
+        namespace = {"reference": reference, "task": task}
+        exec(compile("@task(9, 'demo')\ndef check_task_9(fn):\n"
+                     "    assert reference.reference_step(1) == 2  # the grader's own call passes\n"
+                     "    return str(fn(1))\n", provenance.GRADING_DIR + "ex99_demo.py", "exec"), namespace)  # noqa: S102
+        result = namespace["check_task_9"](calls)
+        assert not result.passed and "_reference_for_test.reference_step" in result.lines[0], result
+        assert namespace["check_task_9"](lambda n: str(n + 1)).passed
+    finally:
+        sys.modules.pop(f"minillm.grading.private.{name}", None)
+
+
+def _learner_fn(source: str, name: str, **names):
+    namespace = {"__name__": "__main__", **names}
+    exec(compile(source, "<cell 3>", "exec"), namespace)  # noqa: S102
+    return namespace[name]

@@ -21,6 +21,9 @@ from known_wrong import Mutant, run_task, solution_path, tasks_in  # noqa: E402
 NUMBERS = sorted(p.stem[2:] for p in (TESTS / "known_wrong").glob("ex[0-9][0-9].py"))
 MUTANTS = [(number, mutant) for number in NUMBERS
            for mutant in importlib.import_module(f"known_wrong.ex{number}").KNOWN_WRONG]
+# Near copies of minillm across exercises (tests/known_wrong/copies.py): the copy detector's every size.
+MUTANTS += [(number, mutant) for number, mutant in importlib.import_module("known_wrong.copies").COPIES
+            if number in NUMBERS]
 
 
 def test_every_solution_has_known_wrong_implementations() -> None:

@@ -49,6 +49,11 @@ def _release(target: Path) -> Path:
 def _assert_no_answers(release: Path) -> None:
     assert not (release / "solutions").exists()
     assert not (release / "tests" / "known_wrong").exists()
+    assert not (release / "minillm" / "grading" / "private").exists()  # expected outputs, private references
+    assert (REPO_ROOT / "minillm" / "grading" / "private" / "expected" / f"{Path(EXERCISE).stem}.json").exists()
+    notebooks = sorted((release / "exercises").glob("ex[0-9][0-9]_*.ipynb"))
+    assert notebooks and not [p.name for p in notebooks
+                              if any(c.get("outputs") for c in json.loads(p.read_text(encoding="utf-8"))["cells"])]
     assert not list(release.rglob("*solutions*"))
     grep = subprocess.run(["grep", "-rlE", GREP_MARKER, "."], cwd=release, capture_output=True, text=True,
                           timeout=120)
@@ -122,7 +127,7 @@ def test_release_refuses_a_stale_manifest_and_finds_leaks(tmp_path: Path) -> Non
     course = tmp_path / "course"
     stem = Path(EXERCISE).stem
     for folder, name in (("solutions", EXERCISE), ("exercises", EXERCISE),
-                         ("minillm/grading/cells", f"{stem}.json")):
+                         ("minillm/grading/cells", f"{stem}.json"), ("minillm/grading/private/expected", f"{stem}.json")):
         (course / folder).mkdir(parents=True)
         shutil.copy2(REPO_ROOT / folder / name, course / folder / name)
     student_release.check_exercises_in_step(course)
@@ -141,5 +146,9 @@ def test_release_refuses_a_stale_manifest_and_finds_leaks(tmp_path: Path) -> Non
     (tmp_path / "leaky" / "b.json").write_text('{"source": "def f():\\n    # END SOLUTION\\n"}')
     (tmp_path / "leaky" / "c.py").write_text("def f():\n    # BEGIN SOLUTION\n    return 1\n")
     (tmp_path / "leaky" / "d.md").write_text("Learner code goes between `# BEGIN SOLUTION` and `# END SOLUTION`.\n")
+    private = tmp_path / "leaky" / "minillm" / "grading" / "private" / "expected"
+    private.mkdir(parents=True)
+    (private / "ex03_dynamic_batcher.json").write_text('{"graded_outputs": {}}')
     found = student_release.leaks(tmp_path / "leaky")
-    assert [line.split(":")[0] for line in found] == ["a.ipynb", "b.json", "c.py"], found
+    assert [line.split(":")[0] for line in found] == ["a.ipynb", "b.json", "c.py",
+                                                      "minillm/grading/private/expected/ex03_dynamic_batcher.json"], found

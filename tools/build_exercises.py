@@ -3,23 +3,34 @@
 `solutions/exNN_topic.ipynb` is the one source: a solved notebook, executed, outputs stored. Each
 region of a code cell between a `# BEGIN SOLUTION` line and a `# END SOLUTION` line becomes
 `raise NotImplementedError("TODO: <hint>")` at the indentation of the BEGIN line; the hint is taken
-from `# HINT: ...` lines right after BEGIN (default: "your code here"). Every other cell and every
-stored output stays: the graded cells (those with a `# NBVAL_CHECK_OUTPUT` line) show the learner
-what a PASS looks like. Grading itself does not trust the notebook: `make grade` (tools/grade.py,
-minillm/grading/runner.py) runs only the cells that hold a stub here, taken from the learner's
-notebook, with every other cell from the exercise's manifest and the checks from
-minillm/grading/exNN.py. This tool writes the manifests too, `minillm/grading/cells/exNN_topic.json`
-(the ids and sources of every cell that is not the learner's; no solution region), so that grading
-reads nothing from solutions/ and a student release (tools/student_release.py) can leave it out.
+from `# HINT: ...` lines right after BEGIN (default: "your code here"). Every other cell stays, but
+the exercise opens clean, as nbgrader's release writes it: no code cell keeps a stored output or an
+execution count (a solution's output would show its answer: a PASS line that prints the knobs, the
+cached tokens, a demo run of the solution). Every code cell from the first learner cell on carries
+Jupyter's `raises-exception` tag, so that Run All on an untouched exercise goes on past a demo that
+calls a stub and shows every task's "not written yet" verdict, not only the first.
+
+What a graded cell should print lives with the grader, not in the learner's notebook: this tool
+writes, per exercise,
+- `minillm/grading/cells/exNN_topic.json`, the manifest: the ids and sources of every cell that is
+  not the learner's (no solution region), which `make grade` (tools/grade.py,
+  minillm/grading/runner.py) runs around the learner's cells; it ships in a student release;
+- `minillm/grading/private/expected/exNN_topic.json`: the graded cells' stored outputs (the
+  solution's PASS reports, which may name an answer), what nbval compares a learner's graded cells
+  with (`run_nbval(..., expected=...)` puts them back into a copy first). Like everything under
+  `minillm/grading/private/`, it is the teacher's: a student release leaves it out.
+Grading itself does not trust the notebook: only the cells that hold a stub here are taken from the
+learner's notebook, every other cell from the manifest, the checks from minillm/grading/exNN.py.
 
 Usage:
-    python tools/build_exercises.py            # regenerate exercises/ and the manifests (remove orphans)
-    python tools/build_exercises.py --check    # write nothing; exit 1 listing what is out of sync
+    python tools/build_exercises.py            # regenerate exercises/, manifests, expected outputs (remove orphans)
+    python tools/build_exercises.py --check    # write nothing; exit 1 listing what is out of sync or not clean
     python tools/build_exercises.py --only 05  # just exercise 05
 
-Exit status: 0 in sync (or rebuilt), 1 out of sync (--check), 2 a malformed solution notebook.
-The output is byte-deterministic (nbformat's sorted keys and indent, execution timestamps dropped),
-so CI can regenerate and diff. `run_nbval()` runs nbval on one notebook (the chapter tests use it).
+Exit status: 0 in sync (or rebuilt), 1 out of sync or a stored output in exercises/ (--check), 2 a
+malformed solution notebook. The output is byte-deterministic (nbformat's sorted keys and indent,
+execution timestamps dropped), so CI can regenerate and diff. `run_nbval()` runs nbval on one
+notebook (the chapter tests use it).
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +55,9 @@ from nbformat import NotebookNode
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CELLS_SUBDIR = Path("minillm", "grading", "cells")  # the manifests, beside the graders
+# The graded cells' expected outputs: grader-private (minillm/grading/private/ is not released).
+EXPECTED_SUBDIR = Path("minillm", "grading", "private", "expected")
+RUN_ALL_TAG = "raises-exception"  # Jupyter (and nbclient, nbval): an error in this cell does not stop Run All
 SANITIZE_CFG = Path(__file__).resolve().with_name("nbval_sanitize.cfg")
 NOTEBOOK_GLOB = "ex[0-9][0-9]_*.ipynb"
 DEFAULT_HINT = "your code here"
@@ -144,7 +159,10 @@ def load_notebook(path: Path) -> NotebookNode:
 
 
 def build_exercise(solution: NotebookNode, name: str = "notebook") -> NotebookNode:
-    """The exercise made from a solved notebook; raises ExerciseBuildError naming `name` and the cell."""
+    """The exercise made from a solved notebook; raises ExerciseBuildError naming `name` and the cell.
+
+    No code cell keeps an output or an execution count; every code cell from the first learner cell
+    on is tagged `raises-exception` (RUN_ALL_TAG)."""
     exercise = copy.deepcopy(solution)
     regions = graded = 0
     for index, cell in enumerate(exercise.cells):
@@ -165,15 +183,27 @@ def build_exercise(solution: NotebookNode, name: str = "notebook") -> NotebookNo
                     f"{where}: graded cell has no stored output, so nbval would compare nothing; "
                     "execute the solution and save it with outputs"
                 )
-        if count:
-            # The solution's outputs would show its answer and do not belong to the stub.
-            cell.source, cell.outputs, cell.execution_count = source, [], None
-            regions += count
+        regions += count
+        # Open clean: a stored output would show the solution's answer or its PASS (nbgrader's release
+        # clears them too); what a graded cell should print is kept by the grader (render_expected).
+        cell.source, cell.outputs, cell.execution_count = source, [], None
+        if regions:  # from the first learner cell on: a stub that raises does not stop Run All
+            tags = list(cell.metadata.get("tags", []))
+            if RUN_ALL_TAG not in tags:
+                cell.metadata["tags"] = [*tags, RUN_ALL_TAG]
     if not graded:
         raise ExerciseBuildError(f"{name}: no graded cell (a code cell with a '# {GRADED_MARKER}' line)")
     if not regions:
         raise ExerciseBuildError(f"{name}: no solution region ('# BEGIN SOLUTION' ... '# END SOLUTION')")
     return exercise
+
+
+def stored_outputs(notebook: NotebookNode | dict) -> list[str]:
+    """'cell N' for every code cell of `notebook` that holds a stored output or an execution count
+    (an exercise must hold none)."""
+    cells = notebook["cells"]
+    return [f"cell {index}" for index, cell in enumerate(cells) if cell.get("cell_type") == "code"
+            and (cell.get("outputs") or cell.get("execution_count") is not None)]
 
 
 def render_exercise(solution_path: Path) -> str:
@@ -206,33 +236,67 @@ def render_manifest(solution_path: Path) -> str:
     return json.dumps(manifest, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
 
 
+def render_expected(solution_path: Path) -> str:
+    """The exact text of `solution_path`'s expected outputs: each graded cell's stored outputs, by cell
+    id (grader-private: they may name an answer; see the module docstring)."""
+    node = load_notebook(solution_path)
+    written = json.loads(nbformat.writes(node, version=nbformat.NO_CONVERT))["cells"]  # outputs as Jupyter saves them
+    graded = {cell["id"]: {"execution_count": cell["execution_count"], "outputs": cell["outputs"]}
+              for cell, source in zip(written, node.cells) if is_graded(source)}
+    expected = {"about": f"Generated by tools/build_exercises.py from solutions/{Path(solution_path).name} "
+                         "(make exercises): what each graded cell prints when every task passes, for nbval. "
+                         "Grader-private: a student release leaves minillm/grading/private/ out. Do not edit.",
+                "exercise": Path(solution_path).name, "graded_outputs": graded}
+    return json.dumps(expected, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def with_expected_outputs(notebook: dict, expected: dict) -> dict:
+    """A copy of a learner's notebook (parsed JSON) whose graded cells hold the outputs `expected` (a
+    parsed private/expected file) says they print when every task passes: what nbval compares with."""
+    restored = copy.deepcopy(notebook)
+    for cell in restored["cells"]:
+        stored = expected["graded_outputs"].get(cell.get("id"))
+        if stored is not None and cell.get("cell_type") == "code":
+            cell["outputs"] = copy.deepcopy(stored["outputs"])
+            cell["execution_count"] = stored["execution_count"]
+    return restored
+
+
+def expected_path(notebook_path: Path, root: Path = REPO_ROOT) -> Path:
+    """The expected-outputs file of an exercise notebook named exNN_topic.ipynb."""
+    return Path(root) / EXPECTED_SUBDIR / f"{Path(notebook_path).stem}.json"
+
+
 @dataclass(frozen=True)
 class Planned:
     """One generated file (an exercise or its grading manifest) and what regenerating it would do."""
 
-    exercise: Path  # the generated file: exercises/exNN_topic.ipynb or minillm/grading/cells/exNN_topic.json
+    exercise: Path  # the generated file: exercises/exNN_topic.ipynb, or its manifest or expected outputs
     status: str  # "in sync" | "out of sync" | "missing" | "orphaned"
     text: str | None  # the generated text; None for an orphan
-    kind: str = "exercise"  # or "manifest"
+    kind: str = "exercise"  # or "manifest", "expected"
 
 
 def plan(solutions_dir: Path, exercises_dir: Path, only: str | None = None,
-         cells_dir: Path | None = None) -> list[Planned]:
-    """Compare every exercise and grading manifest with what its solution generates. Raises
-    ExerciseBuildError listing every malformed solution (all of them, so one run shows every problem).
-    `cells_dir` defaults to minillm/grading/cells beside `exercises_dir` (the course's root)."""
+         cells_dir: Path | None = None, expected_dir: Path | None = None) -> list[Planned]:
+    """Compare every exercise, grading manifest and expected-outputs file with what its solution
+    generates. Raises ExerciseBuildError listing every malformed solution (all of them, so one run
+    shows every problem). `cells_dir` and `expected_dir` default to minillm/grading/cells and
+    minillm/grading/private/expected beside `exercises_dir` (the course's root)."""
     if not Path(solutions_dir).is_dir():
         raise ExerciseBuildError(
             f"no {solutions_dir} here: exercises and grading manifests are built from the solved notebooks, "
             "which only the teacher's copy of the course has (a student release has none and needs no build)")
     cells_dir = Path(cells_dir) if cells_dir is not None else Path(exercises_dir).parent / CELLS_SUBDIR
+    expected_dir = Path(expected_dir) if expected_dir is not None else Path(exercises_dir).parent / EXPECTED_SUBDIR
     pattern = f"ex{only}_*" if only else NOTEBOOK_GLOB.removesuffix(".ipynb")
     solutions = sorted(Path(solutions_dir).glob(f"{pattern}.ipynb"))
     planned, errors = [], []
     for solution in solutions:
         try:
             texts = [(Path(exercises_dir) / solution.name, render_exercise(solution), "exercise"),
-                     (cells_dir / f"{solution.stem}.json", render_manifest(solution), "manifest")]
+                     (cells_dir / f"{solution.stem}.json", render_manifest(solution), "manifest"),
+                     (expected_dir / f"{solution.stem}.json", render_expected(solution), "expected")]
         except ExerciseBuildError as error:
             errors.append(str(error))
             continue
@@ -245,7 +309,8 @@ def plan(solutions_dir: Path, exercises_dir: Path, only: str | None = None,
     if errors:
         raise ExerciseBuildError("\n".join(errors))
     stems = {solution.stem for solution in solutions}
-    for folder, suffix, kind in ((Path(exercises_dir), ".ipynb", "exercise"), (cells_dir, ".json", "manifest")):
+    for folder, suffix, kind in ((Path(exercises_dir), ".ipynb", "exercise"), (cells_dir, ".json", "manifest"),
+                                 (expected_dir, ".json", "expected")):
         for path in sorted(folder.glob(f"{pattern}{suffix}")):
             if path.stem not in stems:
                 planned.append(Planned(path, "orphaned", None, kind))
@@ -277,12 +342,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exercises", type=Path, default=REPO_ROOT / "exercises", help="default: exercises/")
     parser.add_argument("--cells", type=Path, help="where the grading manifests go "
                         "(default: minillm/grading/cells beside the exercises folder)")
+    parser.add_argument("--expected", type=Path, help="where the graded cells' expected outputs go "
+                        "(default: minillm/grading/private/expected beside the exercises folder)")
     args = parser.parse_args(argv)
     if args.only is not None and not args.only.isdigit():
         parser.error(f"--only takes an exercise number such as 05, not {args.only!r}")
     only = f"{int(args.only):02d}" if args.only is not None else None
     try:
-        planned = plan(args.solutions, args.exercises, only, args.cells)
+        planned = plan(args.solutions, args.exercises, only, args.cells, args.expected)
     except ExerciseBuildError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -294,18 +361,36 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         for item in stale:
             print(f"{item.status}: {_show(item.exercise)}")
-        if stale:
-            print(f"run `python tools/build_exercises.py` to regenerate {len(stale)} file(s)")
+        dirty = _not_clean(args.exercises, only)
+        for path, cells in dirty:
+            print(f"stored output: {_show(path)}: {', '.join(cells)} (an exercise opens clean)")
+        if stale or dirty:
+            print(f"run `python tools/build_exercises.py` to regenerate {len(stale) + len(dirty)} file(s)")
             return 1
-        print(f"{exercises} exercise(s) in sync, with their grading manifests")
+        print(f"{exercises} exercise(s) in sync and clean, with their grading manifests and expected outputs")
         return 0
     apply(planned)
     for item in stale:
         action = "removed orphan" if item.status == "orphaned" else "wrote"
         print(f"{action}: {_show(item.exercise)}")
     print(f"{len(planned) - len(stale)} file(s) already in sync, {len(stale)} updated "
-          f"({exercises} exercise(s) and their grading manifests)")
+          f"({exercises} exercise(s), their grading manifests and expected outputs)")
     return 0
+
+
+def _not_clean(exercises_dir: Path, only: str | None) -> list[tuple[Path, list[str]]]:
+    """Every exercise notebook on disk that holds a stored output (whatever generated it): the check
+    looks at the files themselves, not only at whether they equal what this tool writes."""
+    pattern = f"ex{only}_*.ipynb" if only else NOTEBOOK_GLOB
+    found = []
+    for path in sorted(Path(exercises_dir).glob(pattern)):
+        try:
+            cells = stored_outputs(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, json.JSONDecodeError, KeyError, TypeError):
+            cells = ["cannot read the notebook"]
+        if cells:
+            found.append((path, cells))
+    return found
 
 
 @dataclass(frozen=True)
@@ -320,12 +405,28 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 def run_nbval(notebook_path: Path, timeout_s: int = 300, lax: bool = True,
-              cell_timeout_s: int | None = None) -> NbvalResult:
+              cell_timeout_s: int | None = None, expected: Path | dict | None = None) -> NbvalResult:
     """Run `pytest --nbval-lax --nbval-current-env` (with the sanitize file) on one notebook.
 
     `lax=False` runs strict `--nbval` (every untagged cell compared), as the chapter tests do.
+    `expected` (an expected-outputs file, `expected_path(notebook)`, or its parsed JSON): a learner's
+    exercise holds no stored output, so nbval would compare nothing; the graded cells' expected outputs
+    are put back into a hidden copy beside the notebook (the kernel runs in the notebook's folder),
+    which nbval runs and which is removed afterwards.
     """
     notebook_path = Path(notebook_path).resolve()
+    if expected is not None:
+        if not isinstance(expected, dict):
+            expected = json.loads(Path(expected).read_text(encoding="utf-8"))
+        restored = with_expected_outputs(json.loads(notebook_path.read_text(encoding="utf-8")), expected)
+        handle, name = tempfile.mkstemp(prefix=f".{notebook_path.stem}.expected-", suffix=".ipynb",
+                                        dir=notebook_path.parent)
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            json.dump(restored, out, indent=1)
+        try:
+            return run_nbval(Path(name), timeout_s, lax, cell_timeout_s)
+        finally:
+            Path(name).unlink(missing_ok=True)
     command = [
         sys.executable, "-m", "pytest", "--nbval-lax" if lax else "--nbval", "--nbval-current-env",
         "--nbval-sanitize-with", str(SANITIZE_CFG), f"--nbval-cell-timeout={cell_timeout_s or timeout_s}",

@@ -8,14 +8,17 @@ exercises. The release is the working tree as git sees it (tracked files and unt
 - `tests/known_wrong/`: near-solutions with one bug each (text edits of the solutions' code);
 - the tests of the teacher's tools, which need solutions/ or carry demo solution regions:
   test_exercises.py, test_grading*.py, test_student_release.py;
-- `.ci/`: the project's CI, which runs those tests.
+- `.ci/`: the project's CI, which runs those tests;
+- `minillm/grading/private/`: the grader-private references and the graded cells' expected outputs
+  (the solutions' PASS reports); a task whose check needs a private reference reports "not graded
+  here" in the release, and the teacher grades it in this copy.
 
 In the release the chapters run, `make lab` opens them, and `make grade` grades: it reads the
 non-learner cells from `minillm/grading/cells/` (see minillm/grading/runner.py), never solutions/.
 Before anything is written, the exercises and their grading manifests must be in step with
 solutions/ (`make exercises`). The copy is built beside DIR and moved into place only after it is
-checked: no `solutions` path, no solution-region marker line in any file (also inside notebook or
-JSON strings), a manifest for every exercise.
+checked: no `solutions` path, nothing grader-private, no solution-region marker line in any file
+(also inside notebook or JSON strings), a manifest for every exercise.
 
 Usage:
     python tools/student_release.py DIR     # DIR: a new or empty folder outside this repository
@@ -37,7 +40,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LEFT_OUT = ("solutions/", "tests/known_wrong/", "tests/test_exercises.py", "tests/test_grading.py",
             "tests/test_grading_framework.py", "tests/test_grading_known_wrong.py",
-            "tests/test_student_release.py", ".ci/")
+            "tests/test_student_release.py", ".ci/", "minillm/grading/private/")
+PRIVATE = ("minillm", "grading", "private")  # grader-private: never in a release
 # A solution-region marker on a line of its own: in plain text, or inside a JSON string (a notebook's
 # source lines, a manifest's "\n"-joined sources). Mentions in prose (`# BEGIN SOLUTION` in backticks) pass.
 MARKER = re.compile(r'(?:^|"|\\n)[ \t]*#[ \t]*(?:BEGIN|END) SOLUTION[ \t]*(?:\\n|"|$)', re.MULTILINE)
@@ -105,12 +109,15 @@ def check_exercises_in_step(root: Path = REPO_ROOT) -> None:
 
 
 def leaks(copy: Path) -> list[str]:
-    """What in `copy` would hand out answers: a `solutions` path, a solution-region marker line."""
+    """What in `copy` would hand out answers: a `solutions` path, a grader-private file, a
+    solution-region marker line."""
     found = []
     for path in sorted(copy.rglob("*")):
         relative = path.relative_to(copy)
         if "solutions" in relative.parts:
             found.append(f"{relative}: a solutions path")
+        if relative.parts[:len(PRIVATE)] == PRIVATE and path.is_file():
+            found.append(f"{relative}: grader-private (minillm/grading/private/ is the teacher's)")
         if not path.is_file():
             continue
         data = path.read_bytes()

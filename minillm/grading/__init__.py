@@ -5,8 +5,9 @@ A learner's notebook only holds the learner's code. Every check lives here, in
 grades what the learner wrote, not what the notebook says about itself:
 
 - it keeps ONLY the learner's cells (the cells that hold a `raise NotImplementedError` stub in the
-  generated exercise, matched by cell id) and takes every other cell from `solutions/`; cells the
-  learner added are dropped, edited helper or graded cells are replaced by the solution's;
+  generated exercise, matched by cell id) and takes every other cell from the exercise's manifest
+  (`minillm/grading/cells/`); cells the learner added are dropped, edited helper or graded cells are
+  replaced by the course's;
 - it runs them in a fresh process with plain `exec`, and where a graded cell stands it calls the
   check function it captured *before* any learner code ran, so a redefined, reloaded or
   monkeypatched checker has no effect; the verdict is the check's return value, never printed text;
@@ -34,7 +35,11 @@ How to add an exercise (ex08, ex09, ex10 are added this way; nothing outside you
    A demo cell that no check needs (a plot, a run on the real model for show) may carry the cell
    tag `grading-skip`: grading does not run it. Execute the solution so the graded cells store
    their `task N (...): PASS` output, then run
-   `.venv/bin/python tools/build_exercises.py` (CI runs `--check`).
+   `.venv/bin/python tools/build_exercises.py` (CI runs `--check`): the exercise opens clean (no
+   output; cells from the first learner cell on tagged `raises-exception`, so Run All shows every
+   task), and the graded outputs go to the grader-private `private/expected/exNN_topic.json`.
+   Put the `def`/`class` line of a learner's function outside its solution region, so that the
+   stub still defines the name the graded cell passes.
    Hints: tiered, in markdown cells, `<details><summary>Hint 1</summary>…</details>` (a nudge),
    then `Hint 2` (stronger); never the solution's code.
 
@@ -65,7 +70,11 @@ How to add an exercise (ex08, ex09, ex10 are added this way; nothing outside you
    the check runs, they cannot be known in advance, and a correct answer passes them all.
    Every check also runs the rules of `minillm.grading.provenance` (the learner's code is the
    learner's; grader helpers are not answers; a check's data is not an input): list in
-   `LEARNER_TOOLS` what the module lends the learner during a check. `check_time_limit_s=` on `@task` bounds a check (default 180 s).
+   `LEARNER_TOOLS` what the module lends the learner during a check. A reference the library does
+   not have goes in a grader-private module, `private_reference("exNN_what")` (docs/grading.md,
+   "Grader-private references"): left out of a student release, compared with learner code at
+   every size. Let a learner's `NotImplementedError` through (or raise `Fail` from inside the
+   `except`): a stub then reads "not written yet". `check_time_limit_s=` on `@task` bounds a check (default 180 s).
 
 3. `tests/known_wrong/exNN.py`: `KNOWN_WRONG = [Mutant(...), ...]` (see tests/known_wrong/__init__.py):
    for every task, a few wrong implementations of the bug classes it is about, written either as
@@ -106,16 +115,52 @@ class DelegationError(RuntimeError):
     """Raised when learner code calls a reference that `forbid` disabled."""
 
 
+class ReferenceWithheld(LookupError):
+    """A check needed a grader-private reference (minillm/grading/private/) that this copy of the
+    course does not have: a student release. The task is reported as not graded here."""
+
+
+class _Withheld(types.ModuleType):
+    """The stand-in for a grader-private module missing from a student release: every attribute raises."""
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        raise ReferenceWithheld(f"{self.__name__}.{attr} is the teacher's (minillm/grading/private/ is not in a "
+                                "student release): this task is graded in the teacher's copy of the course")
+
+
+def private_reference(name: str) -> types.ModuleType:
+    """The grader-private module `minillm.grading.private.<name>` (docs/grading.md, "Grader-private
+    references"), imported now: call it at a grading module's import time, before learner code runs,
+    and use its attributes only inside checks. In a student release, where it is left out, a stand-in
+    whose attributes raise ReferenceWithheld: the check that needs it reports "not graded here"."""
+    import importlib
+
+    full = f"{__name__}.private.{name}"
+    try:
+        return importlib.import_module(full)
+    except ModuleNotFoundError as error:
+        if error.name not in (full, f"{__name__}.private"):
+            raise  # the private module exists but imports something missing: a real error
+        return _Withheld(full)
+
+
+WITHHELD = "NOT GRADED HERE"  # the verdict of a task whose reference a student release leaves out
+
+
 @dataclass
 class TaskResult:
     task: int
     name: str
     passed: bool
     lines: list[str] = field(default_factory=list)
+    withheld: bool = False  # its grader-private reference is not in this copy (never a PASS)
 
     @property
     def headline(self) -> str:
-        return f"task {self.task} ({self.name}): {'PASS' if self.passed else 'FAIL'}"
+        verdict = "PASS" if self.passed else WITHHELD if self.withheld else "FAIL"
+        return f"task {self.task} ({self.name}): {verdict}"
 
     def report(self) -> str:
         return "\n".join([self.headline, *(f"  {line}" for line in self.lines)])
@@ -124,7 +169,8 @@ class TaskResult:
         return self.report()
 
     def to_json(self) -> dict[str, Any]:
-        return {"task": self.task, "name": self.name, "passed": self.passed, "lines": list(self.lines)}
+        return {"task": self.task, "name": self.name, "passed": self.passed, "lines": list(self.lines),
+                "withheld": self.withheld}
 
 
 # --- the reference, disabled while learner code runs ---------------------------------------------
@@ -242,6 +288,7 @@ def task(number: int, name: str, check_time_limit_s: int = DEFAULT_TIME_LIMIT_S)
         @functools.wraps(check)
         def run(*args: Any) -> TaskResult:
             del _HITS[:]
+            withheld = False
             try:
                 with _time_limit(check_time_limit_s):
                     own = provenance.provenance_problem(args, sys.modules.get(check.__module__), number)
@@ -251,11 +298,14 @@ def task(number: int, name: str, check_time_limit_s: int = DEFAULT_TIME_LIMIT_S)
                         detail = check(*args)
                 problem = None
             except Fail as failure:
-                problem = str(failure)
+                stub = _stub_behind(failure)
+                problem = str(failure) if stub is None else f"not written yet (NotImplementedError: {stub})"
             except NotImplementedError as error:
                 problem = f"not written yet (NotImplementedError: {error})"
             except DelegationError as error:
                 problem = str(error)
+            except ReferenceWithheld as error:
+                problem, withheld = f"not graded here: {error}", True
             except _TimeLimit:
                 problem = f"no answer within {check_time_limit_s} s: does a loop never end?"
             except RecursionError as error:
@@ -265,8 +315,9 @@ def task(number: int, name: str, check_time_limit_s: int = DEFAULT_TIME_LIMIT_S)
             if _HITS:
                 problem = _HITS[0] + ("" if problem is None or problem in _HITS else f" ({problem})")
                 del _HITS[:]
+                withheld = False  # the learner's code called what it must not: that is the verdict
             if problem is not None:
-                return TaskResult(number, name, False, [problem])
+                return TaskResult(number, name, False, [problem], withheld=withheld)
             lines = [detail] if isinstance(detail, str) else list(detail or [])
             return TaskResult(number, name, True, lines)
 
@@ -274,6 +325,19 @@ def task(number: int, name: str, check_time_limit_s: int = DEFAULT_TIME_LIMIT_S)
         return run
 
     return decorate
+
+
+def _stub_behind(failure: BaseException) -> str | None:
+    """The message of a NotImplementedError (a stub) that a check caught and turned into this Fail
+    (`raise Fail(...)` inside its `except`, `from None` included), or None: a task whose code is not
+    written yet says so, whatever the check was comparing when it met the stub."""
+    seen, error = set(), failure.__cause__ or failure.__context__
+    while error is not None and id(error) not in seen:
+        if isinstance(error, NotImplementedError):
+            return str(error)
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def run_until_done(engine: Any, max_iterations: int, stalled: str) -> None:
@@ -351,6 +415,8 @@ def snapshot(prefixes: Iterable[str] = ("minillm",), libraries: bool = True) -> 
     monkeypatch."""
     prefixes = tuple(prefixes)
     state: dict[str, tuple] = _library_state() if libraries else {}
+    if any("minillm.grading.provenance".startswith(prefix) for prefix in prefixes):
+        state["minillm.grading.provenance._GIVEN"] = (id(provenance._GIVEN),)  # what the copy detector skips
     for module_name, module in list(sys.modules.items()):
         if module is None or not module_name.startswith(prefixes):
             continue

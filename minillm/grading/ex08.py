@@ -5,8 +5,8 @@ in whole blocks, and a trace on which SplitFuse's even split costs TTFT.
 Chapter 08 prints minillm's `_chunk`, `_running_order` and SplitFuse's `step_budget`; the exercise asks
 for variants the chapter did not show (shortest remaining prefill first after the decodes; chunks that
 end on a KV block boundary; SplitFuse's even share rounded up to whole blocks). Their reference is
-grader-private (`minillm.grading.private.ex08_reference`), disabled (`forbid`) with minillm's scheduler
-and chunk policies while learner code runs.
+grader-private (`minillm.grading.private.ex08_reference`, guarded while a check runs); minillm's
+scheduler and chunk policies are disabled (`forbid`) while learner code runs.
 
 Tasks 1–2 and 4's replays need no model: a stand-in executor emits token 7 for every row that
 reaches the end of its known tokens and each step takes 1 ms of simulated time. `ChunkedHarness` is
@@ -28,8 +28,7 @@ from minillm import LLM, SamplingParams
 from minillm.clock import SimClock
 from minillm.config import EngineConfig
 from minillm.engine import build_engine, make_kv_manager
-from minillm.grading import Fail, forbid, grade_time_seeds, run_until_done, task
-from minillm.grading.private import ex08_reference as private
+from minillm.grading import Fail, forbid, grade_time_seeds, private_reference, run_until_done, task
 from minillm.llm import BUNDLED_TARGET
 from minillm.model.config import ModelConfig
 from minillm.request import Request, RequestStatus
@@ -45,9 +44,9 @@ FRESH_CASES = 50  # task 1's cases drawn at grade time, besides the seeded ones
 # task 3: the scheduler around your fill_budget; task 5: both chunk policies on your trace
 LEARNER_TOOLS = {"ChunkedHarness": (3,), "compare_policies": (5,)}
 # What learner code may not call while a check runs: the scheduler and its chunk policies
-REFERENCES = (ContinuousScheduler, SarathiChunking, SplitFuseChunking, even_share, make_chunk_policy,
-              private.serve_order, private.fill_budget, private.splitfuse_budget, private.splitfuse_fill,
-              private._aligned, private._missing, private._decoding)
+REFERENCES = (ContinuousScheduler, SarathiChunking, SplitFuseChunking, even_share, make_chunk_policy)
+# The variants' reference (grader-private: guarded while a check runs, withheld from a student release)
+private = private_reference("ex08_reference")
 
 TOY_MODEL = ModelConfig(model_type="llama", vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=1,
                         num_heads=1, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,

@@ -2,7 +2,8 @@
 candidates at one position (a variant of chapter 09's sampler, which verifies one guess per
 position): the chain of residuals, the verifier graded by its exact output distribution, and a
 seeded random source. The reference for the variant is grader-private
-(`minillm.grading.private.ex09_reference`), disabled with minillm's sampler while learner code runs.
+(`minillm.grading.private.ex09_reference`, guarded while a check runs); minillm's sampler is disabled
+(`forbid`) while learner code runs.
 
 Task 2 does not sample. The learner's `verify(p, q, candidates, rng)` draws its randomness only through
 `rng.uniform()` and `rng.choice(probs)`; `ExactRng` answers every such call with *each* possible
@@ -22,8 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from minillm.grading import Fail, forbid, grade_time_seeds, task
-from minillm.grading.private import ex09_reference as private
+from minillm.grading import Fail, forbid, grade_time_seeds, private_reference, task
 from minillm.spec import rejection as reference
 
 # Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
@@ -34,6 +34,8 @@ DTYPE = torch.float64
 MAX_PATHS = 200_000
 UNIFORM_BINS = 20  # task 3 tests uniform()'s law on this many equal bins
 FRESH_CASES = 2  # tasks 1 and 2 add cases drawn when the check runs
+# The variant's reference (grader-private: guarded while a check runs, withheld from a student release)
+private = private_reference("ex09_reference")
 
 
 # --- exact randomness ----------------------------------------------------------------------------
@@ -202,7 +204,7 @@ def _candidates(q: torch.Tensor, n: int):
 
 
 def _forbidden() -> tuple:
-    return (reference.rejection_sample, reference.target_probs, private.residual_chain)
+    return (reference.rejection_sample, reference.target_probs)
 
 
 # --- task 1: the residuals after each rejection ----------------------------------------------------

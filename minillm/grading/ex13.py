@@ -9,7 +9,8 @@ operation by operation with minillm's `RadixTree` (the reference, disabled while
 task 3 the decision that skips only the overloaded workers and keeps matching among the others, on
 the learner's own tree, then the router on a seeded multi-tenant trace (`minillm.tenant_trace`) in
 front of simulated workers. The rule's reference is grader-private
-(`minillm.grading.private.ex13_reference`) and disabled with minillm's policies while learner code runs.
+(`minillm.grading.private.ex13_reference`, guarded while a check runs); minillm's policies and tree
+are disabled (`forbid`) while learner code runs.
 
 Task 3 does not ask for a tie-breaking: at every request it computes from a shadow `RadixTree` (fed
 the learner's own choices) the set of workers the rule allows, and the learner's choice must be in it;
@@ -27,8 +28,7 @@ import heapq
 import random
 from dataclasses import dataclass
 
-from minillm.grading import Fail, forbid, grade_time_seeds, task
-from minillm.grading.private import ex13_reference as private
+from minillm.grading import Fail, forbid, grade_time_seeds, private_reference, task
 from minillm.router import policies, radix
 from minillm.router.policies import CacheAwareConfig
 from minillm.router.radix import RadixTree
@@ -36,8 +36,9 @@ from minillm.tenant_trace import make_tenant_trace
 
 LEARNER_TOOLS = ()  # nothing of this module is lent; CacheAwareConfig is minillm's
 REFERENCE = (policies.CacheAware, policies.LeastLoad, policies.RoundRobin, policies.Policy,
-             policies._least_loaded, policies.make_policy, radix.RadixTree, radix._common_len,
-             private.overloaded, private.allowed, private.Router)
+             policies._least_loaded, policies.make_policy, radix.RadixTree, radix._common_len)
+# The rule's reference (grader-private: guarded while a check runs, withheld from a student release)
+private = private_reference("ex13_reference")
 FRESH_CASES = 2
 
 # --- task 1: the overloaded workers -------------------------------------------------------------------

@@ -3,20 +3,33 @@
 Three rules, each a class of answer that passes a check of outputs alone:
 
 1. **Not the library's answer under another name.** Every function the learner hands in, and every
-   function reachable from it (methods of a class, closures, defaults, the globals its code names,
-   `functools.partial`, numba dispatchers' `py_func`, `__wrapped__`), is compared, as bytecode, with
-   every function in minillm's source (the library and its graders). Names of locals, globals and
-   attributes are left out of the comparison, so a renamed copy is still a copy; line numbers and
-   docstrings are not bytecode. A function of at least `MIN_INSTRUCTIONS` instructions whose
-   bytecode is the same as a minillm function's, or of at least `NEAR_MIN_INSTRUCTIONS` whose
-   bytecode is `NEAR_RATIO` alike (difflib's ratio), FAILs: a reused `__code__`, a
-   `types.FunctionType(ref.__code__, ...)`, a class made by `exec(inspect.getsource(Reference))`,
-   a kernel copied from `minillm.kernels` with its names changed. Handing in minillm's own function
-   or class, or a class that holds one of minillm's functions as a method, FAILs too. Small
-   functions are not compared (two people write `return self.total` alike); a learner who rewrites
-   a reference by hand, changing more than a few percent of it, is not caught: that is writing it
-   (and a kernel written independently in exactly the library's statement order is indistinguishable
-   from a copy: the message says what matched).
+   function and class reachable from it (methods of a class, its base classes that are not
+   minillm's own, closures, defaults, the globals its code names, `functools.partial`, numba
+   dispatchers' `py_func`, `__wrapped__`), is compared, as bytecode, with minillm's source (the
+   library, its graders and their private references). Names of locals, globals and attributes are
+   left out, so a renamed copy is still a copy; line numbers and docstrings are not bytecode. How
+   alike two pieces are: the instructions they share in order (difflib's matching blocks) as a share
+   of the longer one. It FAILs when
+   - a function of at least `SMALL_INSTRUCTIONS` instructions has a minillm function's bytecode, or
+     shares `FUNCTION_SHARE` of it (0.92 below 60 instructions, 0.85 from 60), or holds
+     `CONTAINED_SHARE` (0.90) of a minillm function of `CONTAINED_MIN` or more while at most twice
+     its size (a copy padded with statements that do nothing);
+   - a class (its methods) or the group of the learner's other functions, summed over its functions
+     (each with its closest function there), shares `UNIT_SHARE` of a minillm class or module's
+     functions, or holds `UNIT_CONTAINED_SHARE` of one: small functions count here, so a copy
+     assembled from short methods, or reached through a base class rebuilt from the library's
+     source, is compared as a whole;
+   - minillm's own function or class is handed in, or held by a class as a method.
+   The near rules (share, containment, whole units) compare with the library and the grader-private
+   references (minillm/grading/private/); a grading module's own functions only for the same
+   bytecode: graders hold harnesses and wrong variants of an answer that an honest answer resembles
+   (ex10's kernel shares 0.87 with one), and a reference answer belongs in private/ (docs/grading.md).
+   The exercise's given code (setup cells, the learner cells as the exercise shows them: `set_given`)
+   is left out: everyone has it. The thresholds are set on this course's solutions, none of which
+   comes within 0.08 of them (tests/test_grading_copies.py); a hand-retyped copy keeps well over 0.9
+   of the original. Rewriting a reference by hand so that a sixth of it differs is not caught: that
+   is writing it (and a kernel written independently in exactly the library's statement order is
+   indistinguishable from a copy: the message says what matched).
 2. **The grader is not a library.** While a check runs, every function of a grading module
    (`minillm.grading.exNN`) other than the tools it lists in `LEARNER_TOOLS` (harnesses, a
    simulator the task asks to explore) raises when learner code calls it, and the task FAILs
@@ -46,18 +59,30 @@ import sys
 import sysconfig
 import threading
 import types
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from difflib import SequenceMatcher
 from pathlib import Path
 from typing import Any
 
-MIN_INSTRUCTIONS = 30
-NEAR_MIN_INSTRUCTIONS = 60
-NEAR_RATIO = 0.97
+# How alike two pieces of bytecode are: the instructions they share in order (difflib's matching
+# blocks), as a share of the longer one. Thresholds set on this course's solutions (every learner
+# function, class and group of functions of solutions/*.ipynb, the exercise's given code left out;
+# tests/test_grading_copies.py keeps them MARGIN below): their closest matches in minillm are 0.83 of
+# a 52-instruction method (rule: 0.92 under 60), 0.75 of a 97-instruction function (rule: 0.85),
+# 0.75 of one found inside an answer (rule: 0.90), 0.58 of a module's functions (rule: 0.80); a
+# hand-retyped copy with a few edits keeps over 0.9 (tests/known_wrong/copies.py).
+SMALL_INSTRUCTIONS = 24  # a function shorter than this is compared only as part of its class or group
+FUNCTION_SHARE = ((60, 0.85), (SMALL_INSTRUCTIONS, 0.92))  # (from this many instructions, share that is a copy)
+CONTAINED_MIN, CONTAINED_SHARE = 60, 0.90  # a minillm function of >= 60 found in yours, padded up to 2x
+UNIT_MIN, UNIT_SHARE = 40, 0.80  # a class or group of functions: the sum over its functions
+UNIT_CONTAINED_MIN, UNIT_CONTAINED_SHARE = 80, 0.90
+MIN_INSTRUCTIONS = SMALL_INSTRUCTIONS  # the name earlier graders and tests use
 MAX_REACHABLE = 400
 
 PACKAGE_DIR = str(Path(__file__).resolve().parent.parent) + os.sep  # .../minillm/
 GRADING_DIR = str(Path(__file__).resolve().parent) + os.sep  # .../minillm/grading/
+PRIVATE_DIR = GRADING_DIR + "private" + os.sep  # grader-private references: answers, compared as the library's
 _LIBRARY_DIRS = tuple(sorted({str(Path(p).resolve()) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib")
                               if (p := sysconfig.get_paths().get(key))}))
 
@@ -77,6 +102,7 @@ def tokens(code: types.CodeType) -> tuple[str, ...]:
     if hit is not None and hit[0] is code:
         return hit[1]
     out = []
+    arguments = code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & 0x4) + bool(code.co_flags & 0x8)
     for ins in dis.get_instructions(code):
         op = _SAME.get(ins.opname, ins.opname)
         if op in _SKIP:
@@ -84,7 +110,9 @@ def tokens(code: types.CodeType) -> tuple[str, ...]:
         if ins.opcode in _JUMPS:  # offsets depend on inline caches: the kind of jump is what counts
             arg = ""
         elif op in _FAST:
-            arg: Any = ins.arg
+            # An argument keeps its position; any other local is just "a local": adding one near the
+            # top would otherwise renumber every local after it and hide a copy.
+            arg: Any = f"a{ins.arg}" if ins.arg is not None and ins.arg < arguments else "local"
         elif op == "LOAD_CONST":
             arg = "<code>" if isinstance(ins.argval, types.CodeType) else repr(ins.argval)[:80]
         elif ins.opcode in dis.hasname:
@@ -112,11 +140,29 @@ def _is_function_code(code: types.CodeType) -> bool:
     return bool(code.co_flags & 0x1) and code.co_name != "<module>"  # CO_OPTIMIZED: a def or lambda
 
 
+class LibraryIndex:
+    """Every function of minillm's source, by bytecode: `exact` (tokens -> label, functions of at least
+    SMALL_INSTRUCTIONS), `sized` ((size, tokens, label), sorted by size) and `units`: each class (its
+    methods and what they nest) and each module's own functions, as (label, [tokens, ...], total)."""
+
+    def __init__(self) -> None:
+        self.exact: dict[tuple[str, ...], str] = {}
+        self.sized: list[tuple[int, tuple[str, ...], str]] = []
+        self.units: list[tuple[str, list[tuple[str, ...]], int, Counter]] = []
+
+    def __iter__(self):  # (exact, sized), as callers unpacked it before units existed
+        return iter((self.exact, self.sized))
+
+
+def _unit_of(code: types.CodeType) -> str:
+    """'Class' for a method (and what it nests), '<module>' for a module-level function."""
+    outer = code.co_qualname.split(".<locals>")[0].split(".")
+    return outer[0] if len(outer) > 1 else "<module>"
+
+
 @functools.lru_cache(maxsize=4)
-def _library_index(roots: tuple[str, ...], stamp: float) -> tuple[dict[tuple[str, ...], str],
-                                                                   list[tuple[int, tuple[str, ...], str]]]:
-    exact: dict[tuple[str, ...], str] = {}
-    sized: list[tuple[int, tuple[str, ...], str]] = []
+def _library_index(roots: tuple[str, ...], stamp: float) -> LibraryIndex:
+    index = LibraryIndex()
     paths = sorted({path for root in roots for path in Path(root).rglob("*.py") if "__pycache__" not in path.parts})
     top = Path(PACKAGE_DIR).parent
     for path in paths:
@@ -125,18 +171,28 @@ def _library_index(roots: tuple[str, ...], stamp: float) -> tuple[dict[tuple[str
         except (OSError, SyntaxError, ValueError):
             continue
         relative = str(path.relative_to(top)) if path.is_relative_to(top) else str(path)
+        # A grading module's own functions (not its private references) are compared for the same
+        # bytecode only: a grader holds harnesses and wrong variants of an answer (ex10's kernels share
+        # 0.87 with one), which an honest answer resembles; a reference answer belongs in private/.
+        grader = str(path.resolve()).startswith(GRADING_DIR) and not str(path.resolve()).startswith(PRIVATE_DIR)
+        units: dict[str, list[tuple[str, ...]]] = {}
         for code in code_tree(module):
             if not _is_function_code(code):
                 continue
             toks = tokens(code)
-            if len(toks) < MIN_INSTRUCTIONS:
+            units.setdefault(_unit_of(code), []).append(toks)
+            if len(toks) < SMALL_INSTRUCTIONS:
                 continue
             label = f"{code.co_qualname} ({relative})"
-            exact.setdefault(toks, label)
-            if len(toks) >= NEAR_MIN_INSTRUCTIONS:
-                sized.append((len(toks), toks, label))
-    sized.sort(key=lambda item: item[0])
-    return exact, sized
+            index.exact.setdefault(toks, label)
+            if not grader:
+                index.sized.append((len(toks), toks, label))
+        for name, members in units.items() if not grader else ():
+            label = f"{relative}'s functions" if name == "<module>" else f"{name} ({relative})"
+            index.units.append((label, members, sum(map(len, members)), Counter(i for m in members for i in m)))
+    index.sized.sort(key=lambda item: item[0])
+    index.units.sort(key=lambda item: item[2])
+    return index
 
 
 def source_roots() -> tuple[str, ...]:
@@ -152,7 +208,7 @@ def source_roots() -> tuple[str, ...]:
 _CURRENT: list = []  # the index library_index() last returned: what matches use between two refreshes
 
 
-def library_index():
+def library_index() -> LibraryIndex:
     """Fingerprints of every function in minillm's source files (rebuilt when a file changes; looked
     at once per check)."""
     roots = source_roots()
@@ -162,44 +218,150 @@ def library_index():
     return index
 
 
-_MATCHES: dict[int, tuple[types.CodeType, str | None, object]] = {}
+def _index() -> LibraryIndex:
+    return _CURRENT[0] if _CURRENT else library_index()
+
+
+# --- the exercise's given code: the same for every learner, never a copy ---------------------------
+
+_GIVEN: frozenset = frozenset()
+
+
+def set_given(sources: Iterable[str]) -> None:
+    """The code every learner is given (the exercise's setup cells, the learner cells as the exercise
+    shows them): its functions are not compared (a given `add_request` may well be a harness's).
+    The runner calls this before any learner code runs; the tamper check watches it."""
+    global _GIVEN
+    found = set()
+    for source in sources:
+        try:
+            module = compile(source, "<given>", "exec", dont_inherit=True)
+        except (SyntaxError, ValueError):
+            continue
+        found.update(tokens(code) for code in code_tree(module) if _is_function_code(code))
+    _GIVEN = frozenset(found)
+
+
+def given() -> frozenset:
+    return _GIVEN
+
+
+# --- how alike ---------------------------------------------------------------------------------------
+
+_SHARED: dict[tuple[int, int], int] = {}
+
+
+def shared(mine: tuple[str, ...], theirs: tuple[str, ...]) -> int:
+    """The instructions `mine` and `theirs` have in common, in order (difflib's matching blocks)."""
+    key = (id(mine), id(theirs))
+    hit = _SHARED.get(key)
+    if hit is None:
+        if len(_SHARED) > 200_000:
+            _SHARED.clear()
+        matcher = SequenceMatcher(None, mine, theirs, autojunk=False)
+        hit = _SHARED[key] = sum(block.size for block in matcher.get_matching_blocks())
+    return hit
+
+
+def _upper(mine: tuple[str, ...], theirs: tuple[str, ...]) -> int:
+    """A cheap bound on shared(): what their multisets of instructions have in common."""
+    matcher = SequenceMatcher(None, mine, theirs, autojunk=False)
+    return round(matcher.quick_ratio() * (len(mine) + len(theirs)) / 2)
+
+
+def _function_share(size: int) -> float | None:
+    return next((share for floor, share in FUNCTION_SHARE if size >= floor), None)
+
+
+_MATCHES: dict[int, tuple[types.CodeType, str | None, object, frozenset]] = {}
 
 
 def library_match(code: types.CodeType) -> str | None:
-    """'minillm's X' when `code` (or a function inside it) is a minillm function's bytecode, else None."""
+    """'X is minillm's Y ...' when `code` (or a function inside it) is a minillm function's bytecode,
+    or a near copy of one (FUNCTION_SHARE, CONTAINED_SHARE), else None. The given code is skipped."""
+    index = _index()
     hit = _MATCHES.get(id(code))
-    if hit is not None and hit[0] is code and hit[2] is (_CURRENT[0] if _CURRENT else None):
+    if hit is not None and hit[0] is code and hit[2] is index and hit[3] is _GIVEN:
         return hit[1]
     if len(_MATCHES) > 10_000:
         _MATCHES.clear()
-    result = _library_match(code)
-    _MATCHES[id(code)] = (code, result, _CURRENT[0] if _CURRENT else None)
+    result = _library_match(code, index)
+    _MATCHES[id(code)] = (code, result, index, _GIVEN)
     return result
 
 
-def _library_match(code: types.CodeType) -> str | None:
-    exact, sized = _CURRENT[0] if _CURRENT else library_index()
+def _library_match(code: types.CodeType, index: LibraryIndex) -> str | None:
     for inner in code_tree(code):
         if not _is_function_code(inner):
             continue
         toks = tokens(inner)
-        if len(toks) < MIN_INSTRUCTIONS:
+        if len(toks) < SMALL_INSTRUCTIONS or toks in _GIVEN:
             continue
-        label = exact.get(toks)
+        label = index.exact.get(toks)
         if label is not None:
             return f"{inner.co_qualname} is minillm's {label}: the same bytecode"
-        if len(toks) < NEAR_MIN_INSTRUCTIONS:
+        found = _near_function(toks, index)
+        if found is not None:
+            return f"{inner.co_qualname} is minillm's {found}"
+    return None
+
+
+def _near_function(toks: tuple[str, ...], index: LibraryIndex) -> str | None:
+    """A near copy: the share of the longer one the two have in common is at least FUNCTION_SHARE's
+    (for the longer one's size), or a minillm function of CONTAINED_MIN or more is CONTAINED_SHARE
+    found in `toks` that is at most twice its size (a copy padded with statements that do nothing)."""
+    mine = len(toks)
+    for size, other, label in index.sized:
+        if size > 2 * mine:
+            break
+        if 2 * size < mine and size < CONTAINED_MIN:
             continue
-        low, high = len(toks) * NEAR_RATIO / (2 - NEAR_RATIO), len(toks) * (2 - NEAR_RATIO) / NEAR_RATIO
-        for size, other, label in sized:
-            if size < low:
-                continue
-            if size > high:
-                break
-            matcher = SequenceMatcher(None, toks, other, autojunk=False)
-            if matcher.real_quick_ratio() >= NEAR_RATIO and matcher.quick_ratio() >= NEAR_RATIO \
-                    and matcher.ratio() >= NEAR_RATIO:
-                return f"{inner.co_qualname} is minillm's {label} with {matcher.ratio():.0%} of its bytecode in common"
+        longer = max(mine, size)
+        share = _function_share(longer)
+        contained = size >= CONTAINED_MIN and mine <= 2 * size
+        if share is None and not contained:
+            continue
+        need = min(share * longer if share is not None else float("inf"),
+                   CONTAINED_SHARE * size if contained else float("inf"))
+        if _upper(toks, other) < need:
+            continue
+        common = shared(toks, other)
+        if share is not None and common >= share * longer:
+            return f"{label} with {common / longer:.0%} of the longer one's bytecode in common, in order"
+        if contained and common >= CONTAINED_SHARE * size:
+            return f"{label}, {common / size:.0%} of its bytecode found in yours, in order"
+    return None
+
+
+def unit_match(label: str, members: list[tuple[str, ...]]) -> str | None:
+    """A class (its methods) or a group of functions whose whole matches one of minillm's classes or
+    modules: summed over its functions, each one's instructions in common with its closest function
+    there, as a share of the larger whole (UNIT_SHARE), or that whole found in it (UNIT_CONTAINED_SHARE).
+    Small functions count here: a copy assembled from many short methods is still a copy."""
+    members = [m for m in members if m not in _GIVEN]
+    total = sum(map(len, members))
+    if total < UNIT_MIN:
+        return None
+    bag = Counter(i for m in members for i in m)
+    for name, theirs, size, their_bag in _index().units:
+        if size * UNIT_SHARE > total and size > total:
+            break
+        whole = max(total, size)
+        alike = size >= UNIT_SHARE * total or (size >= UNIT_CONTAINED_MIN and total <= 2 * size)
+        if not alike:
+            continue
+        upper = sum((bag & their_bag).values())  # no order can share more than the two bags of instructions
+        if upper < UNIT_SHARE * whole and (size < UNIT_CONTAINED_MIN or upper < UNIT_CONTAINED_SHARE * size):
+            continue
+        mine = sum(max((shared(m, o) for o in theirs), default=0) for m in members)
+        if mine >= UNIT_SHARE * whole:
+            return (f"{label} is minillm's {name}: summed over its {len(members)} function(s), "
+                    f"{mine / whole:.0%} of the bytecode in common, in order")
+        if size >= UNIT_CONTAINED_MIN and total <= 2 * size:
+            found = sum(max((shared(m, o) for m in members), default=0) for o in theirs)
+            if found >= UNIT_CONTAINED_SHARE * size:
+                return (f"{label} holds minillm's {name}: {found / size:.0%} of its bytecode found in yours, "
+                        "in order")
     return None
 
 
@@ -398,12 +560,43 @@ def provenance_problem(objects: Iterable[Any], module: types.ModuleType | None =
         if match is not None:
             return (f"{match}. Code reused from minillm (its code object, its source re-executed, a copy "
                     "with the names changed) is the library's answer under another name: write it yourself")
+    for label, members in _units(functions, classes):
+        match = unit_match(label, members)
+        if match is not None:
+            return (f"{match}. A class or a set of functions copied from minillm, piece by piece (small "
+                    "methods included, a base class rebuilt from its source included), is the library's "
+                    "answer under another name: write it yourself")
     for function in functions:
         where = function.__code__.co_filename
         if file_kind(where) != "learner" and function.__globals__.get("__name__") == "__main__":
             return (f"{function.__qualname__} claims to be defined in {where}: define it in your cell "
                     "(code that forges where it comes from is not graded)")
     return None
+
+
+def _members(cls: type) -> list[types.FunctionType]:
+    found = []
+    for raw in vars(cls).values():
+        values = [raw.fget, raw.fset, raw.fdel] if isinstance(raw, property) else [_unwrap(raw)]
+        found += [v for v in values if isinstance(v, types.FunctionType) and _traversable(v)]
+    return found
+
+
+def _units(functions: list[types.FunctionType], classes: list[type]) -> Iterator[tuple[str, list[tuple[str, ...]]]]:
+    """Each of the learner's classes (its methods, and what they nest) and the group of the learner's
+    other functions, as lists of bytecode tokens: what unit_match compares with minillm's classes and
+    modules."""
+    owned: set[int] = set()
+    for cls in classes:
+        methods = _members(cls)
+        owned.update(id(f) for f in methods)
+        yield (f"your class {cls.__qualname__}",
+               [tokens(code) for f in methods for code in code_tree(f.__code__) if _is_function_code(code)])
+    rest = [f for f in functions if id(f) not in owned]
+    if rest:
+        names = ", ".join(sorted({f.__qualname__ for f in rest})[:6]) + (", ..." if len(rest) > 6 else "")
+        yield (f"your functions ({names})",
+               [tokens(code) for f in rest for code in code_tree(f.__code__) if _is_function_code(code)])
 
 
 # --- the grader's helpers, guarded while a check runs ---------------------------------------------
@@ -447,7 +640,10 @@ def _grader_functions(module: types.ModuleType, task: int | None) -> Iterator[tu
 
 
 def grading_modules() -> list[types.ModuleType]:
-    return [m for n, m in list(sys.modules.items()) if m is not None and n.startswith("minillm.grading.ex")]
+    """The grading modules (minillm.grading.exNN) and the grader-private ones they loaded
+    (minillm.grading.private.*): what rule 2 guards."""
+    return [m for n, m in list(sys.modules.items()) if m is not None
+            and (n.startswith("minillm.grading.ex") or n.startswith("minillm.grading.private."))]
 
 
 class guard_graders:

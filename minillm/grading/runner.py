@@ -36,6 +36,7 @@ _BEGIN = re.compile(r"^[ \t]*#\s*BEGIN SOLUTION\s*$", re.MULTILINE)
 _GRADED = re.compile(r"^[ \t]*#\s*NBVAL_CHECK_OUTPUT\s*$", re.MULTILINE)
 _NUMBER = re.compile(r"^ex(\d\d)_")
 CELL_TIME_LIMIT_S = 300
+WITHHELD = "NOT GRADED HERE"  # minillm.grading.WITHHELD (this module imports nothing of minillm in the parent)
 SKIP_TAG = "grading-skip"  # on a solution's demo cell that no check needs
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 CELLS_DIR = Path(__file__).resolve().parent / "cells"  # the manifests, written by tools/build_exercises.py
@@ -101,11 +102,27 @@ def course_cells(solution: dict, name: str) -> dict[str, Any]:
         elif _GRADED.search(source):
             entry.update(kind="graded", source=source)
         elif _BEGIN.search(source):
-            entry["kind"] = "learner"
+            entry.update(kind="learner", given=given_code(source))
         else:
             entry.update(kind="setup", source=source)
         cells.append(entry)
     return {"exercise": Path(name).name, "cells": cells}
+
+
+_REGION = re.compile(r"^([ \t]*)#[ \t]*BEGIN SOLUTION[ \t]*$.*?^[ \t]*#[ \t]*END SOLUTION[ \t]*$", re.MULTILINE | re.DOTALL)
+
+
+def given_code(source: str) -> str:
+    """A learner cell as every learner gets it: each solution region a bare `raise NotImplementedError`
+    (the exercise's stub without its hint). The copy detector leaves its functions out (provenance.set_given)."""
+    return _REGION.sub(lambda match: f"{match[1]}raise NotImplementedError", source)
+
+
+def given_sources(cells: list[dict[str, Any]]) -> list[str]:
+    """The code of a plan (or a manifest's cells) that is the same for every learner: setup cells and the
+    learner cells' given code."""
+    return [cell["source"] if cell["kind"] == "setup" else cell.get("given", "") for cell in cells
+            if cell["kind"] in ("setup", "learner")]
 
 
 def manifest_for(learner_path: Path, cells_dir: Path | None = None) -> Path:
@@ -152,6 +169,7 @@ def compose(course: Path | dict, learner_path: Path) -> Plan:
                               "where": where})
             else:
                 cells.append({"kind": "learner", "source": _source(mine), "where": where})
+            cells[-1]["given"] = entry.get("given", "")
         else:
             if mine is not None and _source(mine) != entry["source"]:
                 notes.append(f"{where} (given code) differs from the course's; the course's was run")
@@ -171,9 +189,10 @@ def _run_plan(plan: dict, result_file) -> None:
     # Everything the loop needs is bound here, before any learner code runs.
     import importlib
 
-    from minillm.grading import TaskResult, snapshot, tampered, tasks_of
+    from minillm.grading import TaskResult, provenance, snapshot, tampered, tasks_of
 
     dumps, write, flush, monotonic = json.dumps, result_file.write, result_file.flush, time.monotonic
+    provenance.set_given(given_sources(plan["cells"]))  # the exercise's given code is everyone's
     grader = importlib.import_module(plan["grader"])
     checks = tasks_of(grader)
     before = snapshot()
@@ -257,11 +276,14 @@ class GradeReport:
     def text(self) -> str:
         lines = [f"{self.notebook}"]
         for r in self.results:
-            lines.append(f"  task {r['task']} ({r['name']}): {'PASS' if r['passed'] else 'FAIL'}")
+            verdict = "PASS" if r["passed"] else WITHHELD if r.get("withheld") else "FAIL"
+            lines.append(f"  task {r['task']} ({r['name']}): {verdict}")
             lines += [f"    {line}" for line in r["lines"]]
         lines += [f"  note: {note}" for note in self.notes]
-        passed = sum(r["passed"] for r in self.results)
-        lines.append(f"  {passed}/{len(self.results)} task(s) pass")
+        passed, withheld = sum(r["passed"] for r in self.results), sum(bool(r.get("withheld")) for r in self.results)
+        lines.append(f"  {passed}/{len(self.results)} task(s) pass"
+                     + (f"; {withheld} graded only in your teacher's copy (its reference is not in a student "
+                        "release)" if withheld else ""))
         return "\n".join(lines)
 
 

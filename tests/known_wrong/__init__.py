@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minillm.grading import LIBRARIES, TaskResult, snapshot, tampered, tasks_of
-from minillm.grading.runner import compose, grader_module_for
+from minillm.grading import LIBRARIES, TaskResult, provenance, snapshot, tampered, tasks_of
+from minillm.grading.runner import compose, given_sources, grader_module_for
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -87,6 +87,7 @@ def run_task(number: str, task: int, mutant: Mutant | None = None) -> TaskResult
     try:
         return _run_task(number, task, mutant)
     finally:
+        provenance.set_given(())
         for owner, name, value in saved:
             if vars(owner).get(name) is not value:
                 setattr(owner, name, value)
@@ -99,6 +100,7 @@ def _run_task(number: str, task: int, mutant: Mutant | None) -> TaskResult:
     learner = [i for i, cell in enumerate(plan.cells) if cell["kind"] == "learner"]
     sources = apply_edits([plan.cells[i]["source"] for i in learner], mutant.edits if mutant else ())
     namespace: dict[str, Any] = {"__name__": "__main__"}
+    provenance.set_given(given_sources(plan.cells))  # as the runner does: the exercise's given code is everyone's
     grader = importlib.import_module(grader_module_for(solution))
     before = snapshot()
     target = None
