@@ -302,7 +302,21 @@ def check_task_3(make_llm, fill_budget) -> list[str]:
              f"every step's chunks and decodes identical to the rule's engine: {steps == ref_steps}"]
     if tokens != plain_tokens or steps != ref_steps or tokens != ref_tokens:
         raise Fail("your engine run differs from the rule's: " + "; ".join(lines[1:]))
-    return lines
+    # knobs drawn as the check runs: an engine that ignores **knobs (its own, or the seeded ones) fails here
+    draw = random.Random(grade_time_seeds(1)[0])
+    block_size = draw.choice([4, 8, 16])
+    knobs = dict(ENGINE_KNOBS, block_size=block_size, max_num_seqs=draw.choice([2, 3, 4]),
+                 max_num_batched_tokens=draw.choice([b for b in (16, 24, 32) if b >= block_size]),
+                 long_prefill_token_threshold=draw.choice([0, max(block_size, 12)]))
+    _, ref_steps = _engine_run(LLM(BUNDLED_TARGET, **knobs, scheduler_factory=lambda config, kv:
+                                   ChunkedHarness(config, kv, private.fill_budget)))
+    with forbid(*REFERENCES):
+        tokens, steps = _engine_run(make_llm(**knobs))
+    if tokens != plain_tokens or steps != ref_steps:
+        raise Fail(f"with knobs drawn as the check ran ({knobs}): greedy outputs identical to unchunked decoding: "
+                   f"{tokens == plain_tokens}; every step identical to the rule's engine: {steps == ref_steps} "
+                   "(are the knobs passed through to LLM?)")
+    return lines + ["and with knobs drawn as the check ran (budget, cap, block size, sequences): the same"]
 
 
 # --- task 4: Dynamic SplitFuse's step ------------------------------------------------------------

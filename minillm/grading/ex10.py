@@ -59,6 +59,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 if "numba.cuda" not in sys.modules and not torch.cuda.is_available():
@@ -93,6 +94,7 @@ CASES: tuple[tuple[str, dict], ...] = (
                                    head_dim=8, seed=12, logit_scale=1000.0)),
 )
 DRAWN_BATCHES = 3  # task 5's batches drawn when the check runs
+DRAWN_RUNG_CASES = 2  # each ladder task's cases drawn when the check runs
 ATOL = RTOL = 1e-4
 _THREAD_ID = re.compile(r"tid=\[[^\]]*\] ctaid=\[[^\]]*\]:\s*")  # which thread failed first varies
 PORTABLE_MODULES = {"math": math, "cuda": cuda}  # what a kernel's globals may name, besides numbers
@@ -194,15 +196,75 @@ def decode_problems(python_function: Callable, drawn: tuple[int, ...] = ()) -> l
 
 # ---- tasks 1-4: the ladder -----------------------------------------------------------------------
 
+def drawn_rung_case(rung: str, seed: int) -> ladder.Case:
+    """One case of `rung` drawn from `seed` (a seed drawn when the check runs): other sizes than the seeded
+    ones, so a kernel written for those (a grid, a length, a block count) fails."""
+    g = np.random.default_rng(seed)
+    tpb = ladder.TPB
+    if rung == "map":
+        rows, cols = (int(v) for v in g.integers(1, 13, 2))
+        grid = (-(-rows // 4) + int(g.integers(0, 2)), -(-cols // 4) + int(g.integers(0, 2)))  # spare threads
+        inputs = {"a": g.integers(-9, 10, rows).astype(np.float32), "b": g.integers(-9, 10, cols).astype(np.float32)}
+        return ladder.Case(f"a[{rows}] + b[{cols}] on {grid[0]}x{grid[1]} blocks of 4x4 threads", inputs, (rows, cols),
+                           grid, (4, 4), ladder.broadcast_add_spec)
+    if rung == "shared memory":
+        n = int(g.integers(1, 5 * tpb))
+        a = g.integers(-9, 10, n).astype(np.float32)
+        return ladder.Case(f"{n} numbers, blocks of {tpb}", {"a": a}, (n,), -(-n // tpb), tpb, ladder.window_sum_spec)
+    if rung == "reduction":
+        n = int(g.integers(1, 5 * tpb))
+        a = -g.integers(1, 100, n).astype(np.float32)
+        blocks = -(-n // tpb)
+        return ladder.Case(f"{n} negative numbers, {blocks} blocks of {tpb}", {"a": a}, (blocks,), blocks, tpb,
+                           ladder.block_max_spec)
+    rows, width = int(g.choice([1, 2, 3, 4, 6, 7])), 12  # never the seeded case's 5 rows
+    lengths = g.integers(1, width + 1, rows).astype(np.int32)
+    scores = np.full((rows, width), np.nan, dtype=np.float32)
+    values = np.full((rows, width), np.nan, dtype=np.float32)
+    for r, n in enumerate(lengths):
+        scores[r, :n] = (g.standard_normal(n) * g.choice([1.0, 10.0, 1000.0])).astype(np.float32)
+        values[r, :n] = g.standard_normal(n).astype(np.float32)
+    return ladder.Case(f"{rows} rows of {', '.join(map(str, lengths.tolist()))} scores", {"scores": scores,
+                       "values": values, "lengths": lengths}, (rows,), -(-rows // 4), 4, ladder.softmax_weighted_sum_spec)
+
+
+def _drawn_rung_problem(rung: str, kernel, seeds: list[int]) -> str | None:
+    """The first problem of `kernel` on cases of `rung` drawn from `seeds`, judged as ladder.problems judges
+    the seeded ones (the spec, races, wrapped indices, the rung's properties), or None."""
+    properties = ladder.RUNGS[rung][1]
+    for seed in seeds:
+        case = drawn_rung_case(rung, seed)
+        want = case.want()
+        where = f"{case.label} (drawn as the check ran, seed {seed})"
+        try:
+            with forbid(*ladder.SPECS):
+                trace, out = ladder._run(kernel, case)
+        except NotImplementedError:
+            raise
+        except Exception as error:  # the simulator raises what a GPU would silently get wrong
+            message = _THREAD_ID.sub("", (str(error).splitlines() or [""])[0])[:160]
+            return f"{where}: {type(error).__name__}: {message}"
+        problem = f"a race: {trace.races()[0]}" if trace.races() else None
+        if problem is None and trace.wrapped:
+            name, element = trace.wrapped[0]
+            problem = f"{name} read at a negative index (wrapped around to {list(element)}; on a GPU: out of bounds)"
+        problem = problem or ladder._compare(out, want) or properties(trace, case)
+        if problem is not None:
+            return f"{where}: {problem}"
+    return None
+
+
 def _rung(rung: str, kernel) -> list[str]:
     _numba_ready()
     try:
         problem, lines, _ = ladder.problems(rung, kernel, guard=lambda: forbid(*ladder.SPECS))
+        if problem is None:
+            problem = _drawn_rung_problem(rung, kernel, grade_time_seeds(DRAWN_RUNG_CASES))
     except NotImplementedError as error:  # the stub: say so, without which simulated thread hit it first
         raise NotImplementedError(_THREAD_ID.sub("", str(error))) from None
     if problem is not None:
         raise Fail(problem)
-    return lines
+    return lines + [f"{DRAWN_RUNG_CASES} case(s) drawn as the check ran: match the spec"]
 
 
 @task(1, "map", check_time_limit_s=60)

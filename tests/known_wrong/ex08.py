@@ -154,6 +154,10 @@ KNOWN_WRONG = [
            expect="differs from the rule's"),
     Mutant(3, "delegates: the engine's ContinuousScheduler in a harness", code=DELEGATING_FILLER,
            expect="reference ContinuousScheduler"),
+    Mutant(3, "fits the seeded knobs only: the check's knobs hard-coded, **knobs ignored", edits=((
+        "scheduler_factory=lambda config, kv: grader.ChunkedHarness(config, kv, fill_budget), **knobs)",
+        "scheduler_factory=lambda config, kv: grader.ChunkedHarness(config, kv, fill_budget), "
+        "**grader.ENGINE_KNOBS)"),), expect="knobs drawn as the check ran"),
     # task 4: SplitFuse's step in whole blocks
     Mutant(4, "Sarathi's fixed budget: a full step, then the remainder", edits=((SHARE, "        budget = target"),),
            expect="two passes of 20, not 32 + 8"),

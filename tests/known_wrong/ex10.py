@@ -161,3 +161,9 @@ KNOWN_WRONG += [
     Mutant(4, "reads the whole row width, past the row's end", edits=((
         "for j in range(lengths[r]):", "for j in range(scores.shape[1]):"),), expect="NaN"),
 ]
+
+# issue 27: a ladder kernel that fits only the seeded case (5 rows) fails on the cases drawn at grade time
+KNOWN_WRONG += [
+    Mutant(4, "fits the seeded case only: five rows assumed", edits=((
+        "    if r < lengths.size:\n", "    if r < 5:\n"),), expect="drawn as the check ran"),
+]
