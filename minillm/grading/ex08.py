@@ -445,11 +445,9 @@ def _checked_trace(requests) -> list[tuple[float, int, int]]:
 
 
 @task(5, "when the even split hurts")
-def check_task_5(splitfuse_hurts, why) -> list[str]:
+def check_task_5(splitfuse_hurts, why_splitfuse_loses) -> list[str]:
     # Not under forbid(*REFERENCES): the answer is a trace, judged by simulating it, and the learner may
     # search for it with compare_policies (lent for this task), which runs both chunk policies itself.
-    if why not in WHY_CHOICES:
-        raise Fail(f"WHY is one of {sorted(WHY_CHOICES)}, not {why!r}")
     draw = random.Random(grade_time_seeds(1)[0])
     targets = [HURT_TARGET, *draw.sample(HURT_TARGETS, 2)]
     lines = []
@@ -466,8 +464,11 @@ def check_task_5(splitfuse_hurts, why) -> list[str]:
             lines.append(f"your trace on the simulated 7B/A100, target {target} tokens: SplitFuse's p99 TTFT at least "
                          f"{HURT_MARGIN:.2f}x Sarathi's")
     lines.append(f"and at 2 targets drawn as the check ran (128 to 1024 tokens): at least {HURT_MARGIN:.2f}x")
+    why = why_splitfuse_loses()
+    if why not in WHY_CHOICES:
+        raise Fail(f"why_splitfuse_loses() returns one of {sorted(WHY_CHOICES)}, not {why!r}")
     if why != WHY_ANSWER:
-        raise Fail(f"your trace works, but WHY = {why!r} ({WHY_CHOICES[why]}) is not what happens on it: compare the "
-                   "first steps of both policies in compare_policies' output, and whose first token moves")
+        raise Fail(f"your trace works, but ({why}) {WHY_CHOICES[why]} is not what happens on it: compare the first "
+                   "steps of both policies in compare_policies' output, and whose first token moves")
     lines.append("why: your choice is what the steps show")
     return lines

@@ -193,8 +193,10 @@ KNOWN_WRONG = [
         (SECOND, "    second = (3 * first_pass_s, round(0.78 * target), 4)"),), expect="not 1.10x Sarathi's or more"),
     Mutant(5, "the old answer: a trace tuned for target 256 only", code=(
         "def splitfuse_hurts(target):\n    return [(0.0, 480, 4), (0.005, 200, 4)]\n"), expect="drawn as the check ran"),
-    Mutant(5, "the wrong reason: longer steps", edits=(('WHY = "b"', 'WHY = "a"'),), expect="is not what happens"),
-    Mutant(5, "the wrong reason: more steps", edits=(('WHY = "b"', 'WHY = "d"'),), expect="is not what happens"),
+    Mutant(5, "the wrong reason: longer steps", edits=(('    return "b"  # the split', '    return "a"  # the split'),),
+           expect="is not what happens"),
+    Mutant(5, "the wrong reason: more steps", edits=(('    return "b"  # the split', '    return "d"  # the split'),),
+           expect="is not what happens"),
     Mutant(5, "more than 8 requests", code=(
         "def splitfuse_hurts(target):\n    return [(0.0, 480, 4), (0.005, 200, 4)] * 5\n"), expect="1 to 8 requests"),
 ]

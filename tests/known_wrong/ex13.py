@@ -105,24 +105,30 @@ KNOWN_WRONG = [
     reads_the_checks_frame(1, "def overloaded(loads, abs_threshold, rel_threshold):\n    return _expected()\n"),
     # task 2: the prefix tree
     Mutant(2, "no split: a text that leaves an edge in its middle gets a sibling edge",
-           edits=(("            if shared < len(child.label):\n                child = child.split(shared)\n", ""),),
+           edits=(("            if shared < len(child[\"label\"]):  # split the edge", "            if False:  # split the edge"),
+                  ("            node, rest = child, rest[shared:]\n",
+                   "            if shared < len(child[\"label\"]):\n"
+                   "                child = node[\"kids\"][rest[0] + \"#\" + str(self.time)] = "
+                   "{\"label\": rest, \"parent\": node, \"kids\": {}, \"stamp\": {worker: self.time}}\n"
+                   "                self.chars[worker] += len(rest)\n                break\n"
+                   "            node, rest = child, rest[shared:]\n")),
            expect="expected"),
     Mutant(2, "sizes count every insert, not each node once",
-           edits=(("            if worker not in child.stamp:\n                self.chars[worker] += len(child.label)\n",
-                   "            self.chars[worker] += len(child.label)\n"),), expect="size("),
+           edits=(("            if worker not in child[\"stamp\"]:\n                self.chars[worker] += len(child[\"label\"])\n",
+                   "            self.chars[worker] += len(child[\"label\"])\n"),), expect="size("),
     Mutant(2, "match ignores which workers it is asked about",
-           edits=(("owners = sorted(w for w in node.stamp if w in workers)", "owners = sorted(node.stamp)"),),
+           edits=(("owners = sorted(w for w in node[\"stamp\"] if w in workers)", "owners = sorted(node[\"stamp\"])"),),
            expect="match returned"),
     Mutant(2, "match counts a whole edge when the text leaves it in its middle",
-           edits=(("length, holders = length + shared, owners", "length, holders = length + len(node.label), owners"),),
+           edits=(("length, holders = length + shared, owners", "length, holders = length + len(node[\"label\"]), owners"),),
            expect="match returned"),
     Mutant(2, "evict drops the most recently used leaf first",
-           edits=(("oldest = min(leaves, key=lambda n: n.stamp[worker])",
-                   "oldest = max(leaves, key=lambda n: n.stamp[worker])"),), expect="expected"),
+           edits=(("oldest = min(leaves, key=lambda n: n[\"stamp\"][worker])",
+                   "oldest = max(leaves, key=lambda n: n[\"stamp\"][worker])"),), expect="expected"),
     Mutant(2, "evict drops the oldest node, a leaf or not",
-           edits=(("                leaves = [n for n in self._nodes() if worker in n.stamp\n"
-                   "                          and not any(worker in kid.stamp for kid in n.kids.values())]\n",
-                   "                leaves = [n for n in self._nodes() if worker in n.stamp]\n"),), expect="expected"),
+           edits=(("                leaves = [n for n in nodes if worker in n[\"stamp\"]\n"
+                   "                          and not any(worker in kid[\"stamp\"] for kid in n[\"kids\"].values())]\n",
+                   "                leaves = [n for n in nodes if worker in n[\"stamp\"]]\n"),), expect="expected"),
     Mutant(2, "evict returns nothing", edits=(("        return dropped\n", "        return None\n"),),
            expect="evict returned None"),
     Mutant(2, "evict counts what it dropped for the last worker only",
