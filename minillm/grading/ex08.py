@@ -1,16 +1,21 @@
-"""Grader of exercise 08 (chapter 08: chunked prefill): the stall-free order, filling a step's token
-budget, the real engine with the learner's budget filler, Dynamic SplitFuse's step, and a trace on
-which its even split costs TTFT.
+"""Grader of exercise 08 (chapter 08: chunked prefill): a stall-free order, filling a step's token
+budget in whole KV blocks, the real engine with the learner's budget filler, Dynamic SplitFuse's step
+in whole blocks, and a trace on which SplitFuse's even split costs TTFT.
 
-Tasks 1–2 need no model: a stand-in executor emits token 7 for every row that reaches the end of
-its known tokens and each step takes 1 ms of simulated time. The reference is minillm's
-`ContinuousScheduler` with `enable_chunked_prefill=True`, disabled (`forbid`) while learner code
-runs. `ChunkedHarness` is the scheduler around the learner's `fill_budget`: it keeps the queues,
+Chapter 08 prints minillm's `_chunk`, `_running_order` and SplitFuse's `step_budget`; the exercise asks
+for variants the chapter did not show (shortest remaining prefill first after the decodes; chunks that
+end on a KV block boundary; SplitFuse's even share rounded up to whole blocks). Their reference is
+grader-private (`minillm.grading.private.ex08_reference`, guarded while a check runs); minillm's
+scheduler and chunk policies are disabled (`forbid`) while learner code runs.
+
+Tasks 1–2 and 4's replays need no model: a stand-in executor emits token 7 for every row that
+reaches the end of its known tokens and each step takes 1 ms of simulated time. `ChunkedHarness` is
+the scheduler around a budget filler (the learner's, or the reference's): it keeps the queues,
 reserves KV and checks the plan it is given (the pool is sized so that nobody is ever preempted).
-Task 4 replays the same scenarios with `chunk_policy="splitfuse"` (minillm.scheduler.chunk_policy's
-`SplitFuseChunking` sizes the budget, disabled too while learner code runs) and then builds the real
-engine around the learner's SplitFuse step. Task 5 runs the learner's trace on the simulated
-7B/A100 under both chunk policies.
+Tasks 3 and 4 then build the real engine on the bundled model around the learner's function and
+compare every step with the same engine around the reference, and the tokens with plain decoding.
+Task 5 runs the learner's trace on the simulated 7B/A100 under minillm's two chunk policies, at a
+target drawn when the check runs, and grades the learner's choice of why SplitFuse loses there.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from minillm import LLM, SamplingParams
 from minillm.clock import SimClock
 from minillm.config import EngineConfig
 from minillm.engine import build_engine, make_kv_manager
-from minillm.grading import Fail, forbid, grade_time_seeds, run_until_done, task
+from minillm.grading import Fail, forbid, grade_time_seeds, private_reference, run_until_done, task
 from minillm.llm import BUNDLED_TARGET
 from minillm.model.config import ModelConfig
 from minillm.request import Request, RequestStatus
@@ -40,6 +45,8 @@ FRESH_CASES = 50  # task 1's cases drawn at grade time, besides the seeded ones
 LEARNER_TOOLS = {"ChunkedHarness": (3,), "compare_policies": (5,)}
 # What learner code may not call while a check runs: the scheduler and its chunk policies
 REFERENCES = (ContinuousScheduler, SarathiChunking, SplitFuseChunking, even_share, make_chunk_policy)
+# The variants' reference (grader-private: guarded while a check runs, withheld from a student release)
+private = private_reference("ex08_reference")
 
 TOY_MODEL = ModelConfig(model_type="llama", vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=1,
                         num_heads=1, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
@@ -50,7 +57,7 @@ class ChunkedHarness(SchedulerBase):
     """Continuous batching with chunked prefill in which `fill_budget` makes every token decision.
 
     Each step it calls `fill_budget(running, waiting, budget, long_prefill_token_threshold,
-    max_num_seqs)` and checks the answer (known requests, 1 ≤ n ≤ missing tokens, within the budget
+    max_num_seqs, block_size)` and checks the answer (known requests, 1 ≤ n ≤ missing tokens, within the budget
     and the sequence limit), admits the waiting requests it names, reserves their KV and returns
     the plan, decode rows first (as `ContinuousScheduler` orders them for the attention backend)."""
 
@@ -89,7 +96,8 @@ class ChunkedHarness(SchedulerBase):
     def schedule(self, now: float, more_arrivals: bool = True) -> ScheduledBatch | None:
         budget = self.config.max_num_batched_tokens
         rows = self.fill_budget(list(self.running), list(self.waiting), budget,
-                                self.config.long_prefill_token_threshold, self.config.max_num_seqs)
+                                self.config.long_prefill_token_threshold, self.config.max_num_seqs,
+                                self.config.block_size)
         rows = [(req, n) for req, n in rows]
         total = sum(n for _, n in rows)
         if total > budget:
@@ -170,12 +178,9 @@ def _running_case(seed: int) -> list[Request]:
 
 @task(1, "stall-free order")
 def check_task_1(serve_order, num_cases: int = 300) -> str:
-    config = EngineConfig(enable_chunked_prefill=True, max_num_batched_tokens=64).resolve(256)
     for seed in [*range(num_cases), *grade_time_seeds(FRESH_CASES)]:  # fresh ones cannot be memoised
         running = _running_case(seed)
-        reference = ContinuousScheduler(config, kv=None)
-        reference.running = list(running)
-        expected = [r.request_id for r in reference._running_order()]
+        expected = [r.request_id for r in private.serve_order(list(running))]
         with forbid(*REFERENCES):
             got = serve_order(list(running))
         if not isinstance(got, list):
@@ -183,22 +188,28 @@ def check_task_1(serve_order, num_cases: int = 300) -> str:
         got_ids = [getattr(r, "request_id", r) for r in got]
         if got_ids != expected:
             states = ", ".join(f"{r.request_id}: {r.num_computed_tokens}/{r.num_tokens} computed" for r in running)
-            raise Fail(f"case {seed}: you serve {got_ids}, expected {expected} ({states})")
-    return f"{num_cases} seeded running lists ordered as ContinuousScheduler orders them"
+            raise Fail(f"case {seed}: you serve {got_ids}, expected {expected} ({states}): decodes first, in "
+                       "admission order, then the fewest missing tokens first")
+    return (f"{num_cases} seeded running lists and {FRESH_CASES} drawn as the check ran: decodes first, then the "
+            "shortest remaining prefill first, ties in admission order")
 
 
 # --- task 2: fill the budget ---------------------------------------------------------------------
 
-# (name, max_num_seqs, budget, threshold, [(prompt_len, max_tokens, arrival_s), ...])
+# (name, max_num_seqs, budget, threshold, [(prompt_len, max_tokens, arrival_s), ...], block_size)
 NAMED_SCENARIOS = [
-    ("a long prompt arrives among decodes", 8, 16, 0, [(3, 12, 0.0)] * 3 + [(60, 2, 0.003)]),
-    ("the cap: long_prefill_token_threshold", 8, 32, 8, [(4, 10, 0.0), (50, 3, 0.002)]),
-    ("two long prompts share the budget", 8, 32, 12, [(2, 8, 0.0), (70, 2, 0.002), (70, 2, 0.002)]),
-    ("more decodes than budget", 8, 4, 0, [(1, 6, 0.0)] * 7),
-    ("max_num_seqs caps admissions", 2, 64, 0, [(5, 4, 0.0)] * 5),
-    ("one prompt token left costs one token", 8, 16, 0, [(17, 4, 0.0), (3, 6, 0.0), (33, 2, 0.0)]),
-    ("partial prefills before new prompts", 8, 20, 10, [(45, 3, 0.0), (30, 3, 0.001), (6, 3, 0.001)]),
-    ("budget exactly spent", 4, 12, 0, [(12, 3, 0.0), (11, 3, 0.0), (1, 3, 0.0)]),
+    ("a long prompt arrives among decodes", 8, 16, 0, [(3, 12, 0.0)] * 3 + [(60, 2, 0.003)], 4),
+    ("the cap: long_prefill_token_threshold", 8, 32, 8, [(4, 10, 0.0), (50, 3, 0.002)], 4),
+    ("a chunk ends on a block boundary: 13 tokens left, blocks of 8, so 8", 8, 13, 0, [(40, 2, 0.0)], 8),
+    ("a prompt that would stop mid-block waits for a whole one", 8, 12, 0,
+     [(3, 3, 0.0), (30, 2, 0.0), (22, 2, 0.0)], 8),
+    ("the shortest remaining prefill goes first", 8, 20, 10, [(45, 3, 0.0), (30, 3, 0.001), (6, 3, 0.001)], 4),
+    ("a prompt that finishes needs no boundary", 8, 16, 0, [(17, 4, 0.0), (3, 6, 0.0), (33, 2, 0.0)], 8),
+    ("a waiting prompt that gets no whole block stops the admissions", 8, 10, 0,
+     [(6, 6, 0.0), (30, 2, 0.0), (3, 2, 0.0)], 8),
+    ("more decodes than budget", 8, 4, 0, [(1, 6, 0.0)] * 7, 2),
+    ("max_num_seqs caps admissions", 2, 64, 0, [(5, 4, 0.0)] * 5, 16),
+    ("two long prompts share the budget", 8, 32, 12, [(2, 8, 0.0), (70, 2, 0.002), (70, 2, 0.002)], 4),
 ]
 
 
@@ -206,17 +217,19 @@ def _random_scenario(seed: int):
     rng = random.Random(seed)
     requests = [(rng.randint(1, 90), rng.randint(1, 10), round(rng.uniform(0, 0.02), 4))
                 for _ in range(rng.randint(1, 20))]
-    return (f"random scenario {seed}", rng.randint(1, 8), rng.choice([1, 3, 8, 16, 32, 64]),
-            rng.choice([0, 0, 4, 10, 24]), requests)
+    budget, threshold = rng.choice([1, 3, 8, 16, 32, 64]), rng.choice([0, 0, 4, 10, 24])
+    # a block no larger than the budget and the cap: every prompt can always advance by a whole block
+    return (f"random scenario {seed}", rng.randint(1, 8), budget, threshold, requests,
+            rng.choice([b for b in (1, 2, 4, 8, 16) if b <= budget and b <= (threshold or budget)]))
 
 
 def run_plans(make_scheduler: Callable, scenario, chunk_policy: str = "sarathi") -> list[tuple]:
     """Replays one scenario through the real engine loop; returns every step's plan."""
-    _, max_num_seqs, budget, threshold, requests = scenario
+    _, max_num_seqs, budget, threshold, requests, block_size = scenario
     config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=128, max_num_batched_tokens=budget,
                           enable_chunked_prefill=True, long_prefill_token_threshold=threshold,
-                          chunk_policy=chunk_policy, num_kv_blocks=512,
-                          block_size=16).resolve(TOY_MODEL.max_position_embeddings)
+                          chunk_policy=chunk_policy, num_kv_blocks=-(-2048 // block_size),
+                          block_size=block_size).resolve(TOY_MODEL.max_position_embeddings)
     kv = make_kv_manager(config, TOY_MODEL, allocate_pool=False)
     executor = StandInExecutor()
     engine = build_engine(config, TOY_MODEL, kv=kv, scheduler_factory=lambda _, kv: make_scheduler(config, kv),
@@ -226,16 +239,17 @@ def run_plans(make_scheduler: Callable, scenario, chunk_policy: str = "sarathi")
         engine.add_request({"prompt_token_ids": [5] * prompt_len}, request_id=f"r{i}", arrival_time=arrival,
                            params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     run_until_done(engine, 5_000, "the engine stalled with {unfinished} unfinished request(s): does your plan "
-                   "leave out everyone while the budget has room?")
+                   "leave out everyone while the budget has room for a whole block?")
     return executor.plans
 
 
 @task(2, "fill the budget")
 def check_task_2(fill_budget, num_random: int = 80) -> str:
     scenarios = NAMED_SCENARIOS + [_random_scenario(seed) for seed in range(num_random)]
+    scenarios += [_random_scenario(seed) for seed in grade_time_seeds(FRESH_SCENARIOS)]
     for scenario in scenarios:
-        expected = run_plans(ContinuousScheduler, scenario)
-        limits = f"max_num_seqs={scenario[1]}, budget={scenario[2]}, threshold={scenario[3]}"
+        expected = run_plans(lambda config, kv: ChunkedHarness(config, kv, private.fill_budget), scenario)
+        limits = f"max_num_seqs={scenario[1]}, budget={scenario[2]}, threshold={scenario[3]}, block_size={scenario[5]}"
         with forbid(*REFERENCES):
             try:
                 plans = run_plans(lambda config, kv: ChunkedHarness(config, kv, fill_budget), scenario)
@@ -243,17 +257,18 @@ def check_task_2(fill_budget, num_random: int = 80) -> str:
                 raise Fail(f"{scenario[0]} ({limits}): {failure}") from None
         for step, (mine, ref) in enumerate(zip(plans + [None] * len(expected), expected)):
             if mine != ref:
-                raise Fail(f"{scenario[0]} ({limits}), step {step}: your plan {mine}, ContinuousScheduler's "
-                           f"{ref} ((request id, tokens) per row, decode rows first)")
+                raise Fail(f"{scenario[0]} ({limits}), step {step}: your plan {mine}, the rule's {ref} "
+                           "((request id, tokens) per row, decode rows first)")
         if len(plans) != len(expected):
-            raise Fail(f"{scenario[0]}: {len(plans)} steps, ContinuousScheduler took {len(expected)}")
-    return f"{len(scenarios)} seeded traces, every step's plan identical to ContinuousScheduler's (chunked)"
+            raise Fail(f"{scenario[0]}: {len(plans)} steps, the rule takes {len(expected)}")
+    return (f"{len(scenarios)} traces ({FRESH_SCENARIOS} drawn as the check ran), every step's plan the rule's: "
+            "shortest remaining prefill first, chunks ending on block boundaries")
 
 
 # --- task 3: the real engine ---------------------------------------------------------------------
 
 ENGINE_KNOBS = dict(max_num_seqs=3, max_model_len=512, enable_chunked_prefill=True, max_num_batched_tokens=24,
-                    long_prefill_token_threshold=16)
+                    long_prefill_token_threshold=16, block_size=8)
 PROMPT_LENS = [5, 140, 9, 3, 61, 12, 200, 7]
 OUTPUT_LENS = [20, 6, 14, 25, 8, 3, 5, 18]
 
@@ -270,7 +285,8 @@ def _engine_run(llm: LLM):
 @task(3, "real engine")
 def check_task_3(make_llm, fill_budget) -> list[str]:
     plain_tokens, _ = _engine_run(LLM(BUNDLED_TARGET, max_num_seqs=3, max_model_len=512))
-    ref_tokens, ref_steps = _engine_run(LLM(BUNDLED_TARGET, **ENGINE_KNOBS))
+    ref_tokens, ref_steps = _engine_run(LLM(BUNDLED_TARGET, **ENGINE_KNOBS, scheduler_factory=lambda config, kv:
+                                            ChunkedHarness(config, kv, private.fill_budget)))
     with forbid(*REFERENCES):
         llm = make_llm(**ENGINE_KNOBS)
         scheduler = llm.engine.scheduler
@@ -281,12 +297,26 @@ def check_task_3(make_llm, fill_budget) -> list[str]:
     longest = max(max(chunks, default=0) for chunks, _ in steps)
     lines = [f"scheduler in the engine: ChunkedHarness({fill_budget.__name__})",
              f"greedy outputs identical to unchunked decoding: {tokens == plain_tokens}",
-             f"engine steps: yours {len(steps)}, minillm {len(ref_steps)}; largest chunk {longest} tokens "
-             f"(threshold {ENGINE_KNOBS['long_prefill_token_threshold']})",
-             f"every step's chunks and decodes identical to minillm's chunked engine: {steps == ref_steps}"]
+             f"engine steps: yours {len(steps)}, the rule's {len(ref_steps)}; largest chunk {longest} tokens "
+             f"(threshold {ENGINE_KNOBS['long_prefill_token_threshold']}, blocks of {ENGINE_KNOBS['block_size']})",
+             f"every step's chunks and decodes identical to the rule's engine: {steps == ref_steps}"]
     if tokens != plain_tokens or steps != ref_steps or tokens != ref_tokens:
-        raise Fail("your engine run differs from minillm's: " + "; ".join(lines[1:]))
-    return lines
+        raise Fail("your engine run differs from the rule's: " + "; ".join(lines[1:]))
+    # knobs drawn as the check runs: an engine that ignores **knobs (its own, or the seeded ones) fails here
+    draw = random.Random(grade_time_seeds(1)[0])
+    block_size = draw.choice([4, 8, 16])
+    knobs = dict(ENGINE_KNOBS, block_size=block_size, max_num_seqs=draw.choice([2, 3, 4]),
+                 max_num_batched_tokens=draw.choice([b for b in (16, 24, 32) if b >= block_size]),
+                 long_prefill_token_threshold=draw.choice([0, max(block_size, 12)]))
+    _, ref_steps = _engine_run(LLM(BUNDLED_TARGET, **knobs, scheduler_factory=lambda config, kv:
+                                   ChunkedHarness(config, kv, private.fill_budget)))
+    with forbid(*REFERENCES):
+        tokens, steps = _engine_run(make_llm(**knobs))
+    if tokens != plain_tokens or steps != ref_steps:
+        raise Fail(f"with knobs drawn as the check ran ({knobs}): greedy outputs identical to unchunked decoding: "
+                   f"{tokens == plain_tokens}; every step identical to the rule's engine: {steps == ref_steps} "
+                   "(are the knobs passed through to LLM?)")
+    return lines + ["and with knobs drawn as the check ran (budget, cap, block size, sequences): the same"]
 
 
 # --- task 4: Dynamic SplitFuse's step ------------------------------------------------------------
@@ -294,20 +324,22 @@ def check_task_3(make_llm, fill_budget) -> list[str]:
 # (name, max_num_seqs, target, threshold, [(prompt_len, max_tokens, arrival_s), ...]); each named for
 # the rule a wrong step breaks first
 SPLITFUSE_SCENARIOS = [
-    ("a pool of 40 prompt tokens at target 32 runs as two passes of 20, not 32 + 8", 8, 32, 0, [(40, 2, 0.0)]),
-    ("an odd pool (41 tokens) splits 21 + 20: the passes differ by one token at most", 8, 32, 0, [(41, 2, 0.0)]),
-    ("only requests that get a seat count: 2 seats, four prompts of 20 queued", 2, 32, 0, [(20, 3, 0.0)] * 4),
+    ("a pool of 40 prompt tokens at target 32 runs as two passes of 20, not 32 + 8", 8, 32, 0, [(40, 2, 0.0)], 1),
+    ("the same pool in blocks of 8: the share 20 rounds up to 24", 8, 32, 0, [(40, 2, 0.0)], 8),
+    ("an odd pool (41 tokens) splits 21 + 20: the passes differ by one token at most", 8, 32, 0, [(41, 2, 0.0)], 1),
+    ("a share rounded up past the room stays at the room", 8, 30, 0, [(50, 2, 0.0)], 16),
+    ("only requests that get a seat count: 2 seats, four prompts of 20 queued", 2, 32, 0, [(20, 3, 0.0)] * 4, 4),
     ("decodes take their tokens first; the prompts split what is left of the target", 8, 16, 0,
-     [(3, 12, 0.0)] * 3 + [(60, 2, 0.003)]),
-    ("more decodes than the target", 8, 4, 0, [(1, 6, 0.0)] * 7),
-    ("running prefills and new prompts share one pool", 8, 24, 0, [(45, 3, 0.0), (30, 3, 0.001), (6, 3, 0.001)]),
-    ("the cap still cuts each chunk", 8, 32, 8, [(4, 10, 0.0), (50, 3, 0.002)]),
+     [(3, 12, 0.0)] * 3 + [(60, 2, 0.003)], 4),
+    ("more decodes than the target", 8, 4, 0, [(1, 6, 0.0)] * 7, 2),
+    ("running prefills and new prompts share one pool", 8, 24, 0, [(45, 3, 0.0), (30, 3, 0.001), (6, 3, 0.001)], 4),
+    ("the cap still cuts each chunk", 8, 32, 8, [(4, 10, 0.0), (50, 3, 0.002)], 4),
 ]
 SPLITFUSE_RANDOM = 60  # seeded random scenarios, besides the named ones and FRESH_SCENARIOS drawn at grade time
 FRESH_SCENARIOS = 20
 
-SPLITFUSE_KNOBS = dict(max_num_seqs=3, max_model_len=512, enable_chunked_prefill=True, chunk_policy="splitfuse",
-                       max_num_batched_tokens=24)
+SPLITFUSE_KNOBS = dict(max_num_seqs=3, max_model_len=512, enable_chunked_prefill=True, max_num_batched_tokens=24,
+                       block_size=8)
 
 
 @task(4, "SplitFuse's step")
@@ -315,28 +347,29 @@ def check_task_4(splitfuse_fill) -> list[str]:
     scenarios = SPLITFUSE_SCENARIOS + [_random_scenario(seed) for seed in range(SPLITFUSE_RANDOM)]
     scenarios += [_random_scenario(seed) for seed in grade_time_seeds(FRESH_SCENARIOS)]
     for scenario in scenarios:
-        expected = run_plans(ContinuousScheduler, scenario, "splitfuse")
-        limits = f"max_num_seqs={scenario[1]}, target={scenario[2]}, threshold={scenario[3]}"
+        expected = run_plans(lambda config, kv: ChunkedHarness(config, kv, private.splitfuse_fill), scenario)
+        limits = f"max_num_seqs={scenario[1]}, target={scenario[2]}, threshold={scenario[3]}, block_size={scenario[5]}"
         with forbid(*REFERENCES):
             try:
-                plans = run_plans(lambda config, kv: ChunkedHarness(config, kv, splitfuse_fill), scenario, "splitfuse")
+                plans = run_plans(lambda config, kv: ChunkedHarness(config, kv, splitfuse_fill), scenario)
             except Fail as failure:
                 raise Fail(f"{scenario[0]} ({limits}): {failure}") from None
         for step, (mine, ref) in enumerate(zip(plans + [None] * len(expected), expected)):
             if mine != ref:
-                raise Fail(f"{scenario[0]} ({limits}), step {step}: your plan {mine}, SplitFuse's {ref} "
+                raise Fail(f"{scenario[0]} ({limits}), step {step}: your plan {mine}, the rule's {ref} "
                            "((request id, tokens) per row, decode rows first)")
         if len(plans) != len(expected):
-            raise Fail(f"{scenario[0]}: {len(plans)} steps, SplitFuse took {len(expected)}")
-    lines = [f"{len(scenarios)} traces ({FRESH_SCENARIOS} drawn now), every step's plan identical to "
-             "ContinuousScheduler's with chunk_policy='splitfuse'"]
+            raise Fail(f"{scenario[0]}: {len(plans)} steps, the rule takes {len(expected)}")
+    lines = [f"{len(scenarios)} traces ({FRESH_SCENARIOS} drawn as the check ran), every step's plan the rule's: "
+             "SplitFuse's even share in whole blocks, filled as in task 2"]
     return lines + _splitfuse_engine(splitfuse_fill)
 
 
 def _splitfuse_engine(splitfuse_fill) -> list[str]:
-    """The bundled model served by the engine `LLM` builds around the learner's step, against minillm's
-    own SplitFuse engine: the same greedy tokens and the same chunks and decodes in every step."""
-    ref_tokens, ref_steps = _engine_run(LLM(BUNDLED_TARGET, **SPLITFUSE_KNOBS))
+    """The bundled model served by the engine `LLM` builds around the learner's step, against the same
+    engine around the rule's: the same greedy tokens and the same chunks and decodes in every step."""
+    ref_tokens, ref_steps = _engine_run(LLM(BUNDLED_TARGET, **SPLITFUSE_KNOBS, scheduler_factory=lambda config, kv:
+                                            ChunkedHarness(config, kv, private.splitfuse_fill)))
     with forbid(*REFERENCES):
         llm = LLM(BUNDLED_TARGET, scheduler_factory=lambda config, kv: ChunkedHarness(config, kv, splitfuse_fill),
                   **SPLITFUSE_KNOBS)
@@ -344,11 +377,11 @@ def _splitfuse_engine(splitfuse_fill) -> list[str]:
     target = SPLITFUSE_KNOBS["max_num_batched_tokens"]
     sizes = [sum(chunks) + decodes for chunks, decodes in steps]
     lines = [f"the real engine around {getattr(splitfuse_fill, '__name__', 'your step')}, target {target}: "
-             f"{len(steps)} steps (minillm's SplitFuse {len(ref_steps)}), step sizes {min(sizes)} to {max(sizes)} tokens",
-             f"greedy outputs identical to minillm's SplitFuse engine: {tokens == ref_tokens}",
+             f"{len(steps)} steps (the rule's {len(ref_steps)}), step sizes {min(sizes)} to {max(sizes)} tokens",
+             f"greedy outputs identical to the rule's engine: {tokens == ref_tokens}",
              f"every step's chunks and decodes identical: {steps == ref_steps}"]
     if tokens != ref_tokens or steps != ref_steps:
-        raise Fail("your engine run differs from minillm's SplitFuse engine: " + "; ".join(lines))
+        raise Fail("your engine run differs from the rule's engine: " + "; ".join(lines))
     return lines
 
 
@@ -359,19 +392,33 @@ HURT_MARGIN = 1.10  # SplitFuse's p99 TTFT must be at least this many times Sara
 HURT_MAX_REQUESTS, HURT_MAX_PROMPT, HURT_MAX_OUTPUT, HURT_MAX_ARRIVAL_S = 8, 2048, 64, 10.0
 
 
-def compare_policies(requests) -> dict[str, dict]:
+HURT_TARGETS = tuple(t for t in range(128, 1025, 32) if t != 256)  # where the drawn targets come from
+WHY_CHOICES = {
+    "a": "SplitFuse's steps hold more tokens than the fixed budget's, so each of them takes longer",
+    "b": "SplitFuse sized its even passes for the queue it saw; the prompt that arrived later joined the pool, "
+         "the split was made again, and the first prompt's last tokens slid into an extra step",
+    "c": "SplitFuse runs the decodes after the prefills, so a first token waits for every prompt in the step",
+    "d": "SplitFuse needs more steps than the fixed budget for the same requests queued all at once",
+}
+WHY_ANSWER = "b"
+
+
+def compare_policies(requests, target: int = HURT_TARGET) -> dict[str, dict]:
     """Task 5's setting: `requests`, a list of (arrival_s, prompt_len, output_len), simulated with Llama-2-7B
-    on an A100-80GB, chunked prefill at max_num_batched_tokens 256 (SplitFuse's target), max_num_seqs 8,
-    under each chunk policy. Returns, per policy, "p99_ttft_ms", "ttft_ms" (per request, in your order)
-    and "steps": one (prefill chunk sizes, decode tokens, step ms) per engine step. Deterministic."""
+    on an A100-80GB, chunked prefill at max_num_batched_tokens `target` (SplitFuse's target; 256 unless
+    given), max_num_seqs 8, under each chunk policy. Returns, per policy, "p99_ttft_ms", "ttft_ms" (per
+    request, in your order) and "steps": one (prefill chunk sizes, decode tokens, step ms) per engine step.
+    Deterministic."""
     requests = _checked_trace(requests)
+    if isinstance(target, bool) or not isinstance(target, int) or not 16 <= target <= 4096:
+        raise Fail(f"target is an int from 16 to 4096 tokens, not {target!r}")
     trace = Trace([TraceRequest(f"r{i}", float(arrival), [100 + i] * prompt, output)
                    for i, (arrival, prompt, output) in enumerate(requests)])
     out = {}
     for policy in ("sarathi", "splitfuse"):
         res = simulate(trace, hardware=HURT_HARDWARE, model=HURT_MODEL,
                        engine_config=dict(max_num_seqs=8, max_model_len=4096, enable_chunked_prefill=True,
-                                          max_num_batched_tokens=HURT_TARGET, chunk_policy=policy))
+                                          max_num_batched_tokens=target, chunk_policy=policy))
         out[policy] = {"p99_ttft_ms": res.summary.ttft.percentiles_ms[99],
                        "ttft_ms": [1e3 * m.ttft for m in res.requests],
                        "steps": [(tuple(s.prefill_chunk_sizes), s.num_decode_tokens, 1e3 * c.time_s)
@@ -398,15 +445,30 @@ def _checked_trace(requests) -> list[tuple[float, int, int]]:
 
 
 @task(5, "when the even split hurts")
-def check_task_5(splitfuse_hurts) -> list[str]:
+def check_task_5(splitfuse_hurts, why_splitfuse_loses) -> list[str]:
     # Not under forbid(*REFERENCES): the answer is a trace, judged by simulating it, and the learner may
     # search for it with compare_policies (lent for this task), which runs both chunk policies itself.
-    requests = splitfuse_hurts()
-    runs = compare_policies(requests)
-    fixed, split = runs["sarathi"]["p99_ttft_ms"], runs["splitfuse"]["p99_ttft_ms"]
-    lines = [f"{len(requests)} requests on the simulated 7B/A100, target {HURT_TARGET} tokens: p99 TTFT "
-             f"{fixed:.1f} ms with Sarathi's fixed budget, {split:.1f} ms with SplitFuse ({split / fixed:.2f}x)",
-             f"steps: {len(runs['sarathi']['steps'])} fixed, {len(runs['splitfuse']['steps'])} SplitFuse"]
-    if split < HURT_MARGIN * fixed:
-        raise Fail(f"SplitFuse's p99 TTFT is not {HURT_MARGIN:.2f}x Sarathi's or more on your trace: " + "; ".join(lines))
+    draw = random.Random(grade_time_seeds(1)[0])
+    targets = [HURT_TARGET, *draw.sample(HURT_TARGETS, 2)]
+    lines = []
+    for target in targets:
+        requests = splitfuse_hurts(target)
+        runs = compare_policies(requests, target)
+        fixed, split = runs["sarathi"]["p99_ttft_ms"], runs["splitfuse"]["p99_ttft_ms"]
+        found = (f"your trace on the simulated 7B/A100, target {target} tokens: p99 TTFT {fixed:.1f} ms "
+                 f"with Sarathi's fixed budget, {split:.1f} ms with SplitFuse ({split / fixed:.2f}x)")
+        if split < HURT_MARGIN * fixed:
+            where = "" if target == HURT_TARGET else " (a target drawn as the check ran: build the trace from it)"
+            raise Fail(f"SplitFuse's p99 TTFT is not {HURT_MARGIN:.2f}x Sarathi's or more on your trace{where}: {found}")
+        if target == HURT_TARGET:
+            lines.append(f"your trace on the simulated 7B/A100, target {target} tokens: SplitFuse's p99 TTFT at least "
+                         f"{HURT_MARGIN:.2f}x Sarathi's")
+    lines.append(f"and at 2 targets drawn as the check ran (128 to 1024 tokens): at least {HURT_MARGIN:.2f}x")
+    why = why_splitfuse_loses()
+    if why not in WHY_CHOICES:
+        raise Fail(f"why_splitfuse_loses() returns one of {sorted(WHY_CHOICES)}, not {why!r}")
+    if why != WHY_ANSWER:
+        raise Fail(f"your trace works, but ({why}) {WHY_CHOICES[why]} is not what happens on it: compare the first "
+                   "steps of both policies in compare_policies' output, and whose first token moves")
+    lines.append("why: your choice is what the steps show")
     return lines

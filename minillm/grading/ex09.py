@@ -1,13 +1,17 @@
-"""Grader of exercise 09 (chapter 09: speculative decoding): the residual distribution, the rejection
-sampler graded by its exact output distribution, and a seeded random source.
+"""Grader of exercise 09 (chapter 09: speculative decoding): recursive rejection sampling over several
+candidates at one position (a variant of chapter 09's sampler, which verifies one guess per
+position): the chain of residuals, the verifier graded by its exact output distribution, and a
+seeded random source. The reference for the variant is grader-private
+(`minillm.grading.private.ex09_reference`, guarded while a check runs); minillm's sampler is disabled
+(`forbid`) while learner code runs.
 
-Task 2 does not sample. The learner's `verify(p, q, draft, rng)` draws its randomness only through
+Task 2 does not sample. The learner's `verify(p, q, candidates, rng)` draws its randomness only through
 `rng.uniform()` and `rng.choice(probs)`; `ExactRng` answers every such call with *each* possible
 outcome in turn (a uniform is a `SymbolicUniform` whose comparisons `u < x` branch with
 probability x), replaying the function along every path. The probabilities of the paths give the
-exact distribution of what the sampler emits, for every draft the proposer could have drawn,
-which is then compared with the target's p, position by position, to 1e-9. The reference,
-`minillm.spec.rejection`, is disabled while learner code runs.
+exact distribution of what the sampler emits, for every tuple of candidates the proposer could
+have drawn, which is then compared with the target's p to 1e-9, and with the rule's acceptance
+probabilities and final residual, candidate by candidate.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from minillm.grading import Fail, forbid, task
+from minillm.grading import Fail, forbid, grade_time_seeds, private_reference, task
 from minillm.spec import rejection as reference
 
 # Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
@@ -29,6 +33,9 @@ LEARNER_TOOLS = ("ExactRng", "SymbolicUniform")  # the rng verify draws from, an
 DTYPE = torch.float64
 MAX_PATHS = 200_000
 UNIFORM_BINS = 20  # task 3 tests uniform()'s law on this many equal bins
+FRESH_CASES = 2  # tasks 1 and 2 add cases drawn when the check runs
+# The variant's reference (grader-private: guarded while a check runs, withheld from a student release)
+private = private_reference("ex09_reference")
 
 
 # --- exact randomness ----------------------------------------------------------------------------
@@ -161,158 +168,164 @@ def _dist(gen: torch.Generator, vocab: int, sharpness: float = 1.5, zeros: int =
     return torch.softmax(logits, dim=-1)
 
 
-def _cases(num_random: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(name, p [k+1, V], q [k, V]): named corner cases, then seeded random ones."""
+def _cases(num_random: int, seeds: tuple[int, ...] = ()) -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
+    """(name, p [V], q [V], n candidates): named corner cases, seeded random ones, then ones drawn from `seeds`."""
     gen = torch.Generator().manual_seed(9)
-    v = 5
+    v = 4
     cases = []
-    p = torch.stack([_dist(gen, v) for _ in range(3)])
-    cases.append(("q equals p: every guess accepted", p, p[:2].clone()))
-    disjoint_p = torch.tensor([[0.5, 0.5, 0, 0, 0]] * 2, dtype=DTYPE)
-    disjoint_q = torch.tensor([[0, 0, 0.3, 0.7, 0]], dtype=DTYPE)
-    cases.append(("q and p disjoint: every guess rejected", disjoint_p, disjoint_q))
-    one_hot = torch.zeros(2, v, dtype=DTYPE)
-    one_hot[0, 1], one_hot[1, 3] = 1.0, 1.0
-    cases.append(("one-hot q (an n-gram guess)", torch.stack([_dist(gen, v) for _ in range(3)]), one_hot))
-    cases.append(("k = 1", torch.stack([_dist(gen, v) for _ in range(2)]), _dist(gen, v)[None]))
-    cases.append(("k = 3, zeros in p and q", torch.stack([_dist(gen, v, zeros=2) for _ in range(4)]),
-                  torch.stack([_dist(gen, v, zeros=1) for _ in range(3)])))
+    p = _dist(gen, v)
+    cases.append(("q equals p: the first candidate is always accepted", p, p.clone(), 2))
+    cases.append(("q and p disjoint: every candidate rejected", torch.tensor([0.5, 0.5, 0, 0], dtype=DTYPE),
+                  torch.tensor([0, 0, 0.3, 0.7], dtype=DTYPE), 2))
+    one_hot = torch.zeros(v, dtype=DTYPE)
+    one_hot[1] = 1.0
+    cases.append(("one-hot q (an n-gram guess, repeated)", _dist(gen, v), one_hot, 2))
+    cases.append(("one candidate: chapter 09's rule", _dist(gen, v), _dist(gen, v), 1))
+    cases.append(("three candidates, zeros in p and q", _dist(gen, v + 1, zeros=2), _dist(gen, v + 1, zeros=1), 3))
+    cases.append(("q sharper than p: the residual moves twice", _dist(gen, v, sharpness=0.3), _dist(gen, v, sharpness=3.0),
+                  3))
     for i in range(num_random):
-        k = 1 + i % 3
-        vocab = 3 + i % 3
-        cases.append((f"random case {i} (k = {k}, vocab {vocab})",
-                      torch.stack([_dist(gen, vocab, sharpness=0.5 + i % 4) for _ in range(k + 1)]),
-                      torch.stack([_dist(gen, vocab, sharpness=0.5 + (i + 1) % 4) for _ in range(k)])))
+        n, vocab = 1 + i % 3, 3 + i % 3
+        cases.append((f"random case {i} ({n} candidates, vocab {vocab})",
+                      _dist(gen, vocab, sharpness=0.5 + i % 4), _dist(gen, vocab, sharpness=0.5 + (i + 1) % 4), n))
+    for seed in seeds:
+        drawn = torch.Generator().manual_seed(seed)
+        n, vocab = 2 + seed % 2, 3 + seed % 3
+        cases.append((f"a case drawn as the check ran (seed {seed}, {n} candidates, vocab {vocab})",
+                      _dist(drawn, vocab, sharpness=1.0 + seed % 3, zeros=seed % 2), _dist(drawn, vocab), n))
     return cases
 
 
-def _drafts(q: torch.Tensor):
-    """Every draft the proposer could draw from q (positions independent here), with its probability."""
-    supports = [[t for t in range(q.shape[1]) if q[i, t] > 0] for i in range(q.shape[0])]
-    for draft in itertools.product(*supports):
-        yield list(draft), math.prod(float(q[i, t]) for i, t in enumerate(draft))
+def _candidates(q: torch.Tensor, n: int):
+    """Every tuple of n candidates the proposer could draw from q (independently), with its probability."""
+    support = [t for t in range(q.shape[0]) if q[t] > 0]
+    for draw in itertools.product(support, repeat=n):
+        yield list(draw), math.prod(float(q[t]) for t in draw)
 
 
-# --- task 1: the residual ------------------------------------------------------------------------
+def _forbidden() -> tuple:
+    return (reference.rejection_sample, reference.target_probs)
 
 
-@task(1, "residual")
-def check_task_1(residual, num_random: int = 200) -> str:
+# --- task 1: the residuals after each rejection ----------------------------------------------------
+
+
+@task(1, "residuals")
+def check_task_1(residuals, num_random: int = 200) -> str:
     gen = torch.Generator().manual_seed(1)
-    pairs = [("p equals q", torch.tensor([0.2, 0.3, 0.5], dtype=DTYPE), torch.tensor([0.2, 0.3, 0.5], dtype=DTYPE)),
-             ("q one-hot", torch.tensor([0.1, 0.6, 0.3], dtype=DTYPE), torch.tensor([0.0, 1.0, 0.0], dtype=DTYPE))]
+    pairs = [("p equals q", torch.tensor([0.2, 0.3, 0.5], dtype=DTYPE), torch.tensor([0.2, 0.3, 0.5], dtype=DTYPE), 2),
+             ("q one-hot", torch.tensor([0.1, 0.6, 0.3], dtype=DTYPE), torch.tensor([0.0, 1.0, 0.0], dtype=DTYPE), 3),
+             ("q sharper than p", torch.tensor([0.3, 0.3, 0.4], dtype=DTYPE), torch.tensor([0.05, 0.05, 0.9], dtype=DTYPE),
+              3)]
     for i in range(num_random):
         vocab = 2 + i % 7
-        pairs.append((f"random pair {i}", _dist(gen, vocab, zeros=i % 2), _dist(gen, vocab)))
-    for name, p, q in pairs:
-        diff = (p - q).clamp(min=0)
-        expected = p.clone() if float(diff.sum()) <= 0 else diff / diff.sum()
-        with forbid(reference.rejection_sample, reference.target_probs):
-            got = residual(p.clone(), q.clone())
+        pairs.append((f"random pair {i}", _dist(gen, vocab, zeros=i % 2), _dist(gen, vocab), i % 4))
+    for seed in grade_time_seeds(FRESH_CASES):
+        drawn = torch.Generator().manual_seed(seed)
+        for i in range(20):
+            vocab = 2 + (seed + i) % 7
+            pairs.append((f"a pair drawn as the check ran (seed {seed}, #{i})", _dist(drawn, vocab, zeros=i % 2),
+                          _dist(drawn, vocab, sharpness=0.5 + i % 4), 1 + i % 4))
+    for name, p, q, n in pairs:
+        expected = private.residual_chain(p, q, n)
+        with forbid(*_forbidden()):
+            got = residuals(p.clone(), q.clone(), n)
         got = torch.as_tensor(got, dtype=DTYPE)
-        if got.shape != expected.shape or not torch.allclose(got, expected, atol=1e-12):
-            raise Fail(f"{name}: p = {_fmt(p)}, q = {_fmt(q)}: you return {_fmt(got.reshape(-1))}, "
-                       f"expected {_fmt(expected)}")
-    return f"{len(pairs)} (p, q) pairs, p == q and one-hot q included: normalize(max(0, p − q)) to 1e-12"
+        if got.shape != expected.shape:
+            raise Fail(f"{name}: residuals(p, q, n={n}) has shape {tuple(got.shape)}; expected {tuple(expected.shape)} "
+                       f"(n + 1 rows: p, then one row per rejection)")
+        for j in range(n + 1):
+            if not torch.allclose(got[j], expected[j], atol=1e-12):
+                what = "row 0 must be p itself" if j == 0 else (
+                    f"row {j} is what row {j - 1} has and q does not, normalized (row {j - 1} itself if nothing is left)")
+                raise Fail(f"{name}: p = {_fmt(p)}, q = {_fmt(q)}: row {j} of yours is {_fmt(got[j])}, expected "
+                           f"{_fmt(expected[j])}: {what}")
+    return (f"{len(pairs)} (p, q, n) cases, p == q, one-hot q and {FRESH_CASES * 20} drawn as the check ran: each row "
+            "normalize(max(0, previous − q)) to 1e-12")
 
 
 # --- task 2: the whole rule, graded exactly ------------------------------------------------------
 
 
-def _check_paths(name: str, outputs: dict, draft: list[int]) -> None:
-    k = len(draft)
-    for out, prob in outputs.items():
-        if prob <= 1e-15:
-            continue
-        n = len(out)
-        if n == 0 or n > k + 1:
-            raise Fail(f"{name}: with draft {draft} you emitted {list(out)}: emit 1 to k + 1 = {k + 1} tokens")
-        if list(out[: n - 1]) != draft[: n - 1]:
-            raise Fail(f"{name}: with draft {draft} you emitted {list(out)}: every token but the last must be an "
-                       f"accepted guess, in order")
-        if n == k and list(out) == draft:
-            raise Fail(f"{name}: with draft {draft} you emitted {list(out)}, all {k} guesses and nothing after "
-                       f"them. If all were accepted, the target's bonus token (drawn from p[k]) is missing; if the "
-                       f"last was rejected, its correction comes from normalize(max(0, p − q)), where the rejected "
-                       f"token has no mass")
-        if n <= k and out[-1] == draft[n - 1]:
-            raise Fail(f"{name}: with draft {draft} you emitted {list(out)}: after a rejected guess the "
-                       f"correction comes from normalize(max(0, p − q)), where the rejected token has no mass")
+def _outcomes(name: str, outputs: dict, candidates: list[int]) -> dict[tuple[int, int], float]:
+    """{(accepted index or -1, token): probability}, after checking the shape of every answer."""
+    n, out = len(candidates), {}
+    for (index, token), prob in outputs.items():
+        if index == -1:
+            pass  # drawn from the last residual: any token
+        elif not 0 <= index < n:
+            raise Fail(f"{name}: with candidates {candidates} you answered index {index}: the index of the accepted "
+                       f"candidate (0 … {n - 1}) or None when every candidate was rejected")
+        elif token != candidates[index]:
+            raise Fail(f"{name}: with candidates {candidates} you answered ({index}, {token}): an accepted candidate "
+                       f"is emitted as it is (token {candidates[index]})")
+        out[(index, token)] = out.get((index, token), 0.0) + prob
+    return out
 
 
-def _check_rule(name: str, outputs: dict, draft: list[int], p: torch.Tensor, q: torch.Tensor) -> None:
-    """The properties that define the rejection sampler, for one draft, from the exact outputs: guess i
-    is accepted (given guesses before it were) with probability min(1, p[i](x) / q[i](x)); after a
-    rejection the correction follows normalize(max(0, p[i] − q[i])); after k acceptances the bonus
-    follows p[k]. (Outputs distributed as p alone do not define it: a verifier that never reads q can
-    get them for a one-hot q.)"""
-    k = len(draft)
-    accepted = defaultdict(float)  # number of accepted guesses -> probability
-    last = defaultdict(lambda: torch.zeros(p.shape[1], dtype=DTYPE))  # accepted count -> law of the last token
-    for out, prob in outputs.items():
-        accepted[len(out) - 1] += prob
-        last[len(out) - 1][out[-1]] += prob
-    for i, x in enumerate(draft):
-        reach = sum(prob for n, prob in accepted.items() if n >= i)
+def _check_rule(name: str, outcomes: dict, candidates: list[int], chain: torch.Tensor, q: torch.Tensor) -> None:
+    """The properties that define recursive rejection sampling, for one tuple of candidates: candidate j is
+    accepted (given the ones before it were rejected) with probability min(1, r_j(c) / q(c)), r_0 = p and
+    r_{j+1} = normalize(max(0, r_j − q)); after n rejections the token follows r_n. (A token law equal to p
+    alone does not define it: a verifier that never reads q can get that.)"""
+    n = len(candidates)
+    reach = 1.0
+    for j, c in enumerate(candidates):
         if reach < 1e-12:
-            break
-        rate = sum(prob for n, prob in accepted.items() if n >= i + 1) / reach
-        px, qx = float(p[i, x]), float(q[i, x])
-        want = min(1.0, px / qx)
+            return
+        accepted = sum(prob for (index, _), prob in outcomes.items() if index == j)
+        rate, rx, qx = accepted / reach, float(chain[j, c]), float(q[c])
+        want = min(1.0, rx / qx)
         if abs(rate - want) > 1e-9:
-            raise Fail(f"{name}: with draft {draft}, guess {i + 1} (token {x}) is accepted with probability "
-                       f"{rate:.6f}; the rule accepts it with min(1, p/q) = min(1, {px:.4f}/{qx:.4f}) = {want:.6f}")
-        rejected = accepted.get(i, 0.0)
-        if rejected > 1e-12:
-            got = last[i] / last[i].sum()
-            diff = (p[i] - q[i]).clamp(min=0)
-            if float(diff.sum()) > 0 and not torch.allclose(got, diff / diff.sum(), atol=1e-9):
-                raise Fail(f"{name}: with draft {draft}, after rejecting guess {i + 1} the correction follows "
-                           f"{_fmt(got)}; it must follow normalize(max(0, p − q)) = {_fmt(diff / diff.sum())}")
-    if accepted.get(k, 0.0) > 1e-12:
-        got = last[k] / last[k].sum()
-        if not torch.allclose(got, p[k], atol=1e-9):
-            raise Fail(f"{name}: with draft {draft}, after accepting all {k} guesses the bonus token follows "
-                       f"{_fmt(got)}; it must follow the target's p[{k}] = {_fmt(p[k])}")
+            law = "p" if j == 0 else f"r_{j}, the residual after {j} rejection(s)"
+            raise Fail(f"{name}: with candidates {candidates}, candidate {j} (token {c}) is accepted with probability "
+                       f"{rate:.6f}, once the ones before it were rejected; the rule accepts it with min(1, r(x)/q(x)) "
+                       f"= min(1, {rx:.4f}/{qx:.4f}) = {want:.6f}, r being {law} = {_fmt(chain[j])}")
+        reach -= accepted
+    if reach > 1e-12:
+        law = torch.zeros(chain.shape[1], dtype=DTYPE)
+        for (index, token), prob in outcomes.items():
+            if index == -1:
+                law[token] += prob
+        got = law / law.sum()
+        if not torch.allclose(got, chain[n], atol=1e-9):
+            raise Fail(f"{name}: with candidates {candidates}, after rejecting all {n} the token follows {_fmt(got)}; "
+                       f"it must follow r_{n}, the residual after {n} rejections, = {_fmt(chain[n])}")
 
 
-@task(2, "verify, exactly")
-def check_task_2(verify, num_random: int = 12) -> str:
-    cases = _cases(num_random)
+@task(2, "verify several candidates, exactly")
+def check_task_2(verify, num_random: int = 12) -> list[str]:
+    cases = _cases(num_random, tuple(grade_time_seeds(FRESH_CASES)))
     total_paths = 0
-    for name, p, q in cases:
-        k = q.shape[0]
-        emitted: dict[tuple[int, ...], float] = defaultdict(float)
-        for draft, weight in _drafts(q):
-            with forbid(reference.rejection_sample, reference.target_probs):
-                outputs = exact_outputs(lambda rng, d=draft, p=p, q=q: verify(p.clone(), q.clone(), list(d), rng))
-            _check_paths(name, outputs, draft)
-            _check_rule(name, outputs, draft, p, q)
-            total_paths += len(outputs)
-            for out, prob in outputs.items():
-                emitted[out] += weight * prob
-        mass = sum(emitted.values())
-        if abs(mass - 1.0) > 1e-9:
-            raise Fail(f"{name}: your outputs' probabilities sum to {mass:.6f}, not 1")
-        # position i: given the first i emitted tokens (accepted guesses), token i must follow p[i]
-        for i in range(k + 1):
-            vocab = p.shape[1]
-            by_prefix: dict[tuple[int, ...], torch.Tensor] = defaultdict(lambda v=vocab: torch.zeros(v, dtype=DTYPE))
-            for out, prob in emitted.items():
-                if len(out) > i:
-                    by_prefix[out[:i]][out[i]] += prob
-            for prefix, weights in by_prefix.items():
-                if float(weights.sum()) < 1e-12:
-                    continue
-                got = weights / weights.sum()
-                if not torch.allclose(got, p[i], atol=1e-9):
-                    where = "the first token" if i == 0 else f"token {i + 1}, after accepting {list(prefix)},"
-                    raise Fail(f"{name}: {where} follows {_fmt(got)}, but the target's p[{i}] is {_fmt(p[i])}")
-    return [f"{len(cases)} cases (q = p, disjoint, one-hot, k = 1 … 3): every draft q could propose, every path "
-            f"of your random choices ({total_paths} outputs)",
-            "each guess accepted with probability min(1, p/q), each correction drawn from normalize(max(0, p − q)), "
-            "the bonus from p[k] (to 1e-9)",
-            "each emitted position follows the target's p exactly (to 1e-9); 1 … k + 1 tokens, bonus included"]
+    for name, p, q, n in cases:
+        chain = private.residual_chain(p, q, n)
+        emitted = torch.zeros(p.shape[0], dtype=DTYPE)
+        for candidates, weight in _candidates(q, n):
+            def run(rng, c=candidates, p=p, q=q):
+                answer = verify(p.clone(), q.clone(), list(c), rng)
+                if not isinstance(answer, tuple | list) or len(answer) != 2:
+                    raise Fail(f"verify returned {answer!r}: return (index of the accepted candidate or None, token)")
+                index, token = answer
+                if index is not None and not isinstance(index, int) or not isinstance(token, int):
+                    raise Fail(f"verify returned {answer!r}: the index (or None) and the token are ints")
+                return [-1 if index is None else index, token]
+            with forbid(*_forbidden()):
+                outputs = exact_outputs(run)
+            outcomes = _outcomes(name, {tuple(k): v for k, v in outputs.items()}, candidates)
+            _check_rule(name, outcomes, candidates, chain, q)
+            total_paths += len(outputs) * (not name.startswith("a case drawn"))  # the seeded cases' count
+            for (_, token), prob in outcomes.items():
+                emitted[token] += weight * prob
+        if abs(float(emitted.sum()) - 1.0) > 1e-9:
+            raise Fail(f"{name}: your outputs' probabilities sum to {float(emitted.sum()):.6f}, not 1")
+        if not torch.allclose(emitted, p, atol=1e-9):
+            raise Fail(f"{name}: the emitted token follows {_fmt(emitted)}, but the target's p is {_fmt(p)}")
+    return [f"{len(cases)} cases (q = p, disjoint, one-hot, 1 … 3 candidates, {FRESH_CASES} drawn as the check ran): "
+            f"every tuple of candidates q could propose, every path of your random choices ({total_paths} outputs in "
+            "the seeded cases)",
+            "each candidate accepted with probability min(1, r/q), r the residual after the rejections before it; "
+            "after n rejections the token drawn from r_n (to 1e-9)",
+            "the emitted token follows the target's p exactly (to 1e-9)"]
 
 
 # --- task 3: a seeded random source --------------------------------------------------------------
@@ -326,28 +339,26 @@ def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=DTYPE), stat / 2))
 
 
-def _sample_run(verify, rng_class, p, q, num_samples: int, seed: int):
+def _sample_run(verify, rng_class, p, q, num_samples: int, seed: int, n: int = 2):
     rng = rng_class(seed)
     draw = torch.Generator().manual_seed(seed + 1)  # the proposer's draws: the grader's own
-    first = torch.zeros(p.shape[1], dtype=DTYPE)
-    second = torch.zeros(p.shape[1], dtype=DTYPE)
-    lengths = []
+    tokens = torch.zeros(p.shape[0], dtype=DTYPE)
+    first_accepted = 0
     for _ in range(num_samples):
-        draft = [int(torch.multinomial(q[i], 1, generator=draw)) for i in range(q.shape[0])]
-        out = verify(p, q, draft, rng)
-        first[out[0]] += 1
-        if out[0] == draft[0] and len(out) > 1:
-            second[out[1]] += 1
-        lengths.append(len(out))
-    return first, second, lengths
+        candidates = torch.multinomial(q, n, replacement=True, generator=draw).tolist()
+        index, token = verify(p, q, candidates, rng)
+        tokens[token] += 1
+        first_accepted += index == 0
+    return tokens, first_accepted
 
 
 @task(3, "seeded sampling")
 def check_task_3(verify, rng_class, num_samples: int = 20_000) -> list[str]:
     gen = torch.Generator().manual_seed(3)
-    p = torch.stack([_dist(gen, 6) for _ in range(3)])
-    q = torch.stack([_dist(gen, 6) for _ in range(2)])
-    with forbid(reference.rejection_sample, reference.target_probs):
+    p = torch.stack([_dist(gen, 6) for _ in range(2)])
+    q = _dist(gen, 6)
+    drawn_a, drawn_b = grade_time_seeds(2)
+    with forbid(*_forbidden()):
         a, b = rng_class(5), rng_class(5)
         draws_a = [float(a.uniform()) for _ in range(50)] + [int(a.choice(p[0])) for _ in range(50)]
         draws_b = [float(b.uniform()) for _ in range(50)] + [int(b.choice(p[0])) for _ in range(50)]
@@ -358,13 +369,18 @@ def check_task_3(verify, rng_class, num_samples: int = 20_000) -> list[str]:
                        "(torch.Generator().manual_seed(seed)) and draw only from it")
         if draws_a == draws_c:
             raise Fail("seeds 5 and 6 drew the same numbers: the seed must matter")
+        again = [rng_class(drawn_a), rng_class(drawn_a), rng_class(drawn_b)]
+        seen = [[float(r.uniform()) for _ in range(20)] + [int(r.choice(p[1])) for _ in range(20)] for r in again]
+        if seen[0] != seen[1] or seen[0] == seen[2]:
+            raise Fail(f"seeds {drawn_a} and {drawn_b}, drawn as the check ran: the same seed must draw the same "
+                       "numbers and another seed others (a generator of your own, seeded with the seed you are given)")
         if not all(0.0 <= u < 1.0 for u in draws_a[:50]):
             raise Fail(f"uniform() returned values outside [0, 1): {draws_a[:5]}")
         uniforms = [float(a.uniform()) for _ in range(num_samples)]
         picks = torch.zeros(6, dtype=DTYPE)
         for _ in range(num_samples):
             picks[int(a.choice(p[1]))] += 1
-        first, second, lengths = _sample_run(verify, rng_class, p, q, num_samples, seed=11)
+        tokens, first_accepted = _sample_run(verify, rng_class, p[0], q, num_samples, seed=11)
     mean_u = sum(uniforms) / len(uniforms)
     if abs(mean_u - 0.5) > 0.01:
         raise Fail(f"the mean of {num_samples} uniform() draws is {mean_u:.4f}: uniform on [0, 1) has mean 0.5")
@@ -382,11 +398,17 @@ def check_task_3(verify, rng_class, num_samples: int = 20_000) -> list[str]:
     if p_choice < 0.001:
         raise Fail(f"choice(probs) does not follow probs: counts {picks.tolist()} against {_fmt(p[1])} "
                    f"(chi-square p = {p_choice:.2g})")
-    p_first, p_second = _chi_square_p_value(first, p[0]), _chi_square_p_value(second, p[1])
-    if p_first < 0.001 or p_second < 0.001:
-        raise Fail(f"with your generator, verify's tokens do not follow p: chi-square p-values {p_first:.2g} "
-                   f"(first token) and {p_second:.2g} (second, after an accepted guess)")
-    return [f"same seed, same draws; seeds 5 and 6 differ; {num_samples} uniforms in [0, 1), mean within 0.01 of "
-            f"0.5, a chi-square test against the uniform law ({UNIFORM_BINS} bins, p > 0.001)",
-            f"{num_samples} seeded verify calls (k = 2): first and second tokens pass a chi-square test against p "
-            f"(p > 0.001)"]
+    p_tokens = _chi_square_p_value(tokens, p[0])
+    if p_tokens < 0.001:
+        raise Fail(f"with your generator, verify's tokens do not follow p: counts {[int(c) for c in tokens.tolist()]} "
+                   f"against {_fmt(p[0])} (chi-square p = {p_tokens:.2g})")
+    rate = float(torch.minimum(p[0], q).sum())  # P(the first candidate is accepted) = sum of min(p, q)
+    z = (first_accepted - num_samples * rate) / math.sqrt(num_samples * rate * (1 - rate))
+    if abs(z) > 4:
+        raise Fail(f"with your generator, the first candidate was accepted {first_accepted} times in {num_samples}; "
+                   f"the rule accepts it with probability sum(min(p, q)) = {rate:.4f} ({z:+.1f} standard deviations)")
+    return [f"same seed, same draws (seeds drawn as the check ran too); seeds 5 and 6 differ; {num_samples} uniforms "
+            f"in [0, 1), mean within 0.01 of 0.5, a chi-square test against the uniform law ({UNIFORM_BINS} bins, "
+            "p > 0.001)",
+            f"{num_samples} seeded verify calls (2 candidates): the tokens pass a chi-square test against p (p > 0.001), "
+            "the first candidate accepted as often as sum(min(p, q)) says (within 4 standard deviations)"]

@@ -7,28 +7,34 @@ must match the rung's numpy spec and show the pattern's properties (one thread p
 numbers loaded into shared memory once with no race between barriers; a tree reduction; one
 in-order pass reading nothing past a row's end). The specs are disabled while the kernel runs.
 
-Tasks 5-7, the paged decode kernel. The learner writes a kernel with the signature of minillm's own,
+Tasks 5-7, the paged decode kernel. Chapter 10 prints minillm's kernel, which reads a padded block
+table [B, max_blocks] and the sequence lengths; the learner writes the same attention for another
+layout of the page table, FlashInfer's compressed rows (CSR):
 
-    def paged_decode_kernel(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
+    def paged_decode_kernel(query, key_cache, value_cache, kv_indptr, kv_indices, kv_last_page_len, scale, out)
 
-launched with one thread per (sequence, query head): thread i = cuda.grid(1) serves sequence
-i // H_q and query head i % H_q. The checks:
+sequence b's pages are kv_indices[kv_indptr[b] : kv_indptr[b + 1]], in order, and its last page
+holds kv_last_page_len[b] keys (1 … block_size). It is launched with one thread per (sequence,
+query head): thread i = cuda.grid(1) serves sequence i // H_q and query head i % H_q. The
+reference for the layout is built from the library: the same batch as a block table, through
+`paged_attention_decode_reference`. The checks:
 
 - task 5: in numba's CUDA simulator (on the GPU where there is one), on ragged GQA batches from
   `minillm.kernels.scenarios.paged_scenario` (scattered blocks, partial last blocks, lengths 1 and
   block_size ± 1, -1 padded tables, NaN in every slot no sequence owns, one batch with logits
-  beyond exp()'s range), against the torch reference;
+  beyond exp()'s range), and batches drawn when the check runs, against the torch reference;
 - task 6: the same function, and the four ladder kernels, compile to PTX for sm_90, in one subprocess
   without the simulator (which has no compiler): a kernel that only works as Python (lists, torch,
   numpy) fails here.
   The function travels as its code object (`marshal`), so a kernel defined by `exec` works too;
 - task 7: plugged into the engine (`attention_backend="numba"`), it serves every decode row of the
-  bundled model; each of its calls is compared with the reference afterwards, and the greedy tokens
-  with the torch backend's.
+  bundled model (the engine's block tables handed to it as CSR); each of its calls is compared with
+  the reference afterwards, and the greedy tokens with the torch backend's.
 
 While the learner's kernel runs, minillm's own kernel function and the torch reference are
-disabled (`forbid`). `KNOWN_WRONG` holds minillm's kernel with one bug each, the bug classes the
-exercise is about (chapter 10, section 6, runs them; tests/known_wrong/ex10.py grades them).
+disabled (`forbid`). `KNOWN_WRONG` holds minillm's block-table kernel with one bug each, the bug
+classes of chapter 10, section 6 (which runs them); tests/known_wrong/ex10.py grades the learner's
+kernel's versions of them.
 The ladder's tasks need the simulator (they trace its threads); on a GPU they say so and fail.
 
 numba reads NUMBA_ENABLE_CUDASIM when it is first imported and numba.cuda picks the simulator when it
@@ -43,6 +49,7 @@ import json
 import marshal
 import math
 import os
+import random
 import re
 import subprocess
 import sys
@@ -52,6 +59,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 if "numba.cuda" not in sys.modules and not torch.cuda.is_available():
@@ -63,7 +71,7 @@ if "numba.cuda" not in sys.modules and not torch.cuda.is_available():
 
 from numba import cuda, float32  # noqa: E402
 
-from minillm.grading import Fail, forbid, task  # noqa: E402
+from minillm.grading import Fail, forbid, grade_time_seeds, task  # noqa: E402
 from minillm.kernels import decode_attention, ladder  # noqa: E402
 from minillm.kernels._launch import device_array, launch, simulator  # noqa: E402
 from minillm.kernels.scenarios import PagedScenario, paged_scenario  # noqa: E402
@@ -85,6 +93,8 @@ CASES: tuple[tuple[str, dict], ...] = (
     ("large logits, GQA 6:2", dict(seq_lens=[5, 12, 3], block_size=4, num_blocks=10, kv_heads=2, q_heads=6,
                                    head_dim=8, seed=12, logit_scale=1000.0)),
 )
+DRAWN_BATCHES = 3  # task 5's batches drawn when the check runs
+DRAWN_RUNG_CASES = 2  # each ladder task's cases drawn when the check runs
 ATOL = RTOL = 1e-4
 _THREAD_ID = re.compile(r"tid=\[[^\]]*\] ctaid=\[[^\]]*\]:\s*")  # which thread failed first varies
 PORTABLE_MODULES = {"math": math, "cuda": cuda}  # what a kernel's globals may name, besides numbers
@@ -101,22 +111,54 @@ def _references():
     return (decode_attention.paged_attention_decode_reference, decode_attention._kernel)
 
 
+def csr_pages(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+              padding: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A padded block table as FlashInfer's CSR page table: (kv_indptr [B+1], kv_indices, kv_last_page_len [B]),
+    int32; `padding` -1 entries after the last sequence's pages (never to be read)."""
+    tables, lens = block_tables.cpu().tolist(), seq_lens.cpu().tolist()
+    indptr, indices, last = [0], [], []
+    for row, n in zip(tables, lens):
+        pages = -(-int(n) // block_size)
+        indices += row[:pages]
+        indptr.append(len(indices))
+        last.append(int(n) - (pages - 1) * block_size)
+    indices += [-1] * padding
+    return tuple(torch.tensor(v, dtype=torch.int32, device=block_tables.device) for v in (indptr, indices, last))
+
+
 def run_decode_kernel(python_function: Callable, query, key_cache, value_cache, block_tables, seq_lens,
                       scale: float) -> torch.Tensor:
-    """Launch `python_function` as a numba.cuda kernel, one thread per (sequence, query head); on CPU."""
+    """Launch `python_function` as a numba.cuda kernel on the batch's CSR page table, one thread per
+    (sequence, query head); on CPU. The batch comes as a block table (the reference's layout)."""
     if not callable(python_function):
         raise Fail(f"expected the kernel's Python function, got {type(python_function).__name__}")
     out = torch.full_like(query, float("nan"))  # a thread that writes nothing leaves NaN
+    indptr, indices, last = csr_pages(block_tables, seq_lens, key_cache.shape[1], padding=2)
     with warnings.catch_warnings():  # numpy's overflow warnings, from the simulator's threads
         warnings.simplefilter("ignore", RuntimeWarning)
         launch(cuda.jit(python_function), query.shape[0] * query.shape[1], device_array(query),
-               device_array(key_cache), device_array(value_cache), device_array(block_tables),
-               device_array(seq_lens), float(scale), device_array(out))
+               device_array(key_cache), device_array(value_cache), device_array(indptr), device_array(indices),
+               device_array(last), float(scale), device_array(out))
     return out.cpu()
 
 
-def scenarios(device: str = DEVICE) -> list[tuple[str, PagedScenario]]:
-    return [(name, paged_scenario(**kwargs).to(device)) for name, kwargs in CASES]
+def drawn_case(seed: int) -> tuple[str, dict]:
+    """A ragged batch drawn from `seed` (a seed drawn when the check runs): 1 to 5 sequences of 1 to 20
+    keys, block size 2, 4 or 8, MHA, GQA or MQA, now and then logits in the thousands."""
+    rng = random.Random(seed)
+    block_size = rng.choice((2, 4, 8))
+    seq_lens = [rng.randint(1, 20) for _ in range(rng.randint(1, 5))]
+    kv_heads, group = rng.choice(((1, 1), (1, 4), (2, 1), (2, 2), (2, 3)))
+    pages = sum(-(-n // block_size) for n in seq_lens)
+    kwargs = dict(seq_lens=seq_lens, block_size=block_size, num_blocks=pages + 1 + rng.randint(0, 4),
+                  kv_heads=kv_heads, q_heads=kv_heads * group, head_dim=rng.choice((4, 8)), seed=seed,
+                  logit_scale=rng.choice((1.0, 1.0, 1000.0)))
+    return f"a batch drawn as the check ran (seed {seed}: {kwargs})", kwargs
+
+
+def scenarios(device: str = DEVICE, drawn: tuple[int, ...] = ()) -> list[tuple[str, PagedScenario]]:
+    cases = list(CASES) + [drawn_case(seed) for seed in drawn]
+    return [(name, paged_scenario(**kwargs).to(device)) for name, kwargs in cases]
 
 
 def compare_decode(got: torch.Tensor, want: torch.Tensor) -> str | None:
@@ -131,10 +173,11 @@ def compare_decode(got: torch.Tensor, want: torch.Tensor) -> str | None:
     return None
 
 
-def decode_problems(python_function: Callable) -> list[tuple[str, str | None]]:
-    """(case, problem or None) for every case of task 5; the reference is disabled while the kernel runs."""
+def decode_problems(python_function: Callable, drawn: tuple[int, ...] = ()) -> list[tuple[str, str | None]]:
+    """(case, problem or None) for every case of task 5 (and those drawn from `drawn` seeds); the reference
+    is disabled while the kernel runs."""
     expected = [(name, case, decode_attention.paged_attention_decode_reference(*case.to("cpu").args()))
-                for name, case in scenarios()]
+                for name, case in scenarios(drawn=drawn)]
     results = []
     for name, case, want in expected:
         try:
@@ -153,15 +196,75 @@ def decode_problems(python_function: Callable) -> list[tuple[str, str | None]]:
 
 # ---- tasks 1-4: the ladder -----------------------------------------------------------------------
 
+def drawn_rung_case(rung: str, seed: int) -> ladder.Case:
+    """One case of `rung` drawn from `seed` (a seed drawn when the check runs): other sizes than the seeded
+    ones, so a kernel written for those (a grid, a length, a block count) fails."""
+    g = np.random.default_rng(seed)
+    tpb = ladder.TPB
+    if rung == "map":
+        rows, cols = (int(v) for v in g.integers(1, 13, 2))
+        grid = (-(-rows // 4) + int(g.integers(0, 2)), -(-cols // 4) + int(g.integers(0, 2)))  # spare threads
+        inputs = {"a": g.integers(-9, 10, rows).astype(np.float32), "b": g.integers(-9, 10, cols).astype(np.float32)}
+        return ladder.Case(f"a[{rows}] + b[{cols}] on {grid[0]}x{grid[1]} blocks of 4x4 threads", inputs, (rows, cols),
+                           grid, (4, 4), ladder.broadcast_add_spec)
+    if rung == "shared memory":
+        n = int(g.integers(1, 5 * tpb))
+        a = g.integers(-9, 10, n).astype(np.float32)
+        return ladder.Case(f"{n} numbers, blocks of {tpb}", {"a": a}, (n,), -(-n // tpb), tpb, ladder.window_sum_spec)
+    if rung == "reduction":
+        n = int(g.integers(1, 5 * tpb))
+        a = -g.integers(1, 100, n).astype(np.float32)
+        blocks = -(-n // tpb)
+        return ladder.Case(f"{n} negative numbers, {blocks} blocks of {tpb}", {"a": a}, (blocks,), blocks, tpb,
+                           ladder.block_max_spec)
+    rows, width = int(g.choice([1, 2, 3, 4, 6, 7])), 12  # never the seeded case's 5 rows
+    lengths = g.integers(1, width + 1, rows).astype(np.int32)
+    scores = np.full((rows, width), np.nan, dtype=np.float32)
+    values = np.full((rows, width), np.nan, dtype=np.float32)
+    for r, n in enumerate(lengths):
+        scores[r, :n] = (g.standard_normal(n) * g.choice([1.0, 10.0, 1000.0])).astype(np.float32)
+        values[r, :n] = g.standard_normal(n).astype(np.float32)
+    return ladder.Case(f"{rows} rows of {', '.join(map(str, lengths.tolist()))} scores", {"scores": scores,
+                       "values": values, "lengths": lengths}, (rows,), -(-rows // 4), 4, ladder.softmax_weighted_sum_spec)
+
+
+def _drawn_rung_problem(rung: str, kernel, seeds: list[int]) -> str | None:
+    """The first problem of `kernel` on cases of `rung` drawn from `seeds`, judged as ladder.problems judges
+    the seeded ones (the spec, races, wrapped indices, the rung's properties), or None."""
+    properties = ladder.RUNGS[rung][1]
+    for seed in seeds:
+        case = drawn_rung_case(rung, seed)
+        want = case.want()
+        where = f"{case.label} (drawn as the check ran, seed {seed})"
+        try:
+            with forbid(*ladder.SPECS):
+                trace, out = ladder._run(kernel, case)
+        except NotImplementedError:
+            raise
+        except Exception as error:  # the simulator raises what a GPU would silently get wrong
+            message = _THREAD_ID.sub("", (str(error).splitlines() or [""])[0])[:160]
+            return f"{where}: {type(error).__name__}: {message}"
+        problem = f"a race: {trace.races()[0]}" if trace.races() else None
+        if problem is None and trace.wrapped:
+            name, element = trace.wrapped[0]
+            problem = f"{name} read at a negative index (wrapped around to {list(element)}; on a GPU: out of bounds)"
+        problem = problem or ladder._compare(out, want) or properties(trace, case)
+        if problem is not None:
+            return f"{where}: {problem}"
+    return None
+
+
 def _rung(rung: str, kernel) -> list[str]:
     _numba_ready()
     try:
         problem, lines, _ = ladder.problems(rung, kernel, guard=lambda: forbid(*ladder.SPECS))
+        if problem is None:
+            problem = _drawn_rung_problem(rung, kernel, grade_time_seeds(DRAWN_RUNG_CASES))
     except NotImplementedError as error:  # the stub: say so, without which simulated thread hit it first
         raise NotImplementedError(_THREAD_ID.sub("", str(error))) from None
     if problem is not None:
         raise Fail(problem)
-    return lines
+    return lines + [f"{DRAWN_RUNG_CASES} case(s) drawn as the check ran: match the spec"]
 
 
 @task(1, "map", check_time_limit_s=60)
@@ -189,13 +292,16 @@ def check_task_4(softmax_weighted_sum) -> list[str]:
 @task(5, "paged decode kernel", check_time_limit_s=120)
 def check_task_5(paged_decode_kernel) -> list[str]:
     _numba_ready()
-    results = decode_problems(paged_decode_kernel)
+    drawn = tuple(grade_time_seeds(DRAWN_BATCHES))
+    results = decode_problems(paged_decode_kernel, drawn)
     bad = [(name, problem) for name, problem in results if problem is not None]
     if bad:
         more = f" (and {len(bad) - 1} more of the {len(results)} batches)" if len(bad) > 1 else ""
         raise Fail(f"{bad[0][0]}: {bad[0][1]}{more}")
-    return [f"{len(results)} ragged batches match paged_attention_decode_reference:",
-            *(f"  {name}" for name, _ in results)]
+    return [f"{len(CASES)} ragged batches, read through their CSR page tables, match "
+            "paged_attention_decode_reference on the same batches as block tables:",
+            *(f"  {name}" for name, _ in CASES),
+            f"  and {DRAWN_BATCHES} batches drawn as the check ran"]
 
 
 # ---- task 6: the same function compiled for a real GPU --------------------------------------------
@@ -235,7 +341,7 @@ folder, cc = sys.argv[1], int(sys.argv[2])
 f32 = {n: nt.Array(nt.float32, n, "C") for n in (1, 2, 3, 4)}
 i32 = {n: nt.Array(nt.int32, n, "C") for n in (1, 2)}
 SIGNATURES = {
-    "paged decode": (f32[3], f32[4], f32[4], i32[2], i32[1], nt.float32, f32[3]),
+    "paged decode": (f32[3], f32[4], f32[4], i32[1], i32[1], i32[1], nt.float32, f32[3]),
     "map": (f32[1], f32[1], f32[2]),
     "shared memory": (f32[1], f32[1]),
     "reduction": (f32[1], f32[1]),
@@ -312,8 +418,13 @@ def check_task_6(paged_decode_kernel, broadcast_add, window_sum, block_max, soft
 
 # ---- task 7: in the engine ------------------------------------------------------------------------
 
+def _host(a):
+    return torch.as_tensor(a.copy_to_host() if hasattr(a, "copy_to_host") else a.copy()) if hasattr(a, "shape") else a
+
+
 class RecordingKernel:
-    """Stands in for minillm's decode kernel: launches the learner's and keeps a copy of each call."""
+    """Stands in for minillm's decode kernel: hands the learner's the engine's block tables as a CSR page
+    table, launches it, and keeps a copy of each call (in the block-table layout, for the reference)."""
 
     def __init__(self, python_function: Callable) -> None:
         self.kernel = cuda.jit(python_function)
@@ -322,10 +433,11 @@ class RecordingKernel:
     def __getitem__(self, launch_config):
         launch_kernel = self.kernel[launch_config]
 
-        def run(*args):
-            launch_kernel(*args)
-            self.calls.append(tuple(torch.as_tensor(a.copy_to_host() if hasattr(a, "copy_to_host") else a.copy())
-                                    if hasattr(a, "shape") else a for a in args))
+        def run(query, key_cache, value_cache, block_tables, seq_lens, scale, out):
+            pages = [p.to(DEVICE) for p in csr_pages(_host(block_tables), _host(seq_lens), key_cache.shape[1])]
+            launch_kernel(query, key_cache, value_cache, *(device_array(p) for p in pages), scale, out)
+            self.calls.append(tuple(_host(a) for a in (query, key_cache, value_cache, block_tables, seq_lens,
+                                                        scale, out)))
 
         return run
 

@@ -2,11 +2,14 @@
 
 Task 1 (shard the MLP) and task 3 (shard attention by heads) need no processes: the learner's
 shards are compared exactly with `minillm.distributed.linear`'s for many shapes and rank counts.
-Task 2 runs the learner's forward where it belongs: on 2 processes joined by torch.distributed
+Task 2 runs the learner's forward where it belongs: on 2, then 4, then 3 or 6 processes (that count
+drawn when the check runs, so a forward written for one rank count fails) joined by torch.distributed
 (gloo on loopback, `minillm.distributed.launch.run_ranks`: forked, bounded in time, every process
 stopped), each rank with its shard, and compares every rank's output with one process computing
 the whole MLP in float64. It also counts the collectives the forward makes. Task 3 then runs the
-attention block on the learner's shards on 2 ranks and compares it with one process. Every task
+attention block on the learner's shards on 2 ranks and compares it with one process. Shards must hold
+their own memory: a view into the whole weight (its storage larger than the shard, or inside the
+weight's) fails tasks 1 and 3. Every task
 adds cases whose weights are drawn when the check runs (`grade_time_seeds`), so answers memoised
 from the reference beforehand fail.
 
@@ -67,6 +70,13 @@ def _owns_its_memory(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
+def _holds_only_its_share(shard: torch.Tensor, full: torch.Tensor) -> bool:
+    """The shard's storage is its own size and lies outside the whole weight's memory (not a view of it)."""
+    start, size = full.untyped_storage().data_ptr(), full.untyped_storage().nbytes()
+    inside = start <= shard.untyped_storage().data_ptr() < start + size
+    return _owns_its_memory(shard) and not inside
+
+
 def _same(got, want, what: str, where: str) -> None:
     if want is None:
         if got is not None:
@@ -113,7 +123,7 @@ def check_task_1(shard_mlp) -> list[str]:
                     raise Fail(f"{where}: the result has no .{field}: return an MLPWeights")
                 _same(getattr(got, field), getattr(expected[rank], field), field, where)
             for field in ("gate_up", "down"):
-                if size > 1 and not _owns_its_memory(getattr(got, field)):
+                if size > 1 and not _holds_only_its_share(getattr(got, field), getattr(full, field)):
                     raise Fail(f"{where}: {field} is a view into the whole weight, which it keeps alive: each "
                                "rank should hold only its slice (copy it)")
             checked += 1
@@ -128,7 +138,8 @@ def check_task_1(shard_mlp) -> list[str]:
 
 # --- task 2: the forward on one rank, under torch.distributed --------------------------------------
 
-MLP_CASES = [(1, 8, 12, True), (5, 8, 12, True), (7, 16, 24, True), (3, 8, 4, False), (4, 6, 10, True)]
+MLP_CASES = [(1, 8, 12, True), (5, 8, 12, True), (7, 16, 24, True), (3, 8, 4, False), (4, 6, 10, True),
+             (2, 6, 24, False)]
 
 
 def _count_collectives(log: list) -> None:
@@ -168,25 +179,28 @@ def _rank_task_2(rank: int, world_size: int, tp_mlp, cases: list) -> list:
     return answers
 
 
-@task(2, "forward on 2 ranks")
-def check_task_2(tp_mlp) -> list[str]:
+def _mlp_cases(shapes: list, seeds: list[int], world_size: int) -> tuple[list, list]:
     cases, expected = [], []
-    seeds = [200 + number for number in range(len(MLP_CASES))] + grade_time_seeds(FRESH_CASES)
-    shapes = MLP_CASES + MLP_CASES[1:1 + FRESH_CASES]
     for (tokens, hidden, intermediate, bias), seed in zip(shapes, seeds):
         full = _weights(hidden, intermediate, seed=seed, bias=bias)
         x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
-        cases.append((x, [linear.shard_mlp(full, rank, WORLD_SIZE) for rank in range(WORLD_SIZE)]))
+        cases.append((x, [linear.shard_mlp(full, rank, world_size) for rank in range(world_size)]))
         expected.append(_mlp_one_process(x, full))
+    return cases, expected
+
+
+def _run_mlp_on_ranks(tp_mlp, world_size: int, shapes: list, seeds: list[int]) -> None:
+    cases, expected = _mlp_cases(shapes, seeds, world_size)
     with forbid(*REFERENCE):
         try:
-            answers = run_ranks(_rank_task_2, WORLD_SIZE, (tp_mlp, cases), timeout_s=RANKS_TIMEOUT_S)
+            answers = run_ranks(_rank_task_2, world_size, (tp_mlp, cases), timeout_s=RANKS_TIMEOUT_S)
         except RankError as error:
-            raise Fail(f"the ranks did not finish: {str(error).splitlines()[0]}") from None
+            raise Fail(f"the {world_size} ranks did not finish: {str(error).splitlines()[0]}") from None
     for rank, rank_answers in enumerate(answers):
         for number, answer in enumerate(rank_answers):
             tokens, hidden, intermediate, bias = shapes[number]
-            where = f"rank {rank}, case {number} (T={tokens}, H={hidden}, I={intermediate}, bias {bias})"
+            where = (f"{world_size} ranks, rank {rank}, case {number} (T={tokens}, H={hidden}, I={intermediate}, "
+                     f"bias {bias})")
             if answer[0] == "hit":
                 raise DelegationError(answer[1])
             if answer[0] == "error":
@@ -212,9 +226,25 @@ def check_task_2(tp_mlp) -> list[str]:
                 raise Fail(f"{where}: your forward made {len(log)} collective(s) through torch.distributed's process "
                            f"group ({', '.join(log) or 'none'}); column then row parallel needs exactly one "
                            "all-reduce (dist.all_reduce), after the row-parallel layer")
+
+
+@task(2, "forward on 2 and more ranks")
+def check_task_2(tp_mlp) -> list[str]:
+    # 2 and 4 ranks on the seeded cases, then a rank count drawn as the check runs (3 or 6), on weights drawn then
+    # too: a forward written for one rank count (a bias divided by 2) cannot pass.
+    runs = [(size, [s for s in MLP_CASES if s[2] % size == 0]) for size in (2, 4)]
+    seeds = grade_time_seeds(FRESH_CASES + 1)
+    drawn_size = (3, 6)[seeds[-1] % 2]
+    runs.append((drawn_size, [s for s in MLP_CASES if s[2] % drawn_size == 0][:FRESH_CASES]))
+    count = 0
+    for number, (size, shapes) in enumerate(runs):
+        fixed = [200 + 10 * number + index for index in range(len(shapes))]
+        _run_mlp_on_ranks(tp_mlp, size, shapes, seeds[:len(shapes)] if number == 2 else fixed)
+        count += len(shapes)
     hidden, tokens = MLP_CASES[1][1], MLP_CASES[1][0]
-    return [f"{len(shapes)} cases (1 to 7 tokens, with and without biases) on {WORLD_SIZE} gloo ranks: every "
-            "rank's output equals one process's MLP in float64 (1e-12), some cases drawn as the check ran",
+    return [f"{count} cases (1 to 7 tokens, with and without biases) on 2, 4 and 3 or 6 gloo ranks (that count and its "
+            "weights drawn as the check ran): every rank's output equals one process's MLP in "
+            "float64 (1e-12)",
             f"collectives per forward: one all-reduce; for T={tokens}, H={hidden} it sums {tokens * hidden * 8} "
             "bytes of float64 per rank"]
 
@@ -265,6 +295,10 @@ def check_task_3(shard_attention) -> list[str]:
                 if not hasattr(got, field):
                     raise Fail(f"{where}: the result has no .{field}: return an AttentionShard")
                 _same(getattr(got, field), getattr(want, field), f"the {field} weight", where)
+            for field, full in zip(("q", "k", "v", "o"), weights):
+                if size > 1 and not _holds_only_its_share(getattr(got, field), full):
+                    raise Fail(f"{where}: the {field} shard is a view into the whole weight, which it keeps alive: "
+                               "each rank should hold only its heads (copy them)")
             for field in ("num_heads", "num_kv_heads"):
                 if getattr(got, field, None) != getattr(want, field):
                     raise Fail(f"{where}: {field} is {getattr(got, field, None)!r}, this rank holds "
@@ -291,6 +325,7 @@ def check_task_3(shard_attention) -> list[str]:
             if not _close(out, want):
                 raise Fail(f"{heads} query heads, {kv_heads} KV heads on {WORLD_SIZE} ranks: rank {rank}'s attention "
                            f"output differs from one process by {(out - want).abs().max().item():.3g}")
-    return [f"{checked} (heads, KV heads, rank) cases, 1 to 8 ranks, KV heads replicated when fewer than ranks",
+    return [f"{checked} (heads, KV heads, rank) cases, 1 to 8 ranks, KV heads replicated when fewer than ranks, "
+            "each shard its own memory",
             f"{len(BAD_HEAD_CASES)} splits that do not divide refused with a ValueError",
             f"the attention block on your shards, {WORLD_SIZE} gloo ranks, 1 to 4 KV heads: equal to one process (1e-12)"]

@@ -1,46 +1,49 @@
-"""Grader of exercise 13 (chapter 13: many engines): the cache-aware routing decision, match or balance.
+"""Grader of exercise 13 (chapter 13: many engines): overloaded workers, the router's radix tree, and a
+match-or-balance rule that the chapter did not show.
 
-The learner writes SGLang's router decision (`minillm.router.policies.CacheAware` is the reference,
-disabled with the other policies while learner code runs): task 1 the imbalance test, task 2 the
-whole decision on top of the router's radix tree (`minillm.router.radix.RadixTree`, lent: the
-exercise is the decision, not the tree), task 3 the router on a seeded multi-tenant trace
-(`minillm.tenant_trace`) in front of simulated workers, against the reference on the same trace.
+Chapter 13 prints SGLang's decision (`CacheAware.imbalanced` and `.choose`): once the loads are
+imbalanced, affinity is dropped for the whole request. The exercise's rule is a variant: task 1 finds
+the overloaded workers (the same two thresholds, per worker), task 2 is the router's multi-tenant
+radix tree written from scratch (match, insert, size, and LRU evict with its return value), compared
+operation by operation with minillm's `RadixTree` (the reference, disabled while learner code runs),
+task 3 the decision that skips only the overloaded workers and keeps matching among the others, on
+the learner's own tree, then the router on a seeded multi-tenant trace (`minillm.tenant_trace`) in
+front of simulated workers. The rule's reference is grader-private
+(`minillm.grading.private.ex13_reference`, guarded while a check runs); minillm's policies and tree
+are disabled (`forbid`) while learner code runs.
 
-Task 2 does not ask for the reference's tie-breaking (it rotates ties): at every request it computes
-from a shadow tree (fed the learner's own choices) the set of workers the rules allow, and the
-learner's choice must be in it; the learner's tree must then hold what the shadow holds, after
-every request and after every `evict()`. Task 3's workers are simple queues whose service time
-grows with the prompt characters their own cache (a per-worker LRU radix tree) does not hold;
-the learner's prefix hit rate and peak load imbalance must be within bounds of the reference's.
-Every task adds cases drawn when the check runs (`grade_time_seeds`).
+Task 3 does not ask for a tie-breaking: at every request it computes from a shadow `RadixTree` (fed
+the learner's own choices) the set of workers the rule allows, and the learner's choice must be in it;
+the learner's tree must then hold what the shadow holds, after every request and every `evict()`,
+whose return value must be the characters the shadow dropped. The trace's workers are simple queues
+whose service time grows with the prompt characters their own cache (a per-worker LRU radix tree)
+does not hold; the learner's prefix hit rate and peak load imbalance must be within bounds of the
+reference rule's. Every task adds cases drawn when the check runs (`grade_time_seeds`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import random
 from dataclasses import dataclass
 
-from minillm.grading import Fail, forbid, grade_time_seeds, task
-from minillm.router import policies
-from minillm.router.policies import CacheAware, CacheAwareConfig
+from minillm.grading import Fail, forbid, grade_time_seeds, private_reference, task
+from minillm.router import policies, radix
+from minillm.router.policies import CacheAwareConfig
 from minillm.router.radix import RadixTree
 from minillm.tenant_trace import make_tenant_trace
 
-LEARNER_TOOLS = ()  # nothing of this module is lent; RadixTree and CacheAwareConfig are minillm's
+LEARNER_TOOLS = ()  # nothing of this module is lent; CacheAwareConfig is minillm's
 REFERENCE = (policies.CacheAware, policies.LeastLoad, policies.RoundRobin, policies.Policy,
-             policies._least_loaded, policies.make_policy)
+             policies._least_loaded, policies.make_policy, radix.RadixTree, radix._common_len)
+# The rule's reference (grader-private: guarded while a check runs, withheld from a student release)
+private = private_reference("ex13_reference")
 FRESH_CASES = 2
 
-# --- task 1: the imbalance test ------------------------------------------------------------------------
+# --- task 1: the overloaded workers -------------------------------------------------------------------
 
 THRESHOLDS = [(64, 1.5), (4, 1.5), (0, 1.0), (2, 3.0), (8, 1.2), (1, 2.0)]
-
-
-def _reference_imbalanced(loads: list[int], abs_threshold: int, rel_threshold: float) -> bool:
-    workers = [f"w{i}" for i in range(len(loads))]
-    ref = CacheAware(CacheAwareConfig(balance_abs_threshold=abs_threshold, balance_rel_threshold=rel_threshold))
-    return ref.imbalanced(workers, dict(zip(workers, loads)))
 
 
 def _load_cases(seed: int, count: int) -> list[tuple[list[int], int, float]]:
@@ -54,57 +57,142 @@ def _load_cases(seed: int, count: int) -> list[tuple[list[int], int, float]]:
     return cases
 
 
-# Boundaries: the difference exactly at the absolute threshold, the maximum exactly at rel x min, zeros.
+# Boundaries: a difference exactly at the absolute threshold, a load exactly at rel x the idlest's, zeros, and
+# several workers over one threshold but not the other.
 EDGE_CASES = [([8, 4], 4, 1.5), ([9, 4], 4, 1.5), ([6, 0], 4, 1.5), ([5, 0], 4, 1.5), ([15, 10], 4, 1.5),
               ([16, 10], 4, 1.5), ([30, 20], 4, 1.5), ([31, 20], 4, 1.5), ([70, 0], 64, 1.5), ([64, 0], 64, 1.5),
               ([100, 90], 4, 1.5), ([3, 3, 3], 0, 1.0), ([4, 3, 3], 0, 1.0), ([0, 0], 0, 1.0), ([7], 0, 1.0),
-              ([12, 2, 5], 8, 1.2), ([10, 2, 5], 8, 1.2), ([2, 9, 1], 2, 3.0), ([2, 3, 1], 2, 3.0)]
+              ([12, 2, 5], 8, 1.2), ([10, 2, 5], 8, 1.2), ([2, 9, 1], 2, 3.0), ([2, 3, 1], 2, 3.0),
+              ([20, 9, 10, 4], 4, 1.5), ([20, 7, 6, 4], 4, 2.0), ([11, 11, 3], 4, 1.5)]
 
 
-@task(1, "imbalance test")
-def check_task_1(imbalanced) -> list[str]:
+@task(1, "overloaded workers")
+def check_task_1(overloaded) -> list[str]:
     cases = EDGE_CASES + _load_cases(13, 400)
     for seed in grade_time_seeds(FRESH_CASES):
         cases += _load_cases(seed, 100)
     for loads, abs_t, rel_t in cases:
-        expected = _reference_imbalanced(loads, abs_t, rel_t)
+        by_worker = {f"w{i}": load for i, load in enumerate(loads)}
+        expected = private.overloaded(by_worker, abs_t, rel_t)
         with forbid(*REFERENCE):
-            got = imbalanced(list(loads), abs_t, rel_t)
-        if not isinstance(got, bool):
-            raise Fail(f"imbalanced({loads}, {abs_t}, {rel_t}) returned {got!r}; return True or False")
-        if got != expected:
-            high, low = max(loads), min(loads)
-            raise Fail(f"imbalanced({loads}, abs_threshold={abs_t}, rel_threshold={rel_t}) returned {got}, expected "
-                       f"{expected}: max - min = {high - low} (imbalanced needs > {abs_t}) and max = {high} vs "
-                       f"{rel_t} x min = {rel_t * low:g} (needs >); both must hold")
-    return [f"{len(cases)} load vectors (1 to 6 workers, {len(EDGE_CASES)} on the thresholds' edges, some drawn as "
-            "the check ran): same answer as CacheAware.imbalanced"]
+            got = overloaded(dict(by_worker), abs_t, rel_t)
+        if not isinstance(got, set | list | tuple | frozenset) or not all(w in by_worker for w in got):
+            raise Fail(f"overloaded({by_worker}, {abs_t}, {rel_t}) returned {got!r}; return the overloaded workers' "
+                       "names (a set or a list)")
+        if set(got) != expected:
+            low = min(loads)
+            wrong = sorted(set(got) ^ expected)[0]
+            load = by_worker[wrong]
+            raise Fail(f"overloaded({by_worker}, abs_threshold={abs_t}, rel_threshold={rel_t}) returned "
+                       f"{sorted(got)}, expected {sorted(expected)}: {wrong} has {load}, the idlest {low}: "
+                       f"{load} - {low} = {load - low} (overloaded needs > {abs_t}) and {load} vs {rel_t} x {low} = "
+                       f"{rel_t * low:g} (needs >); both must hold")
+    return [f"{len(cases)} load vectors (1 to 6 workers, {len(EDGE_CASES)} on the thresholds' edges, "
+            f"{FRESH_CASES * 100} drawn as the check ran): the same workers as the rule"]
 
 
-# --- task 2: the decision ---------------------------------------------------------------------------
+# --- task 2: the radix tree ---------------------------------------------------------------------------
+
+_PROBES = ("", "a", "ab", "abc", "abd", "b", "ba", "bab")
 
 
-def _allowed(shadow: RadixTree, text: str, workers: list[str], loads: dict[str, int],
-             config: CacheAwareConfig) -> tuple[str, set[str]]:
-    """The rule that applies and the workers it allows (any of them: ties may be broken either way)."""
-    def least(among: list[str]) -> set[str]:
-        low = min(loads.get(w, 0) for w in among)
-        return {w for w in among if loads.get(w, 0) == low}
+def _tree_ops(seed: int) -> list[tuple]:
+    """A random sequence of tree operations on short texts over a small alphabet (so edges split often)."""
+    rng = random.Random(seed)
+    stems = ["".join(rng.choice("ab") for _ in range(rng.randint(0, 6))) for _ in range(4)]
+    workers = ["w0", "w1", "w2"][: rng.randint(1, 3)]
+    ops = []
+    for _ in range(rng.randint(15, 40)):
+        roll = rng.random()
+        text = rng.choice(stems) + "".join(rng.choice("abc") for _ in range(rng.randint(0, 5)))
+        if roll < 0.55:
+            ops.append(("insert", text, rng.choice(workers)))
+        elif roll < 0.85:
+            ops.append(("match", text, tuple(w for w in workers if rng.random() > 0.3)))
+        else:
+            ops.append(("evict", rng.choice([0, 2, 5, 10, 30])))
+    return ops
 
-    values = [loads.get(w, 0) for w in workers]
-    if len(workers) > 1 and max(values) - min(values) > config.balance_abs_threshold \
-            and max(values) > config.balance_rel_threshold * min(values):
-        return "imbalanced: the least loaded worker", least(workers)
-    matched, holders = shadow.prefix_match(text, workers)
-    if text and matched / len(text) > config.cache_threshold:
-        return (f"match rate {matched}/{len(text)} = {matched / len(text):.2f} > cache_threshold "
-                f"{config.cache_threshold}: the least loaded of the workers holding the longest match {holders}"), \
-            least(holders)
-    smallest = min(shadow.size(w) for w in workers)
-    sizes = {w: shadow.size(w) for w in workers}
-    return (f"match rate {matched}/{len(text)} not above cache_threshold {config.cache_threshold}: the least loaded "
-            f"of the workers with the smallest tree (tree sizes {sizes})"), \
-        least([w for w in workers if shadow.size(w) == smallest])
+
+TREE_SCENARIOS: list[tuple[str, list[tuple]]] = [
+    ("one text, matched in full, in part and not at all", [
+        ("insert", "hello world", "a"), ("match", "hello world", ("a",)), ("match", "hello there", ("a",)),
+        ("match", "goodbye", ("a",)), ("match", "", ("a",))]),
+    ("a second text splits an edge", [
+        ("insert", "hello world", "a"), ("insert", "help me", "b"), ("match", "hello", ("a", "b")),
+        ("match", "help", ("a", "b")), ("match", "hel", ("a", "b"))]),
+    ("match among some workers only", [
+        ("insert", "abcdef", "a"), ("insert", "abcxyz", "b"), ("match", "abcdef", ("b",)),
+        ("match", "abcdef", ("c",)), ("match", "abcdef", ())]),
+    ("the same text twice, then by another worker: sizes count each worker's distinct characters", [
+        ("insert", "abcdef", "a"), ("insert", "abcdef", "a"), ("insert", "abc", "b"), ("insert", "abcdXY", "b"),
+        ("match", "abcdXYZ", ("a", "b"))]),
+    ("evict drops the least recently used leaves first, whole edges, and says how many characters", [
+        ("insert", "aaaa1111", "a"), ("insert", "aaaa2222", "a"), ("insert", "aaaa3", "a"), ("evict", 10),
+        ("match", "aaaa1111", ("a",)), ("match", "aaaa2222", ("a",)), ("evict", 3), ("match", "aaaa3", ("a",))]),
+    ("evict keeps what another worker still holds", [
+        ("insert", "shared prefix one", "a"), ("insert", "shared prefix two", "b"), ("evict", 5),
+        ("match", "shared prefix one", ("a", "b")), ("match", "shared prefix two", ("a", "b"))]),
+    ("an edge split by a text that was evicted stays split", [
+        ("insert", "abcdef", "a"), ("insert", "abcxyz", "b"), ("evict", 0), ("insert", "abcdeQ", "b"),
+        ("evict", 4), ("match", "abcdef", ("a", "b"))]),
+]
+
+
+def _replay_tree(tree_class, ops: list[tuple], where: str) -> int:
+    ref = RadixTree()
+    with forbid(*REFERENCE):
+        tree = tree_class()
+    workers = sorted({op[2] for op in ops if op[0] == "insert"} | {"w0", "nobody"})
+    for number, op in enumerate(ops, 1):
+        shown = f"{where}, operation {number} ({op[0]}{op[1:]!r})"
+        if op[0] == "insert":
+            ref.insert(op[1], op[2])
+            with forbid(*REFERENCE):
+                tree.insert(op[1], op[2])
+        elif op[0] == "match":
+            want = ref.prefix_match(op[1], list(op[2]))
+            with forbid(*REFERENCE):
+                got = tree.match(op[1], list(op[2]))
+            if not isinstance(got, tuple | list) or len(got) != 2 or (got[0], sorted(got[1])) != want:
+                raise Fail(f"{shown}: match returned {got!r}, expected {want}: the longest prefix held by one of the "
+                           "workers given, and every one of them that holds all of it (0 and [] when none)")
+        else:
+            want = ref.evict(op[1])
+            with forbid(*REFERENCE):
+                got = tree.evict(op[1])
+            if got != want:
+                raise Fail(f"{shown}: evict returned {got!r}, expected {want}, the characters it dropped in all "
+                           "(whole least recently used leaves, per worker, until it owns at most max_chars)")
+        for w in workers:
+            want = ref.size(w)
+            with forbid(*REFERENCE):
+                got = tree.size(w)
+            if got != want:
+                raise Fail(f"{shown}: size({w!r}) is {got!r}, expected {want}: the characters of the tree {w!r} owns "
+                           "(each character once, however many texts share it)")
+    return len(ops)
+
+
+@task(2, "the radix tree")
+def check_task_2(tree_class) -> list[str]:
+    if not isinstance(tree_class, type):
+        raise Fail(f"expected a class, got {type(tree_class).__name__}")
+    if issubclass(tree_class, RadixTree):
+        raise Fail(f"{tree_class.__name__} inherits from minillm's RadixTree: write the tree yourself")
+    ops = 0
+    for name, steps in TREE_SCENARIOS:
+        ops += _replay_tree(tree_class, steps, f"scenario '{name}'")
+    for seed in range(80):
+        ops += _replay_tree(tree_class, _tree_ops(seed), f"random sequence (seed {seed})")
+    fresh = grade_time_seeds(FRESH_CASES * 5)
+    for seed in fresh:
+        _replay_tree(tree_class, _tree_ops(seed), f"a sequence drawn as the check ran (seed {seed})")
+    return [f"{len(TREE_SCENARIOS)} scenarios and 80 seeded random sequences ({ops} operations), plus {len(fresh)} "
+            "drawn as the check ran: every match, size and evict() equal to minillm's RadixTree"]
+
+
+# --- task 3: the decision, then the trace -------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -120,9 +208,11 @@ _STORY = "You are a helpful assistant for the billing team. Answer briefly."
 SCENARIOS: list[tuple[str, list[_Step]]] = [
     ("a match above the threshold goes to its holder", [
         _Step(_STORY + " Q1", ("a", "b"), (0, 0)), _Step(_STORY + " Q2", ("a", "b"), (1, 0))]),
-    ("imbalance beats the match", [
+    ("an overloaded holder is skipped", [
         _Step(_STORY + " Q1", ("a", "b"), (0, 0)), _Step(_STORY + " Q2", ("a", "b"), (10, 2))]),
-    ("imbalance needs both thresholds (16 - 11 > 4 but 16 <= 1.5 x 11)", [
+    ("an overloaded worker elsewhere does not stop the match (SGLang's rule would balance here)", [
+        _Step(_STORY + " Q1", ("a", "b", "c"), (0, 0, 0)), _Step(_STORY + " Q2", ("a", "b", "c"), (3, 0, 10))]),
+    ("overloaded needs both thresholds (16 - 11 > 4 but 16 <= 1.5 x 11)", [
         _Step(_STORY + " Q1", ("a", "b"), (0, 0)), _Step(_STORY + " Q2", ("a", "b"), (16, 11)),
         _Step(_STORY + " Q3", ("a", "b"), (11, 16))]),
     ("a match at or below the threshold goes to the smallest tree", [
@@ -161,12 +251,14 @@ def _replay(cls, config_kwargs: dict, steps: list[_Step], where: str) -> int:
     shadow = RadixTree()
     with forbid(*REFERENCE):
         router = cls(CacheAwareConfig(**config_kwargs))
-    if not isinstance(getattr(router, "tree", None), RadixTree):
-        raise Fail(f"{where}: your router has no .tree RadixTree (set self.tree = RadixTree() in __init__)")
+    tree = getattr(router, "tree", None)
+    if tree is None or isinstance(tree, RadixTree) or not callable(getattr(tree, "size", None)):
+        raise Fail(f"{where}: your router has no .tree of your own (set self.tree = PrefixTree() in __init__: "
+                   "task 2's tree, not minillm's RadixTree)")
     all_workers = sorted({w for s in steps for w in s.workers})
     for number, step in enumerate(steps, 1):
         loads = dict(zip(step.workers, step.loads))
-        rule, allowed = _allowed(shadow, step.text, list(step.workers), loads, config)
+        rule, allowed = private.allowed(shadow, step.text, list(step.workers), loads, config)
         with forbid(*REFERENCE):
             got = router.choose(step.text, list(step.workers), dict(loads))
         if got not in allowed:
@@ -174,21 +266,25 @@ def _replay(cls, config_kwargs: dict, steps: list[_Step], where: str) -> int:
                        f"{list(step.workers)}, loads {loads}: you chose {got!r}; {rule}: {sorted(allowed)}")
         shadow.insert(step.text, got)
         if step.evict_after:
-            shadow.evict(config.max_tree_size)
+            want = shadow.evict(config.max_tree_size)
             with forbid(*REFERENCE):
-                router.evict()
+                dropped = router.evict()
+            if dropped != want:
+                raise Fail(f"{where}, request {number}: evict() returned {dropped!r}, expected {want}: the characters "
+                           f"the tree dropped to bring every worker to max_tree_size = {config.max_tree_size}")
         for w in all_workers:
-            if router.tree.size(w) != shadow.size(w):
+            with forbid(*REFERENCE):
+                size = router.tree.size(w)
+            if size != shadow.size(w):
                 after = " after evict()" if step.evict_after else ""
                 hint = (f" (max_tree_size is {config.max_tree_size}: was the tree cut back?)" if step.evict_after
                         else " (is the text inserted under the chosen worker, once?)")
-                raise Fail(f"{where}, request {number}{after}: your tree gives worker {w!r} {router.tree.size(w)} "
+                raise Fail(f"{where}, request {number}{after}: your tree gives worker {w!r} {size} "
                            f"characters, expected {shadow.size(w)}{hint}")
     return len(steps)
 
 
-@task(2, "match or balance")
-def check_task_2(router_class) -> list[str]:
+def _decisions(router_class) -> list[str]:
     if not isinstance(router_class, type):
         raise Fail(f"expected a class, got {type(router_class).__name__}")
     if issubclass(router_class, policies.Policy):
@@ -203,12 +299,10 @@ def check_task_2(router_class) -> list[str]:
     for seed in fresh:
         config, steps = _random_steps(seed)
         _replay(router_class, config, steps, f"random case drawn as the check ran (seed {seed}, config {config})")
-    return [f"{len(SCENARIOS)} scenarios, one per rule, and 60 seeded random sequences ({decisions} decisions), "
-            f"plus {len(fresh)} sequences drawn as the check ran: every choice one the rules allow, the tree as "
-            "expected after every request and every evict()"]
+    return [f"{len(SCENARIOS)} scenarios and 60 seeded random sequences ({decisions} decisions), plus {len(fresh)} "
+            "sequences drawn as the check ran: every choice one the rule allows, the tree as expected after every "
+            "request and every evict(), and evict()'s count of dropped characters"]
 
-
-# --- task 3: the trace --------------------------------------------------------------------------------
 
 WORKERS = ["w0", "w1", "w2", "w3"]
 TRACE = dict(num_requests=400, num_tenants=12, system_prompt_len=64, question_len=8, output_len=4, zipf_s=1.0,
@@ -232,7 +326,8 @@ def _texts(seed: int) -> list[tuple[float, str]]:
     return [(r.arrival_time_s, " ".join(map(str, r.prompt_token_ids))) for r in trace]
 
 
-def _serve(router, texts: list[tuple[float, str]]) -> TraceRun:
+def _serve(router, texts: list[tuple[float, str]], guard=contextlib.nullcontext) -> TraceRun:
+    """Route `texts` with `router` (its calls made inside `guard()`) in front of the simulated workers."""
     cache = RadixTree()  # every worker's own KV cache, one tenant each
     free = dict.fromkeys(WORKERS, 0.0)
     in_flight: dict[str, list[float]] = {w: [] for w in WORKERS}
@@ -244,11 +339,13 @@ def _serve(router, texts: list[tuple[float, str]]) -> TraceRun:
                 heapq.heappop(in_flight[w])
         loads = {w: len(in_flight[w]) for w in WORKERS}
         peak = max(peak, max(loads.values()) - min(loads.values()))
-        worker = router.choose(text, list(WORKERS), dict(loads))
+        with guard():
+            worker = router.choose(text, list(WORKERS), dict(loads))
         if worker not in free:
             raise Fail(f"request {number}: your router chose {worker!r}, not one of {WORKERS}")
         if number % EVICT_EVERY == 0:
-            router.evict()
+            with guard():
+                router.evict()
         cached = cache.prefix_match(text, [worker])[0]
         cache.insert(text, worker)
         cache.evict(WORKER_CACHE_CHARS)
@@ -259,14 +356,15 @@ def _serve(router, texts: list[tuple[float, str]]) -> TraceRun:
     return TraceRun(hit / total, peak, tuple(counts[w] for w in WORKERS))
 
 
-@task(3, "the multi-tenant trace")
+@task(3, "match or balance", check_time_limit_s=240)
 def check_task_3(router_class) -> list[str]:
-    lines = []
+    lines = _decisions(router_class)
     for number, seed in enumerate([0, *grade_time_seeds(FRESH_CASES)]):
         texts = _texts(seed)
-        ref = _serve(CacheAware(CacheAwareConfig(**TRACE_CONFIG)), texts)
+        ref = _serve(private.Router(CacheAwareConfig(**TRACE_CONFIG)), texts)
         with forbid(*REFERENCE):
-            yours = _serve(router_class(CacheAwareConfig(**TRACE_CONFIG)), texts)
+            router = router_class(CacheAwareConfig(**TRACE_CONFIG))
+        yours = _serve(router, texts, guard=lambda: forbid(*REFERENCE))
         where = "the seeded trace" if number == 0 else f"a trace drawn as the check ran (seed {seed})"
         if yours.hit_rate < ref.hit_rate - HIT_SLACK:
             raise Fail(f"{where}: prefix hit rate {yours.hit_rate:.3f}, the reference's {ref.hit_rate:.3f} (at least "

@@ -4,41 +4,75 @@ tests/known_wrong/__init__.py.
 Tasks 1-4 (the ladder): the bug each rung is about: a missing guard, a missing barrier (a race,
 caught by the trace on every run), no shared memory, no halo, a serial "reduction", a max padded
 with 0, no running max, two passes, reading past a row's end, calling the spec. Task 5's mutants
-are the bug classes of chapter 10, section 6 (they are also minillm.grading.ex10.KNOWN_WRONG,
-written as kernels of their own); task 6's run fine as Python in the simulator but are not GPU
+are the bug classes of chapter 10, section 6 (minillm.grading.ex10.KNOWN_WRONG has them in the
+chapter's block-table layout), in the exercise's CSR layout, and the chapter's printed kernel
+transcribed under the new argument names; task 6's run fine as Python in the simulator but are not GPU
 code; task 7's break the kernel inside the engine.
 """
 
 from known_wrong import Mutant
 
-NO_PARTIAL_MASK = (("for slot in range(min(block_size, n - j * block_size)):", "for slot in range(block_size):"),)
-WRONG_GQA = (("kv_head = head // (q_heads // key_cache.shape[2])", "kv_head = head % key_cache.shape[2]"),)
+NO_PARTIAL_MASK = (("                filled = kv_last_page_len[seq]  # the last page only up to the end\n",
+                    "                filled = block_size\n"),)
+WRONG_GQA = (("        kv_head = head // group\n", "        kv_head = head % key_cache.shape[2]\n"),)
 DELEGATE = "from minillm.kernels.decode_attention import python_function as paged_decode_kernel\n"
 
 KNOWN_WRONG = [
     # task 1: the kernel in the simulator
     Mutant(5, "no partial-block mask", edits=NO_PARTIAL_MASK, expect="NaN in"),
     Mutant(5, "wrong GQA head mapping", edits=WRONG_GQA, expect="max |error|"),
-    Mutant(5, "softmax without the running max", edits=(("new_max = max(running_max, score)", "new_max = 0.0"),),
+    Mutant(5, "softmax without the running max", edits=(("                if score > running_max:", "                if False:"),
+                                                         ("running_max = -math.inf  # the largest", "running_max = 0.0  # the largest")),
            expect="OverflowError"),
-    Mutant(5, "max kept, sums never rescaled", edits=(("rescale = math.exp(running_max - new_max)", "rescale = 1.0"),),
+    Mutant(5, "max kept, sums never rescaled", edits=(("rescale = math.exp(running_max - score)", "rescale = 1.0"),),
            expect="max |error|"),
-    Mutant(5, "reads the -1 padding, masks after the read", edits=(
-        ("for j in range((n + block_size - 1) // block_size):", "for j in range(block_tables.shape[1]):"),
-        ("for slot in range(min(block_size, n - j * block_size)):", "for slot in range(block_size):"),
-        ("            score *= scale\n", "            score *= scale\n            if j * block_size + slot >= n:\n"
-                                       "                score = -math.inf\n"),
+    Mutant(5, "reads on past its own pages, into the next sequence's and the -1 padding", edits=(
+        ("last_page = kv_indptr[seq + 1] - 1", "last_page = kv_indices.shape[0] - 1"),), expect="NaN in"),
+    Mutant(5, "the last page read in full, masked after the read", edits=(
+        NO_PARTIAL_MASK[0],
+        ("                score = dot * scale\n", "                score = dot * scale\n"
+         "                if page == last_page and slot >= kv_last_page_len[seq]:\n"
+         "                    score = -math.inf\n"),
     ), expect="NaN in"),
-    Mutant(5, "no guard for the spare threads", edits=(("    if i >= num_seqs * q_heads:\n        return\n", ""),),
+    Mutant(5, "sequence b's pages taken from the next sequence's entries of kv_indptr", edits=(
+        ("page = kv_indptr[seq]\n", "page = kv_indptr[min(seq + 1, query.shape[0] - 1)]\n"),)),
+    Mutant(5, "transcribes the chapter's printed kernel: the block-table layout under the new names", code=(
+        "def paged_decode_kernel(query, key_cache, value_cache, kv_indptr, kv_indices, kv_last_page_len, scale, out):\n"
+        "    i = cuda.grid(1)\n"
+        "    num_seqs, q_heads, dim = query.shape\n"
+        "    if i >= num_seqs * q_heads:\n"
+        "        return\n"
+        "    b, h = i // q_heads, i % q_heads\n"
+        "    kv_head = h // (q_heads // key_cache.shape[2])\n"
+        "    bs = key_cache.shape[1]\n"
+        "    acc = cuda.local.array(MAX_HEAD_DIM, float32)\n"
+        "    for d in range(dim):\n"
+        "        acc[d] = 0.0\n"
+        "    m, total = -math.inf, 0.0\n"
+        "    for p in range(kv_last_page_len[b]):  # the chapter's seq_lens[b]\n"
+        "        block, off = kv_indices[b * kv_indices.shape[0] // num_seqs + p // bs], p % bs  # its table row\n"
+        "        s = 0.0\n"
+        "        for d in range(dim):\n"
+        "            s += query[b, h, d] * key_cache[block, off, kv_head, d]\n"
+        "        s *= scale\n"
+        "        m_new = max(m, s)\n"
+        "        correction, weight = math.exp(m - m_new), math.exp(s - m_new)\n"
+        "        total = total * correction + weight\n"
+        "        for d in range(dim):\n"
+        "            acc[d] = acc[d] * correction + weight * value_cache[block, off, kv_head, d]\n"
+        "        m = m_new\n"
+        "    for d in range(dim):\n"
+        "        out[b, h, d] = acc[d] / total\n")),
+    Mutant(5, "no guard for the spare threads", edits=(("    if i < query.shape[0] * q_heads:\n", "    if True:\n"),),
            expect="IndexError"),
     Mutant(5, "delegates to minillm's kernel", code=DELEGATE, expect="reference"),
     # task 2: Python the simulator runs but a GPU cannot
     Mutant(6, "a Python list as the accumulator", edits=(("acc = cuda.local.array(MAX_HEAD_DIM, float32)",
                                                           "acc = [0.0] * MAX_HEAD_DIM"),), expect="does not compile"),
     Mutant(6, "a generator expression for the dot product", edits=((
-        "            score = 0.0\n            for d in range(head_dim):\n"
-        "                score += query[seq, head, d] * key_cache[block, slot, kv_head, d]\n",
-        "            score = sum(query[seq, head, d] * key_cache[block, slot, kv_head, d] for d in range(head_dim))\n"),),
+        "                dot = 0.0\n                for d in range(head_dim):\n"
+        "                    dot += query[seq, head, d] * key_cache[block, slot, kv_head, d]\n",
+        "                dot = sum(query[seq, head, d] * key_cache[block, slot, kv_head, d] for d in range(head_dim))\n"),),
         expect="does not compile"),
     Mutant(6, "delegates to minillm's kernel", code=DELEGATE, expect="reference"),
     # task 3: in the engine
@@ -96,10 +130,11 @@ KNOWN_WRONG += [
         "        before = i - HALO\n        tile[local] = a[before] if before >= 0 else 0.0\n", ""),),
         expect="the spec says"),
     Mutant(3, "thread 0 reads the whole tile: not a tree", edits=((
-        "    stride = TPB // 2\n    while stride > 0:\n        if local < stride:\n"
-        "            tile[local] = max(tile[local], tile[local + stride])\n"
+        "    half = TPB >> 1\n    while half >= 1:  # log2(TPB) rounds, half as many threads active in each\n"
+        "        if local < half:\n            other = tile[local + half]\n            if other > tile[local]:\n"
+        "                tile[local] = other\n"
         "        cuda.syncthreads()  # this round's maxima are written before the next round reads them\n"
-        "        stride //= 2\n    if local == 0:\n        out[cuda.blockIdx.x] = tile[0]\n",
+        "        half >>= 1\n    if local == 0:\n        out[cuda.blockIdx.x] = tile[0]\n",
         "    if local == 0:\n        best = tile[0]\n        for k in range(1, TPB):\n"
         "            best = max(best, tile[k])\n        out[cuda.blockIdx.x] = best\n"),), expect="a tree reads at most 2 per round"),
     Mutant(3, "pads the last block with 0, which wins over negative numbers", edits=((
@@ -108,14 +143,15 @@ KNOWN_WRONG += [
     Mutant(3, "no barrier between rounds", edits=((
         "        cuda.syncthreads()  # this round's maxima are written before the next round reads them\n", ""),),
         expect="a race"),
-    Mutant(4, "no running max: exp overflows on row 2", edits=((
-        "larger = max(best, score)", "larger = 0.0"),), expect="OverflowError"),
+    Mutant(4, "no running max: exp overflows on row 2", edits=(
+        ("if score > best:  # a new maximum", "if False:  # a new maximum"),
+        ("best, total, weighted = -math.inf, 0.0, 0.0", "best, total, weighted = 0.0, 0.0, 0.0")), expect="OverflowError"),
     Mutant(4, "max kept, sums never rescaled", edits=((
-        "shrink = math.exp(best - larger)", "shrink = 1.0"),), expect="the spec says"),
+        "shrink = math.exp(best - score)", "shrink = 1.0"),), expect="the spec says"),
     Mutant(4, "two passes: the max first, then the sums", edits=((
-        "    best, total, weighted = -math.inf, 0.0, 0.0\n",
-        "    best, total, weighted = -math.inf, 0.0, 0.0\n    for j in range(lengths[r]):\n"
-        "        best = max(best, scores[r, j])\n"),), expect="passes (column"),
+        "        best, total, weighted = -math.inf, 0.0, 0.0\n",
+        "        best, total, weighted = -math.inf, 0.0, 0.0\n        for j in range(lengths[r]):\n"
+        "            if scores[r, j] > best:\n                best = scores[r, j]\n"),), expect="passes (column"),
     Mutant(6, "a ladder kernel that only runs as Python: a list in the map", edits=((
         "out[row, col] = a[row] + b[col]", "pair = [a[row], b[col]]\n        out[row, col] = pair[0] + pair[1]"),),
         expect="your map kernel does not compile"),
@@ -124,4 +160,10 @@ KNOWN_WRONG += [
         "tile[local] = [a[i] if i < a.size else -math.inf][0]"),), expect="your reduction kernel does not compile"),
     Mutant(4, "reads the whole row width, past the row's end", edits=((
         "for j in range(lengths[r]):", "for j in range(scores.shape[1]):"),), expect="NaN"),
+]
+
+# issue 27: a ladder kernel that fits only the seeded case (5 rows) fails on the cases drawn at grade time
+KNOWN_WRONG += [
+    Mutant(4, "fits the seeded case only: five rows assumed", edits=((
+        "    if r < lengths.size:\n", "    if r < 5:\n"),), expect="drawn as the check ran"),
 ]

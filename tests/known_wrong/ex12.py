@@ -159,3 +159,24 @@ KNOWN_WRONG += [
         "    dist.all_reduce(torch.zeros(1, dtype=x.dtype), group=group)\n"
         "    return _memo[x.numpy().tobytes()].clone()\n"), expect="KeyError"),
 ]
+
+
+# Issue 27: a forward written for 2 ranks only, and shards that are views into the whole weight.
+KNOWN_WRONG += [
+    Mutant(2, "hard-coded for 2 ranks: half the down bias added on every rank before the all-reduce",
+           edits=(("    dist.all_reduce(partial, group=group)\n    if shard.down_bias is not None:\n"
+                   "        partial = partial + shard.down_bias\n",
+                   "    if shard.down_bias is not None:\n        partial = partial + shard.down_bias / 2\n"
+                   "    dist.all_reduce(partial, group=group)\n"),), expect="4 ranks"),
+    Mutant(2, "hard-coded for 2 ranks: averages the partial sums, then doubles them",
+           edits=(("    dist.all_reduce(partial, group=group)\n",
+                   "    dist.all_reduce(partial, group=group)\n    partial = partial / dist.get_world_size(group) * 2\n"),),
+           expect="4 ranks"),
+    Mutant(3, "shards are views into the whole weights (no copy)",
+           edits=(("q=wq[q_rows].clone(), k=wk[kv_rows].clone(), v=wv[kv_rows].clone()",
+                   "q=wq[q_rows], k=wk[kv_rows], v=wv[kv_rows]"),), expect="view into the whole weight"),
+    Mutant(3, "o shard is a column view of o_proj (strided, keeps all of it)",
+           edits=(("o=wo[:, q_rows].contiguous()", "o=wo[:, q_rows]"),), expect="the o shard is a view"),
+    Mutant(3, "shards are views into one copy of the whole weight",
+           edits=(("q=wq[q_rows].clone(),", "q=wq.clone()[q_rows],"),), expect="the q shard is a view"),
+]
