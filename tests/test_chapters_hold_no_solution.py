@@ -40,13 +40,7 @@ _HINT = re.compile(r"^\s*#\s*HINT:")
 
 # Exercises whose solutions a chapter shows today (the library's code printed with inspect.getsource);
 # their tasks are being turned into variants (issue 27); the lead removes a mark once it passes.
-PENDING: dict[str, str] = {
-    "ex05_block_allocator": "chapter 05 cell 7 prints BlockAllocator.release, task 1's release",
-    "ex06_preemption": "chapter 06 cell 4 prints ContinuousScheduler._preempt (task 2), chapter 04 cell 9 the "
-                       "victim loop of schedule (task 4)",
-    "ex10_paged_decode": "chapter 10 cell 9 shows the tree reduction (task 3), cell 22 prints the paged decode "
-                         "kernel (tasks 4 and 5)",
-}
+PENDING: dict[str, str] = {}
 
 
 def _without_comment(line: str) -> str:

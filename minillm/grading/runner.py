@@ -218,7 +218,7 @@ def _run_plan(plan: dict, result_file) -> None:
                     why = [note for note in notes if "(your code) raised" in note]
                     result = TaskResult(number, check.grading_task[1], False,
                                         [f"the check needs {', '.join(cell['args'])}: {type(error).__name__}: {error}"]
-                                        + [f"because {why[-1]}"] * bool(why))
+                                        + ([f"because {why[-1]}"] if why else []))
                 else:
                     result = check(*args)
                     changed = tampered(before)  # learner code runs inside the check too
