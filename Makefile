@@ -32,7 +32,7 @@ $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.lock
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
-	$(PY) -m minillm.worker.warm_up  # compile the numba kernels into their on-disk cache: no chapter pays it
+	$(PY) tools/fill_numba_cache.py  # compile the numba kernels into their on-disk cache: no chapter pays it
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -146,6 +146,7 @@ DECISIONS: list[tuple[str, str, object]] = [
 PYTHON_BLOCKS: list[tuple[str, str | None]] = [
     ("from minillm import LLM, SamplingParams", None),
     ("import openai", "minillm serve --port 8000"),
+    ("import torch", None),  # docs/engine.md's "adding an attention backend" example, run as written
 ]
 
 

@@ -19,8 +19,8 @@ The dummies use blocks no request has yet (nothing is allocated before the engin
 the null block. A runner without a paged pool (static and dynamic batching's padded rectangle)
 runs torch only and has nothing to compile: it is left alone.
 
-`python -m minillm.worker.warm_up` builds the bundled model once per CPU dtype, which fills numba's
-on-disk cache (`make install` runs it), so no chapter pays the compile.
+`tools/fill_numba_cache.py` builds the bundled model once per CPU dtype, which fills numba's on-disk
+cache (`make install` runs it), so no chapter pays the compile.
 """
 
 from __future__ import annotations
@@ -128,18 +128,3 @@ def warm_up(runner, max_num_seqs: int) -> WarmUpReport:
     report = WarmUpReport(batch, steps, time.perf_counter() - start)
     logger.info("%s", report)
     return report
-
-
-def _fill_cache() -> None:
-    """Build the bundled model in each CPU dtype once: numba writes what it compiles to its cache."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from minillm.llm import LLM
-
-    for dtype in ("float32", "float64"):
-        start = time.perf_counter()
-        LLM(dtype=dtype)
-        print(f"minillm warm-up ({dtype}): {time.perf_counter() - start:.1f} s", flush=True)
-
-
-if __name__ == "__main__":
-    _fill_cache()

@@ -1,0 +1,24 @@
+"""Fill numba's on-disk cache once, at install time (`make install`), so no chapter pays the compile.
+
+Building `LLM()` warms the engine up (minillm/worker/warm_up.py): numba compiles every kernel a step
+runs and, with `cache=True`, writes it to its cache beside the sources. Once per CPU dtype the
+chapters use."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from minillm.llm import LLM
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for dtype in ("float32", "float64"):
+        start = time.perf_counter()
+        LLM(dtype=dtype)
+        print(f"numba cache filled for {dtype} in {time.perf_counter() - start:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
