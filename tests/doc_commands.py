@@ -150,6 +150,10 @@ PYTHON_BLOCKS: list[tuple[str, str | None]] = [
 ]
 
 
+# Scripts that hand options they do not know on to another program (so the flag check skips them).
+PASSES_OPTIONS_ON = {"tools/lab.py": "extra options go to `jupyter lab`"}
+
+
 def decide(command: str) -> tuple[str, object]:
     """What CI does with a documented command (`.venv/bin/minillm` is read as `minillm`)."""
     command = re.sub(r"(?<![\w/])\.venv/bin/(?=minillm|python)", "", command)

@@ -40,10 +40,8 @@ def test_every_kernel_compiles_to_ptx(cc, dtype):
 NO_SIMULATOR_SCRIPT = """
 import pytest
 from minillm import LLM
-llm = LLM(max_num_seqs=2, attention_backend="numba")
-with pytest.raises(RuntimeError, match="NUMBA_ENABLE_CUDASIM=1"):
-    llm.generate(["In the beginning"], use_tqdm=False)
-assert not llm.engine.has_unfinished() and llm.engine.kv.allocator.num_in_use == 0
+with pytest.raises(RuntimeError, match="NUMBA_ENABLE_CUDASIM=1"):  # at start-up: the warm-up runs a step
+    LLM(max_num_seqs=2, attention_backend="numba")
 with pytest.raises(ValueError, match="attention_backend"):
     LLM(attention_backend="triton")
 print("ok")
