@@ -18,11 +18,10 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+import doc_commands as docs
 import httpx
 import psutil
 import pytest
-
-import doc_commands as docs
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("docs")]
 
