@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -116,10 +117,42 @@ def run(command: str) -> str:
     return done.stdout
 
 
+DOCUMENTED_PORTS = (8000, 8001, 8002, 14579)  # the pages' ports (14579: the PD pair's KV port)
+SERVER_STARTS = ("minillm serve", "python -m minillm serve", ".venv/bin/minillm serve")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PortMap:
+    """The pages' fixed ports swapped, consistently within a block, for free ones: other tests run
+    servers at the same time (xdist), and a fixed port would be taken. A server started without
+    --port (8000 by default) is given the port 8000 maps to."""
+
+    def __init__(self) -> None:
+        self.ports = {port: free_port() for port in DOCUMENTED_PORTS}
+
+    def __call__(self, text: str) -> str:
+        for port, free in self.ports.items():
+            text = re.sub(rf"(?<![\d.]){port}(?!\d)", str(free), text)
+        if "--port" not in text:
+            if text.startswith(SERVER_STARTS):
+                text += f" --port {self.ports[8000]}"
+            elif text.startswith("make serve"):
+                text = (text.replace('ARGS="', f'ARGS="--port {self.ports[8000]} ', 1) if 'ARGS="' in text
+                        else f'{text} ARGS="--port {self.ports[8000]}"')
+        return text
+
+
 def run_block(block: docs.Block) -> None:
+    local = PortMap()
     with ExitStack() as stack:
         for command in block.commands:
             what, detail = docs.decide(command.text)
+            command = docs.Command(local(command.text), command.background)
             if what == docs.SKIP:
                 continue
             if what == docs.SMALL:
@@ -155,10 +188,11 @@ def test_every_documented_command_has_a_decision():
 def test_documented_block_runs(block: docs.Block):
     if block.language == "python":
         needs = next(n for s, n in docs.PYTHON_BLOCKS if block.body.startswith(s))
+        local = PortMap()
         with ExitStack() as stack:
             if needs:
-                start_server(needs, stack)
-            done = subprocess.run([sys.executable, "-c", block.body], cwd=docs.ROOT, env=environment(),
+                start_server(local(needs), stack)
+            done = subprocess.run([sys.executable, "-c", local(block.body)], cwd=docs.ROOT, env=environment(),
                                   capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
             assert done.returncode == 0, f"{block.page}:{block.line} failed:\n{done.stderr[-3000:]}"
         return
