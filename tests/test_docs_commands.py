@@ -24,7 +24,9 @@ import httpx
 import psutil
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("docs")]
+# Same xdist group as tests/test_router.py: both start servers on ports probed free a moment earlier, and two
+# probes at once can be handed the same port (seen: a replica lost its port to a documented server).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("router")]
 
 BIN = Path(sys.executable).parent  # the course's environment: python, minillm, pytest
 START_TIMEOUT_S = 240.0  # a TP 2 x PP 2 world or a PD pair on a loaded 2-core CI machine
