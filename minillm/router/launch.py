@@ -90,11 +90,13 @@ def build_router(args: argparse.Namespace, worker_urls: list[str]) -> Router:
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
-    """Bound before uvicorn starts; TCP_NODELAY so that a streamed chunk is not held back by Nagle."""
+    """Bound and listening before uvicorn starts, so that a client who read the printed URL is queued in the
+    backlog until the app is up rather than refused; TCP_NODELAY so that a streamed chunk is not held back."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
+    sock.listen(2048)
     return sock
 
 
