@@ -34,9 +34,9 @@ from _machine import describe_machine  # noqa: E402
 from minillm.attention.select import make_attention  # noqa: E402
 from minillm.kv.block_manager import BlockManager  # noqa: E402
 from minillm.request import Request, SamplingParams  # noqa: E402
-from minillm.runner import ModelRunner  # noqa: E402
-from minillm.scheduler.base import ScheduledBatch  # noqa: E402
+from minillm.scheduler.base import SchedulerPlan  # noqa: E402
 from minillm.scheduler.output import SchedulerOutputBuilder  # noqa: E402
+from minillm.worker.model_runner import ModelRunner  # noqa: E402
 
 BACKENDS = ("torch", "numba_cpu")
 
@@ -62,7 +62,7 @@ def decode_layer_call(backend: str, lens: list[int], h_q=8, h_kv=4, d=32, block_
             sliding_windows = (None,)
 
     runner = ModelRunner(Model(), kv.cache_spec, backend)  # the worker holds the pools
-    plan = SchedulerOutputBuilder(kv).build(ScheduledBatch(reqs, [1] * len(reqs)))
+    plan = SchedulerOutputBuilder(kv).build(SchedulerPlan(reqs, [1] * len(reqs)))
     runner.update_state(plan)
     runner.k_pool.normal_()
     runner.v_pool.normal_()

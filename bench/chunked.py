@@ -26,7 +26,7 @@ from _machine import describe_machine  # noqa: E402
 
 from minillm import LLM, SamplingParams  # noqa: E402
 from minillm.sim import simulate  # noqa: E402
-from minillm.workload import LengthDist, make_trace  # noqa: E402
+from minillm.traces.synthetic import LengthDist, make_trace  # noqa: E402
 
 
 def knobs(budget: int) -> dict:

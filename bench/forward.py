@@ -26,10 +26,10 @@ from minillm.kv.slab import SlabKVManager  # noqa: E402
 from minillm.llm import BUNDLED_TARGET  # noqa: E402
 from minillm.model.loader import build_model, load_hf_model  # noqa: E402
 from minillm.request import Request, SamplingParams  # noqa: E402
-from minillm.runner import ModelRunner  # noqa: E402
-from minillm.scheduler.base import ScheduledBatch  # noqa: E402
+from minillm.scheduler.base import SchedulerPlan  # noqa: E402
 from minillm.scheduler.output import SchedulerOutputBuilder  # noqa: E402
 from minillm.sim.hardware import measure_copy_bandwidth  # noqa: E402
+from minillm.worker.model_runner import ModelRunner  # noqa: E402
 
 
 def median_times(fns, repeats: int) -> list[float]:
@@ -54,14 +54,14 @@ def minillm_decode_step(model, batch: int, context: int):
     reqs = [Request(str(i), [5] * context, SamplingParams(max_tokens=1, temperature=0.0), 0.0) for i in range(batch)]
     for r in reqs:
         kv.allocate(r, context)
-    prefill = plans.build(ScheduledBatch(reqs, [context] * batch))
+    prefill = plans.build(SchedulerPlan(reqs, [context] * batch))
     runner.update_state(prefill)
     runner.compute_logits(prefill)
     for r in reqs:
         r.num_computed_tokens = context
         r.all_token_ids.append(7)
 
-    decode = plans.build(ScheduledBatch(reqs, [1] * batch))
+    decode = plans.build(SchedulerPlan(reqs, [1] * batch))
     runner.update_state(decode)
 
     def step() -> None:  # num_computed_tokens stays put: every step rewrites the same slot

@@ -51,7 +51,7 @@ from minillm.llm import BUNDLED_TARGET, LLM  # noqa: E402
 from minillm.metrics import MetricsCollector, StepRecord, Summary  # noqa: E402
 from minillm.model.loader import read_hf_config  # noqa: E402
 from minillm.request import SamplingParams  # noqa: E402
-from minillm.workload import LengthDist, Trace, make_trace  # noqa: E402
+from minillm.traces.synthetic import LengthDist, Trace, make_trace  # noqa: E402
 
 NUM_SPECIAL_TOKENS = 6  # the bundled tokenizers reserve ids 0..5; prompts avoid them
 BLOCK_SIZE = 16

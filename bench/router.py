@@ -8,7 +8,7 @@ Every server is a real `python -m minillm serve` process on a loopback port, eve
 `python -m minillm router`, and every load the `python -m minillm bench serve` command line (its
 result JSON read back). `dp` plays the random dataset at one request rate against one replica
 with 2 OpenMP threads (directly) and against 2 replicas with 1 thread each behind a round-robin
-router. `policies` replays a seeded `minillm.tenant_trace` (Zipf-popular tenants, each with its
+router. `policies` replays a seeded `minillm.traces.tenant` (Zipf-popular tenants, each with its
 own system prompt) against 2 replicas with prefix caching and a KV pool too small to keep every
 tenant's prompt, behind each policy in turn (fresh replicas each time), and reads the replicas'
 own prefix-cache counters (vllm:prefix_cache_hits / queries, tokens) and the router's per-worker
@@ -34,7 +34,7 @@ import httpx  # noqa: E402
 from _machine import describe_machine, results_path  # noqa: E402
 
 from minillm.router.launch import free_port, start_replicas, stop_replicas  # noqa: E402
-from minillm.tenant_trace import make_tenant_trace  # noqa: E402
+from minillm.traces.tenant import make_tenant_trace  # noqa: E402
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -133,7 +133,7 @@ def run_policies(args) -> None:
              "--num-gpu-blocks-override", str(args.kv_blocks)]
     load = ["--dataset-name", "jsonl", "--dataset-path", str(path), "--num-prompts", str(args.num_prompts),
             "--request-rate", str(args.rate), "--seed", "0"]
-    print(f"load: minillm.tenant_trace, {args.num_prompts} requests, {args.tenants} tenants (Zipf s=1), system "
+    print(f"load: minillm.traces.tenant, {args.num_prompts} requests, {args.tenants} tenants (Zipf s=1), system "
           f"prompt {args.system_len} + question 16 tokens -> {args.output_len} tokens, Poisson {args.rate} req/s; "
           f"2 replicas x 1 thread, {args.kv_blocks} KV blocks of 16 tokens each; {describe_machine()}")
     results = {}

@@ -40,7 +40,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     from minillm.sim import simulate
-    from minillm.workload import make_trace
+    from minillm.traces.synthetic import make_trace
 
     trace = make_trace(args.num_requests, seed=args.seed, vocab_size=32000, rate_per_s=args.rate,
                        burstiness=args.burstiness, max_prompt_len=2048, max_output_len=2048)

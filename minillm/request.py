@@ -101,7 +101,7 @@ class SamplingParams:
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported: minillm computes logits only for the rows it "
-                             "samples (see minillm.runner); leave it None")
+                             "samples (see minillm.worker.model_runner); leave it None")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if isinstance(self.stop, str):

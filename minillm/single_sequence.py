@@ -14,7 +14,7 @@ from minillm.attention.flat_pool import FlatPoolAttention
 from minillm.kv.slab import SlabKVManager
 from minillm.model.llama import LlamaModel
 from minillm.request import Request, RequestStatus, SamplingParams
-from minillm.scheduler.base import ScheduledBatch
+from minillm.scheduler.base import SchedulerPlan
 from minillm.scheduler.output import SchedulerOutputBuilder
 from minillm.worker.model_runner import ModelRunner
 
@@ -43,7 +43,7 @@ class SingleSequence:
         req.all_token_ids.extend(token_ids)
         if not self.kv.allocate(req, len(token_ids)):
             raise RuntimeError("the single-sequence KV slab is full")
-        plan = self.plans.build(ScheduledBatch([req], [len(token_ids)]))
+        plan = self.plans.build(SchedulerPlan([req], [len(token_ids)]))
         self.runner.update_state(plan)  # a fresh slab is zeroed before first use
         inputs = self.runner.prepare(plan)
         attention = FlatPoolAttention(self.runner.k_pool, self.runner.v_pool, inputs.meta,

@@ -13,7 +13,7 @@ from minillm import LLM, SamplingParams
 from minillm.attention.flat_pool import FlatPoolAttention, group_by_length
 from minillm.kv.block_manager import BlockManager
 from minillm.request import Request
-from minillm.scheduler.base import ScheduledBatch
+from minillm.scheduler.base import SchedulerPlan
 from minillm.scheduler.output import SchedulerOutputBuilder
 from minillm.worker.model_runner import ModelRunner
 
@@ -52,7 +52,7 @@ def test_grouped_rows_equal_per_row_attention(block_size, window):
         counts.append(n)
     decode = [i for i, (c, n) in enumerate(rows) if n == 1 and c > 0]
     order = decode + [i for i in range(len(rows)) if i not in decode]
-    plan = ScheduledBatch([reqs[i] for i in order], [counts[i] for i in order])
+    plan = SchedulerPlan([reqs[i] for i in order], [counts[i] for i in order])
 
     class Stub:
         device = torch.device("cpu")
@@ -133,7 +133,7 @@ def test_a_backend_is_one_file_and_one_registry_line(monkeypatch):
     from conftest import hf_greedy, make_tiny_hf_model
 
     from minillm.attention import registry
-    from minillm.workload import make_trace
+    from minillm.traces.synthetic import make_trace
 
     module = _doc_backend_module()
     monkeypatch.setitem(registry.BACKENDS, "per_row", f"{module.__name__}:PerRowAttention")

@@ -6,7 +6,7 @@ import pytest
 from conftest import hf_greedy, make_tiny_hf_model
 
 from minillm import LLM, SamplingParams
-from minillm.workload import make_trace
+from minillm.traces.synthetic import make_trace
 
 
 @pytest.fixture(scope="module")

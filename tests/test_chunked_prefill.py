@@ -178,8 +178,8 @@ def test_chunk_policy_is_checked():
 
 
 def test_splitfuse_on_the_simulator_and_its_sweet_spot():
-    from minillm.course_trace import SIM_HARDWARE, sim_trace
     from minillm.sim.chunking import compare_chunk_policies, step_throughput, sweet_spot_tokens
+    from minillm.traces.course import SIM_HARDWARE, sim_trace
 
     spot = sweet_spot_tokens(SIM_HARDWARE, "llama-7b")
     rate = {n: step_throughput(SIM_HARDWARE, "llama-7b", n, num_decodes=16) for n in (spot - 16, spot, 4096)}

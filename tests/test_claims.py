@@ -8,7 +8,7 @@ matplotlib.use("Agg")
 
 import pytest  # noqa: E402
 
-from minillm.course_trace import ladder_summaries  # noqa: E402
+from minillm.traces.course import ladder_summaries  # noqa: E402
 from minillm.viz.claims import against_noise, direction, relative_gap, shape  # noqa: E402
 from minillm.viz.feature_chart import feature_rows, plot_feature_chart  # noqa: E402
 

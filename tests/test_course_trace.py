@@ -6,7 +6,7 @@ matplotlib.use("Agg")
 
 import pytest
 
-from minillm.course_trace import (
+from minillm.traces.course import (
     LADDER,
     SIM_SLO,
     Rung,
@@ -89,7 +89,7 @@ def test_chart_draws_four_labelled_panels_and_prints_its_numbers(capsys):
 
 
 def test_simulate_course_memo_answers_equal_runs_and_only_those():
-    from minillm.course_trace import LADDER, sim_trace, simulate_course
+    from minillm.traces.course import LADDER, sim_trace, simulate_course
 
     knobs = {**LADDER[0].engine_config}
     first = simulate_course(knobs, sim_trace(20, 4))

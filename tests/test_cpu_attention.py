@@ -23,10 +23,10 @@ from minillm.attention.select import resolve_backend
 from minillm.kernels import paged_attention_decode_cpu
 from minillm.kv.block_manager import BlockManager
 from minillm.request import Request
-from minillm.scheduler.base import ScheduledBatch
+from minillm.scheduler.base import SchedulerPlan
 from minillm.scheduler.output import SchedulerOutputBuilder
+from minillm.traces.synthetic import make_trace
 from minillm.worker.model_runner import ModelRunner
-from minillm.workload import make_trace
 
 
 def paged_case(lens, h_q, h_kv, d, block_size, dtype, seed=0):
@@ -104,7 +104,7 @@ def test_backend_equals_torch_backend_on_a_mixed_step(window):
             sliding_windows = (window,)
 
     runner = ModelRunner(Stub(), kv.cache_spec, "numba_cpu")  # the worker holds the pools
-    plan = SchedulerOutputBuilder(kv).build(ScheduledBatch(reqs, counts))
+    plan = SchedulerOutputBuilder(kv).build(SchedulerPlan(reqs, counts))
     runner.update_state(plan)
     runner.k_pool.normal_()
     runner.v_pool.normal_()

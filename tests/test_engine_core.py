@@ -89,9 +89,9 @@ def test_a_preempted_low_priority_request_waits_behind_higher_priority_ones():
 
 
 def make_plan():
-    from minillm.scheduler.base import ScheduledBatch
+    from minillm.scheduler.base import SchedulerPlan
 
-    return ScheduledBatch([], [])
+    return SchedulerPlan([], [])
 
 
 def test_a_request_that_fills_the_whole_pool_runs_when_nothing_else_does():

@@ -115,7 +115,7 @@ def test_a_retyped_function_a_few_percent_changed_is_a_copy() -> None:
 def test_a_padded_copy_is_found_inside_the_learners_function() -> None:
     from minillm.scheduler.continuous import ContinuousScheduler
 
-    head = "    plan = ScheduledBatch([], [])\n"
+    head = "    plan = SchedulerPlan([], [])\n"
     padded = _copy_of(ContinuousScheduler.schedule, [(head, head + "".join(f"    unused_{i} = {i}\n" for i in range(40))),
                                                      ("        if n > budget:\n", "        if budget < n:\n")],
                       "schedule", ContinuousScheduler)

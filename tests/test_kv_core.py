@@ -13,7 +13,7 @@ from minillm.kv.block_manager import BlockManager
 from minillm.kv.radix import RadixTree
 from minillm.request import Request
 from minillm.sim import simulate
-from minillm.workload import LengthDist, make_trace
+from minillm.traces.synthetic import LengthDist, make_trace
 
 KINDS = ["hash", "radix"]
 
@@ -289,12 +289,12 @@ def test_the_watermark_holds_for_admissions_with_a_prefix_hit():
     fillers = [admit(kv, f"f{i}", [100 + i] * 4) for i in range(7)]  # 7 blocks in use
     assert kv.allocator.num_free == 9 and fillers
     from minillm.config import EngineConfig
-    from minillm.scheduler.base import ScheduledBatch
+    from minillm.scheduler.base import SchedulerPlan
     from minillm.scheduler.continuous import ContinuousScheduler
 
     sched = ContinuousScheduler(EngineConfig().resolve(256), kv)
     sched.running = list(fillers)
     req = Request("b", list(range(10, 26)) + list(range(40, 52)), SamplingParams(max_tokens=4), 0.0)
     # 3 cached blocks revived + 4 new = 7 of 9 free: only 2 would remain, under the watermark of 5
-    assert sched._try_admit(req, 2048, ScheduledBatch([], [])) is None
+    assert sched._try_admit(req, 2048, SchedulerPlan([], [])) is None
     assert req.num_computed_tokens == 0 and "b" not in kv.block_tables

@@ -25,10 +25,10 @@ from minillm.engine import LLMEngine, make_scheduler
 from minillm.kv.block_manager import BlockManager, HashChain
 from minillm.kv.radix import RadixTree
 from minillm.request import Request
-from minillm.runner import ModelRunner
 from minillm.scheduler.base import ModelRunnerOutput
 from minillm.scheduler.continuous import ContinuousScheduler
-from minillm.workload import make_trace
+from minillm.traces.synthetic import make_trace
+from minillm.worker.model_runner import ModelRunner
 
 KINDS = ["hash", "radix"]
 

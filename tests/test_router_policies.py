@@ -153,8 +153,8 @@ def test_bad_policy_and_thresholds_name_the_flag():
 
 
 def test_tenant_trace_shares_exactly_the_system_prompt_and_skews_popularity(tmp_path):
-    from minillm.tenant_trace import make_tenant_trace, tenant_weights
-    from minillm.workload import Trace
+    from minillm.traces.synthetic import Trace
+    from minillm.traces.tenant import make_tenant_trace, tenant_weights
 
     trace = make_tenant_trace(400, num_tenants=4, system_prompt_len=10, question_len=3, zipf_s=1.0, seed=3)
     assert tenant_weights(4, 1.0).tolist() == pytest.approx([12 / 25, 6 / 25, 4 / 25, 3 / 25])

@@ -15,7 +15,7 @@ from minillm.config import EngineConfig
 from minillm.engine import LLMEngine, make_kv_manager, make_scheduler
 from minillm.model.config import ModelConfig
 from minillm.request import SamplingParams
-from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch
+from minillm.scheduler.base import ModelRunnerOutput, SchedulerPlan
 
 MODEL = ModelConfig(model_type="llama", vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=1,
                     num_heads=1, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
@@ -28,7 +28,7 @@ class StandInExecutor:
     def __init__(self) -> None:
         self.batches: list[tuple[list[str], list[int]]] = []
 
-    def execute(self, batch: ScheduledBatch):
+    def execute(self, batch: SchedulerPlan):
         self.batches.append(([r.request_id for r in batch.requests], list(batch.num_new_tokens)))
         rows = [r for r, n in zip(batch.requests, batch.num_new_tokens)
                 if r.num_computed_tokens + n == r.num_tokens]
@@ -151,7 +151,7 @@ class QueueWatchingExecutor(StandInExecutor):
         self.scheduler = None
         self.queued: list[tuple[int, int]] = []
 
-    def execute(self, batch: ScheduledBatch):
+    def execute(self, batch: SchedulerPlan):
         s = self.scheduler
         decodes = sum(1 for r in s.running if r.num_tokens - r.num_computed_tokens == 1 and r.num_computed_tokens)
         prompts = sum(r.num_tokens - r.num_computed_tokens for r in s.running) - decodes

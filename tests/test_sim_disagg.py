@@ -17,8 +17,8 @@ from minillm.sim.disagg import (
 )
 from minillm.sim.goodput import at_rate, attainment_curve, compare_colocated_vs_pd, goodput, mean_rate
 from minillm.sim.network import INFINIBAND_HDR, NVLINK3_A100, Link
-from minillm.trace import Trace
-from minillm.workload import make_trace
+from minillm.traces.synthetic import make_trace
+from minillm.traces.trace import Trace
 
 HW = "A100-80GB-practical"
 # a code-like trace: long prompts, short outputs (prefill-heavy: the decode steps of a colocated engine stall)

@@ -7,7 +7,7 @@ import pytest
 from minillm.config import BATCHING_MODES, EngineConfig
 from minillm.model.config import ModelConfig
 from minillm.request import Request, SamplingParams
-from minillm.scheduler.base import ScheduledBatch
+from minillm.scheduler.base import SchedulerPlan
 from minillm.sim import (
     A100_80GB,
     LLAMA_7B,
@@ -19,7 +19,7 @@ from minillm.sim import (
     step_time,
     weight_bytes_read_per_step,
 )
-from minillm.workload import make_trace, trace_from_prompts
+from minillm.traces.synthetic import make_trace, trace_from_prompts
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_executor_samples_caught_up_rows_and_costs_the_batch():
     prefilling = Request("pre", list(range(3, 33)), params, 0.0)  # whole 30-token prompt in this step
     chunked = Request("chunk", list(range(3, 53)), params, 0.0)  # tokens 16..31 of a 50-token prompt
     chunked.num_computed_tokens = 16
-    batch = ScheduledBatch([decoding, prefilling, chunked], [1, 30, 16], num_padding_tokens=3)
+    batch = SchedulerPlan([decoding, prefilling, chunked], [1, 30, 16], num_padding_tokens=3)
 
     ex = SimExecutor(A100_80GB, LLAMA_7B, token_id=9)
     assert ex.step_duration_s() == 0.0  # nothing executed yet

@@ -18,7 +18,7 @@ from minillm.sim.kv_streaming import stream_kv_by_layer
 from minillm.sim.network import INFINIBAND_HDR, NVLINK3_A100, Link
 from minillm.sim.parallel import memory_per_device, tp_step_time
 from minillm.sim.phase_layouts import best_pairing, compare_phase_layouts
-from minillm.workload import make_trace
+from minillm.traces.synthetic import make_trace
 
 # --- one instance on several GPUs --------------------------------------------------------------------
 

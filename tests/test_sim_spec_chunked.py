@@ -17,7 +17,7 @@ from minillm.sim.spec_cost import (
     draft_time_s,
     expected_tokens_per_step,
 )
-from minillm.workload import LengthDist, make_trace
+from minillm.traces.synthetic import LengthDist, make_trace
 
 
 def test_expected_tokens_per_step_is_the_geometric_sum():

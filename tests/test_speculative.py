@@ -173,7 +173,7 @@ def test_the_distribution_check_rejects_a_wrong_sampler(wrong):
 
 def test_the_simulator_runs_speculative_steps():
     from minillm.sim import simulate
-    from minillm.workload import make_trace
+    from minillm.traces.synthetic import make_trace
 
     trace = make_trace(30, seed=1, vocab_size=32000, rate_per_s=20)
     plain = simulate(trace, engine_config={"max_num_seqs": 16})

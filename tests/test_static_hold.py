@@ -8,7 +8,7 @@ from conftest import make_tiny_hf_model
 from minillm import LLM, SamplingParams
 from minillm.config import EngineConfig
 from minillm.sim import simulate
-from minillm.workload import trace_from_prompts
+from minillm.traces.synthetic import trace_from_prompts
 
 OUTPUT_LENS = [3, 9, 5, 1, 7, 2]  # two batches of three under max_num_seqs=3
 

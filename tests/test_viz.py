@@ -332,7 +332,7 @@ def test_live_view_labels_every_panel_with_where_its_numbers_come_from():
 
 def test_live_view_reads_simulated_off_the_simulator_engine():
     from minillm.sim import simulate
-    from minillm.workload import trace_from_prompts
+    from minillm.traces.synthetic import trace_from_prompts
 
     res = simulate(trace_from_prompts([[7] * 16, [8] * 8], max_tokens=[4, 3]), hardware="H200", model="llama-7b",
                    engine_config={"batching": "continuous", "max_num_seqs": 4})

@@ -211,7 +211,7 @@ def test_block_table_diffs_follow_growth_and_trims():
     import numpy as np
 
     from minillm.kv.block_manager import BlockManager
-    from minillm.scheduler.base import ScheduledBatch
+    from minillm.scheduler.base import SchedulerPlan
     from minillm.scheduler.output import SchedulerOutputBuilder
     from minillm.worker.input_batch import InputBatch
 
@@ -221,7 +221,7 @@ def test_block_table_diffs_follow_growth_and_trims():
     builder, batch = SchedulerOutputBuilder(kv), InputBatch(kv.max_blocks_per_seq)
 
     def step(n: int):
-        plan = builder.build(ScheduledBatch([req], [n]))
+        plan = builder.build(SchedulerPlan([req], [n]))
         batch.update(plan)
         row = batch.block_table.table[batch.requests["a"].row]
         assert list(row[: len(kv.block_tables["a"]) + 1]) == [*kv.block_tables["a"], -1]

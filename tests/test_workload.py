@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from minillm.workload import (
+from minillm.traces.synthetic import (
     LengthDist,
     Trace,
     gamma_arrivals,
@@ -187,7 +187,7 @@ def test_older_traces_are_unchanged_by_the_prefix_fraction_stream():
 
 
 def test_chat_trace_resends_the_conversation():
-    from minillm.workload import make_chat_trace
+    from minillm.traces.synthetic import make_chat_trace
 
     t = make_chat_trace(10, seed=2, vocab_size=5000, turns=(2, 4), system_prompt_len=32, think_time_s=5.0)
     by_conv: dict[int, list] = {}
@@ -215,7 +215,7 @@ def _raw_azure(kind: str) -> list[tuple[str, int, int]]:
     import csv
     import gzip
 
-    from minillm.azure_traces import AZURE_TRACES, TRACES_DIR
+    from minillm.traces.azure import AZURE_TRACES, TRACES_DIR
 
     with gzip.open(TRACES_DIR / AZURE_TRACES[kind], "rt") as f:
         rows = list(csv.reader(f))
@@ -229,7 +229,7 @@ def _raw_azure(kind: str) -> list[tuple[str, int, int]]:
 ])
 def test_azure_traces_load_as_published(kind, n, span_min, rate, prompt_stats, output_stats):
     """The numbers data/traces/README.md states, and every row's lengths equal the file's."""
-    from minillm.workload import azure_rows, azure_trace
+    from minillm.traces.synthetic import azure_rows, azure_trace
 
     rows, raw = azure_rows(kind), _raw_azure(kind)
     assert len(rows) == len(raw) == n
@@ -249,7 +249,7 @@ def test_azure_traces_load_as_published(kind, n, span_min, rate, prompt_stats, o
 
 
 def test_azure_window_and_speedup():
-    from minillm.workload import azure_rows, azure_trace
+    from minillm.traces.synthetic import azure_rows, azure_trace
 
     rows = azure_rows("conv")
     inside = np.flatnonzero((rows.arrival_s >= 600) & (rows.arrival_s < 660))
@@ -269,7 +269,7 @@ def test_azure_window_and_speedup():
 
 
 def test_azure_length_scaling_and_clipping():
-    from minillm.workload import azure_rows, azure_trace
+    from minillm.traces.synthetic import azure_rows, azure_trace
 
     rows = azure_rows("code")
     raw_p, raw_o = rows.prompt_lens[:300], rows.output_lens[:300]
@@ -290,7 +290,7 @@ def test_azure_length_scaling_and_clipping():
 
 
 def test_azure_token_ids_seeded_in_range_and_unshared():
-    from minillm.workload import azure_trace
+    from minillm.traces.synthetic import azure_trace
 
     a = azure_trace("conv", max_requests=50, length_scale=0.1, vocab_size=4096, token_id_range=(6, 4096), seed=1)
     b = azure_trace("conv", max_requests=50, length_scale=0.1, vocab_size=4096, token_id_range=(6, 4096), seed=1)
@@ -310,7 +310,7 @@ def test_azure_token_ids_seeded_in_range_and_unshared():
     (dict(kind="conv", token_id_range=(0, 99_999)), "token_id_range"),
 ])
 def test_azure_bad_arguments_say_what_is_wrong(kwargs, message):
-    from minillm.workload import azure_trace
+    from minillm.traces.synthetic import azure_trace
 
     with pytest.raises(ValueError, match=message):
         azure_trace(**kwargs)
@@ -319,7 +319,7 @@ def test_azure_bad_arguments_say_what_is_wrong(kwargs, message):
 def test_azure_trace_runs_on_the_simulator_as_it_is():
     """30 s of the conversation trace through continuous batching, 7B on the A100: all served."""
     from minillm.sim import simulate
-    from minillm.workload import azure_trace
+    from minillm.traces.synthetic import azure_trace
 
     trace = azure_trace("conv", duration_s=30, max_model_len=4096)
     assert trace.meta["clipped_prompts"] > 0  # a few conversations outgrow Llama-2's 4,096 tokens

@@ -142,8 +142,8 @@ CHAPTER_ALLOW: dict[str, dict[str, str]] = {
         "0.92": "a source text of the course (shared/seeds/004) gives 0.92; the chapter says vLLM's docs win",
     },
     "07": {
-        "120": "minillm.workload.make_chat_trace: reply_len defaults to log-normal with mean 120",
-        "384": "minillm.course_trace: SIM_SHARED_PREFIX_LEN = 384 (four 384-token system prompts)",
+        "120": "minillm.traces.synthetic.make_chat_trace: reply_len defaults to log-normal with mean 120",
+        "384": "minillm.traces.course: SIM_SHARED_PREFIX_LEN = 384 (four 384-token system prompts)",
     },
     "08": {
         "4000": _SEEDS_PITFALL_1,

@@ -1,7 +1,7 @@
 """Benchmark prompts of an exact token count, on a seeded trace (chapter 11).
 
 The trace (arrival order, prompt and output lengths, shared prefixes) comes from
-`minillm.workload.make_trace`; here its token ids are turned into text a server can tokenize back
+`minillm.traces.synthetic.make_trace`; here its token ids are turned into text a server can tokenize back
 to the same count. Random token ids decode to byte fragments that re-tokenize to MORE tokens, so
 each id is mapped instead onto one of the tokenizer's whole-word tokens (" camels", " morning"):
 a run of such words tokenizes back to itself. Every prompt is checked by re-encoding it, and
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from minillm.workload import LengthDist, Trace, make_trace
+from minillm.traces.synthetic import LengthDist, Trace, make_trace
 
 DATASETS = ("random", "sharegpt-like", "jsonl")
 
@@ -129,7 +129,7 @@ def make_requests(
 
     random: lengths uniform in [len·(1 − range_ratio), len·(1 + range_ratio)] as vLLM's random
     dataset, after a `prefix_len`-token prefix shared by all. sharegpt-like: the heavy-tailed
-    lengths of `minillm.workload` (ShareGPT's means), clipped at max_input_len / max_output_len.
+    lengths of `minillm.traces.synthetic` (ShareGPT's means), clipped at max_input_len / max_output_len.
     jsonl: a trace saved by `Trace.save_jsonl`.
     """
     if num_prompts < 1:

@@ -39,7 +39,7 @@ from minillm.benchmark.results import (
     calculate_metrics,
     parse_goodput,
 )
-from minillm.workload import gamma_arrivals
+from minillm.traces.synthetic import gamma_arrivals
 
 DEFAULT_ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 BUNDLED_TOKENIZER = Path(__file__).resolve().parents[2] / "models" / "minillm-target"
@@ -233,7 +233,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="sent as a Bearer token (env OPENAI_API_KEY)")
     add("--tokenizer", default=str(BUNDLED_TOKENIZER), help="model directory or tokenizer.json (default: bundled)")
     add("--dataset-name", default="random", choices=DATASETS)
-    add("--dataset-path", default=None, help="a trace saved by minillm.workload (for --dataset-name jsonl)")
+    add("--dataset-path", default=None, help="a trace saved by minillm.traces.synthetic (for --dataset-name jsonl)")
     add("--num-prompts", type=int, default=100)
     add("--random-input-len", type=int, default=128)
     add("--random-output-len", type=int, default=128)

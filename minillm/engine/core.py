@@ -1,9 +1,9 @@
 """The engine core: one `step()` = schedule → execute → update → record, and its rollback (chapter 04).
 
-Taught across chapters 02–07; the loop itself is shown in chapter 04, the threaded core in chapter
+Taught across chapters 02–07; the loop itself is shown in chapter 04, the engine run by a thread of its own in chapter
 11. Requests can be added while the engine runs (`add_request` between steps); `LLM.generate` (in
 `minillm.llm`) adds a whole trace and steps until everything has finished, on the caller's thread;
-the server runs the same engine in a thread of its own (`minillm.engine.threaded`).
+the server runs the same engine in a thread of its own (`minillm.engine.inbox`).
 
 The engine owns no request state itself: `requests` is its one registry of unfinished requests;
 the scheduler plans and applies results (`update_from_output`, the writer of a request's progress
@@ -25,16 +25,16 @@ from typing import Any
 
 from minillm.clock import WallClock
 from minillm.config import EngineConfig
+from minillm.engine.inbox import ADD_FAILED, EngineInbox, OutputSink
 from minillm.engine.input import InputProcessor
 from minillm.engine.output import OutputProcessor
 from minillm.engine.parts import make_kv_manager, make_scheduler
-from minillm.engine.threaded import ADD_FAILED, OutputSink, ThreadedEngine
 from minillm.kv.base import KVUsage
 from minillm.kv_transfer import make_scheduler_connector
 from minillm.metrics import MetricsCollector, StepRecord
 from minillm.model.config import ModelConfig
 from minillm.request import Request, RequestStatus, SamplingParams
-from minillm.scheduler.base import RequestUpdate, ScheduledBatch, Scheduler
+from minillm.scheduler.base import RequestUpdate, Scheduler, SchedulerPlan
 from minillm.scheduler.continuous import ContinuousScheduler
 
 
@@ -56,7 +56,7 @@ class EngineLoad:
     kv_usage: KVUsage
 
 
-class LLMEngine(ThreadedEngine):
+class LLMEngine(EngineInbox):
     warm_up_report = None  # what start-up compiled and warmed (minillm.worker.warm_up); set by build_engine
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig, *, model: Any = None,
@@ -342,7 +342,7 @@ class LLMEngine(ThreadedEngine):
         if req.sink is not None:
             self.outputs.emit(req, update.new_token_ids, update.new_logprobs, record)
 
-    def _record(self, batch: ScheduledBatch, prefill: int, decode: int, num_cached: int, start: float,
+    def _record(self, batch: SchedulerPlan, prefill: int, decode: int, num_cached: int, start: float,
                 end: float, chunks: tuple[int, ...] = (), expert_load: list[list[int]] | None = None) -> None:
         usage = self.kv.usage()
         prefix = self.kv.make_prefix_cache_stats()  # this step's lookups, returned (not diffed)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch
+from minillm.scheduler.base import ModelRunnerOutput, SchedulerPlan
 from minillm.scheduler.output import SchedulerOutput, SchedulerOutputBuilder
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ class EngineDeadError(RuntimeError):
 
 
 class Executor(Protocol):
-    def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+    def execute(self, batch: SchedulerPlan) -> ModelRunnerOutput:
         """Run the scheduler's plan for one step; per planned request, the tokens it sampled.
         Raises if the step failed (the engine then rolls the plan back)."""
         ...
@@ -69,7 +69,7 @@ class WorkerExecutor(ExecutorBase):
 
     plans: SchedulerOutputBuilder
 
-    def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+    def execute(self, batch: SchedulerPlan) -> ModelRunnerOutput:
         plan = self.plans.build(batch)
         try:
             return self.execute_model(plan)

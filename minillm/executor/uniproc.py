@@ -1,7 +1,7 @@
 """One worker in the engine's own process (vLLM's `UniProcExecutor`).
 
 The executor is where the plan becomes data: `SchedulerOutputBuilder` turns the scheduler's
-`ScheduledBatch` into a `SchedulerOutput` (ids and plain values only), and the worker sees nothing
+`SchedulerPlan` into a `SchedulerOutput` (ids and plain values only), and the worker sees nothing
 else — exactly what a worker in another process would receive, pickled (tests/test_worker_subprocess.py
 runs one). `execute(batch)` and the rollback of a failed plan come from `abstract.WorkerExecutor`,
 shared with the multi-process executor.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from minillm.executor.abstract import WorkerExecutor
-from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch
+from minillm.scheduler.base import ModelRunnerOutput, SchedulerPlan
 from minillm.scheduler.output import SchedulerOutput, SchedulerOutputBuilder
 from minillm.worker.model_runner import ModelRunner, StepInputs, WorkerStats
 
@@ -41,7 +41,7 @@ class UniProcExecutor(WorkerExecutor):
         return self.worker.model
 
     # ---- looking inside one step (chapter 04 prints these) -----------------------------------------
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+    def prepare(self, batch: SchedulerPlan) -> StepInputs:
         """The model inputs of `batch` without running the model: unpacks as (input_ids [T],
         positions [T], attention metadata, flattened rows whose logits are computed); `.order`
         gives the plan row of each flattened sequence."""
@@ -49,7 +49,7 @@ class UniProcExecutor(WorkerExecutor):
         self.worker.update_state(plan)
         return self.worker.prepare(plan)
 
-    def compute_logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[str]]:
+    def compute_logits(self, batch: SchedulerPlan) -> tuple[torch.Tensor, list[str]]:
         """Run the model on `batch` without sampling: logits of the rows that sample, and their request ids."""
         plan = self.plans.build(batch)
         self.worker.update_state(plan)

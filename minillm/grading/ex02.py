@@ -15,7 +15,7 @@ from minillm import LLM, SamplingParams
 from minillm import padding as reference
 from minillm.grading import Fail, forbid, grade_time_seeds, task
 from minillm.llm import BUNDLED_TARGET
-from minillm.workload import make_trace
+from minillm.traces.synthetic import make_trace
 
 # Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
 # module raises when learner code calls it while a check runs.

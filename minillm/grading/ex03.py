@@ -27,7 +27,7 @@ from minillm.scheduler.base import ModelRunnerOutput
 from minillm.scheduler.dynamic import DynamicScheduler
 from minillm.scheduler.static import StaticScheduler
 from minillm.sim import A100_80GB, LLAMA_7B, SimExecutor
-from minillm.workload import make_trace
+from minillm.traces.synthetic import make_trace
 
 # Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
 # module raises when learner code calls it while a check runs.

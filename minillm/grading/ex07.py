@@ -19,7 +19,7 @@ from minillm.kv.block_manager import BlockManager, HashChain
 from minillm.kv.radix import RadixNode, RadixTree
 from minillm.llm import BUNDLED_TARGET
 from minillm.request import Request
-from minillm.workload import LengthDist, make_trace
+from minillm.traces.synthetic import LengthDist, make_trace
 
 # Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
 # module raises when learner code calls it while a check runs.

@@ -32,11 +32,11 @@ from minillm.grading import Fail, forbid, grade_time_seeds, private_reference, r
 from minillm.llm import BUNDLED_TARGET
 from minillm.model.config import ModelConfig
 from minillm.request import Request, RequestStatus
-from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch, SchedulerBase
+from minillm.scheduler.base import ModelRunnerOutput, SchedulerBase, SchedulerPlan
 from minillm.scheduler.chunk_policy import SarathiChunking, SplitFuseChunking, even_share, make_chunk_policy
 from minillm.scheduler.continuous import ContinuousScheduler
 from minillm.sim.simulate import simulate
-from minillm.trace import Trace, TraceRequest
+from minillm.traces.trace import Trace, TraceRequest
 
 # Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
 # module raises when learner code calls it while a check runs.
@@ -87,13 +87,13 @@ class ChunkedHarness(SchedulerBase):
         self.running.remove(request)
         self.kv.free(request)
 
-    def rollback(self, plan: ScheduledBatch) -> None:
+    def rollback(self, plan: SchedulerPlan) -> None:
         raise RuntimeError("ChunkedHarness cannot undo a failed step (the exercise's runs never fail one)")
 
     def abort(self, request_id: str) -> Request | None:
         return None
 
-    def schedule(self, now: float, more_arrivals: bool = True) -> ScheduledBatch | None:
+    def schedule(self, now: float, more_arrivals: bool = True) -> SchedulerPlan | None:
         budget = self.config.max_num_batched_tokens
         rows = self.fill_budget(list(self.running), list(self.waiting), budget,
                                 self.config.long_prefill_token_threshold, self.config.max_num_seqs,
@@ -126,7 +126,7 @@ class ChunkedHarness(SchedulerBase):
         if not rows:
             return None
         rows.sort(key=lambda row: not (row[1] == 1 and row[0].num_computed_tokens))
-        return ScheduledBatch([r for r, _ in rows], [n for _, n in rows], admitted=admitted)
+        return SchedulerPlan([r for r, _ in rows], [n for _, n in rows], admitted=admitted)
 
 
 def _show(rows) -> str:
@@ -139,7 +139,7 @@ class StandInExecutor:
     def __init__(self) -> None:
         self.plans: list[tuple] = []
 
-    def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+    def execute(self, batch: SchedulerPlan) -> ModelRunnerOutput:
         self.plans.append(tuple(zip((r.request_id for r in batch.requests), batch.num_new_tokens)))
         rows = [r for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens]
         return ModelRunnerOutput.from_rows(batch, rows, [7] * len(rows))

@@ -7,7 +7,7 @@ the overloaded workers (the same two thresholds, per worker), task 2 is the rout
 radix tree written from scratch (match, insert, size, and LRU evict with its return value), compared
 operation by operation with minillm's `RadixTree` (the reference, disabled while learner code runs),
 task 3 the decision that skips only the overloaded workers and keeps matching among the others, on
-the learner's own tree, then the router on a seeded multi-tenant trace (`minillm.tenant_trace`) in
+the learner's own tree, then the router on a seeded multi-tenant trace (`minillm.traces.tenant`) in
 front of simulated workers. The rule's reference is grader-private
 (`minillm.grading.private.ex13_reference`, guarded while a check runs); minillm's policies and tree
 are disabled (`forbid`) while learner code runs.
@@ -32,7 +32,7 @@ from minillm.grading import Fail, forbid, grade_time_seeds, private_reference, t
 from minillm.router import policies, radix
 from minillm.router.policies import CacheAwareConfig
 from minillm.router.radix import RadixTree
-from minillm.tenant_trace import make_tenant_trace
+from minillm.traces.tenant import make_tenant_trace
 
 LEARNER_TOOLS = ()  # nothing of this module is lent; CacheAwareConfig is minillm's
 REFERENCE = (policies.CacheAware, policies.LeastLoad, policies.RoundRobin, policies.Policy,

@@ -27,7 +27,7 @@ from minillm.request import Request, RequestStatus
 
 
 @dataclass
-class ScheduledBatch:
+class SchedulerPlan:
     """One step's plan as the scheduler made it: live `Request` objects, for the engine core only.
     What crosses to a worker is this plan turned into data (`minillm.scheduler.output.SchedulerOutput`,
     vLLM's class of that name); vLLM's scheduler builds that data directly, minillm keeps the two
@@ -79,7 +79,7 @@ class ModelRunnerOutput:
     kv_connector_output: Any = None
 
     @classmethod
-    def from_rows(cls, plan: ScheduledBatch, rows: list[Request], tokens: list[int]) -> ModelRunnerOutput:
+    def from_rows(cls, plan: SchedulerPlan, rows: list[Request], tokens: list[int]) -> ModelRunnerOutput:
         """One token for each request in `rows` (a stand-in executor's usual answer), none for the rest."""
         by_id = {r.request_id: t for r, t in zip(rows, tokens)}
         return cls([[by_id[r.request_id]] if r.request_id in by_id else [] for r in plan.requests])
@@ -102,16 +102,16 @@ class RequestUpdate:
 class Scheduler(Protocol):
     def add_request(self, request: Request) -> None: ...
 
-    def schedule(self, now: float, more_arrivals: bool = True) -> ScheduledBatch | None:
+    def schedule(self, now: float, more_arrivals: bool = True) -> SchedulerPlan | None:
         """The next step's plan, or None if nothing can run now. `more_arrivals=False` tells a
         batch-synchronous scheduler that waiting for a fuller batch is pointless."""
         ...
 
-    def update_from_output(self, plan: ScheduledBatch, output: ModelRunnerOutput) -> list[RequestUpdate]:
+    def update_from_output(self, plan: SchedulerPlan, output: ModelRunnerOutput) -> list[RequestUpdate]:
         """Apply a step's results: the single writer of request progress (see the module docstring)."""
         ...
 
-    def rollback(self, plan: ScheduledBatch) -> None:
+    def rollback(self, plan: SchedulerPlan) -> None:
         """The step failed: undo what `schedule()` reserved and admitted for it."""
         ...
 
@@ -154,7 +154,7 @@ class SchedulerBase:
         """No timers: an idle scheduler wakes only for new arrivals."""
         return None
 
-    def update_from_output(self, plan: ScheduledBatch, output: ModelRunnerOutput) -> list[RequestUpdate]:
+    def update_from_output(self, plan: SchedulerPlan, output: ModelRunnerOutput) -> list[RequestUpdate]:
         self.kv.commit_step()
         if output.kv_connector_output is not None:
             self.connector.update_connector_output(output.kv_connector_output)

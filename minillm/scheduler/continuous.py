@@ -22,7 +22,7 @@ from __future__ import annotations
 from minillm.config import EngineConfig
 from minillm.kv.base import KVManager
 from minillm.request import Request, RequestStatus
-from minillm.scheduler.base import ScheduledBatch, SchedulerBase
+from minillm.scheduler.base import SchedulerBase, SchedulerPlan
 from minillm.scheduler.chunk_policy import make_chunk_policy
 from minillm.scheduler.waiting_queue import WaitingQueue
 
@@ -52,11 +52,11 @@ class ContinuousScheduler(SchedulerBase):
     def has_request(self, request_id: str) -> bool:
         return self.waiting.get(request_id) is not None or any(r.request_id == request_id for r in self.running)
 
-    def schedule(self, now: float, more_arrivals: bool = True) -> ScheduledBatch | None:
+    def schedule(self, now: float, more_arrivals: bool = True) -> SchedulerPlan | None:
         budget = self.chunking.step_budget(self.running, self.waiting) if self.config.enable_chunked_prefill \
             else self.config.max_num_batched_tokens
         planned: dict[str, tuple[Request, int]] = {}  # request id -> (request, new tokens), in planning order
-        plan = ScheduledBatch([], [])
+        plan = SchedulerPlan([], [])
 
         # 1. Running requests first: each wants the rest of its known tokens (1 when decoding).
         #    With chunked prefill, decodes go before partly prefilled requests (stall-free, Sarathi-Serve).
@@ -149,7 +149,7 @@ class ContinuousScheduler(SchedulerBase):
         """LPM: longest cached prefix first, then queue order (stable for equal arrival times)."""
         return sorted(self.waiting, key=lambda r: -self.kv.cached_prefix_tokens(r))
 
-    def _try_admit(self, req: Request, budget: int, plan: ScheduledBatch) -> int | None:
+    def _try_admit(self, req: Request, budget: int, plan: SchedulerPlan) -> int | None:
         """Reserve KV for a waiting request (swapped back in, or with any cached prefix attached);
         the number of tokens it computes this step, or None (and nothing changed) if it does not fit.
         With nothing running, the KV headroom (watermark) protects nobody and is not kept."""
@@ -183,7 +183,7 @@ class ContinuousScheduler(SchedulerBase):
             return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, req: Request, plan: ScheduledBatch) -> None:
+    def _preempt(self, req: Request, plan: SchedulerPlan) -> None:
         self.running.remove(req)
         plan.spec_token_ids.pop(req.request_id, None)
         req.spec_token_ids, req.spec_draft_probs = [], None  # guesses for a context it no longer holds
@@ -206,7 +206,7 @@ class ContinuousScheduler(SchedulerBase):
             self.kv.free(request)  # (a KV producer may keep the blocks pinned until its consumer has them)
         self.waiting.forget(request)
 
-    def rollback(self, plan: ScheduledBatch) -> None:
+    def rollback(self, plan: SchedulerPlan) -> None:
         """Undo `plan` (see `scheduler.base`): prefix-cache entries first, then the reservations."""
         lost = set(self.kv.rollback_step())
         for req, status in plan.admitted:

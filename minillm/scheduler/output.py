@@ -1,8 +1,8 @@
 """The plan as data: what crosses from the engine core to a worker each step (chapter 04).
 
-A scheduler plans with live `Request` objects (`ScheduledBatch`, `minillm.scheduler.base`); a
+A scheduler plans with live `Request` objects (`SchedulerPlan`, `minillm.scheduler.base`); a
 worker — in this process today, in another process or on another rank tomorrow — must never see
-them. `SchedulerOutputBuilder` turns each `ScheduledBatch` into a `SchedulerOutput` holding request
+them. `SchedulerOutputBuilder` turns each `SchedulerPlan` into a `SchedulerOutput` holding request
 ids and plain values only, as vLLM V1's `SchedulerOutput` does:
 
 - a request the worker has not seen arrives once as `NewRequestData` (prompt ids, sampling
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minillm.request import Request, SamplingParams
-from minillm.scheduler.base import ScheduledBatch
+from minillm.scheduler.base import SchedulerPlan
 
 
 @dataclass
@@ -64,7 +64,7 @@ class PaddedStepData:
 @dataclass
 class SchedulerOutput:
     """One step's plan as data (vLLM's `SchedulerOutput`): what the scheduler's own plan
-    (`ScheduledBatch`, live requests) becomes for the workers. Rows are in plan order (decode rows first)."""
+    (`SchedulerPlan`, live requests) becomes for the workers. Rows are in plan order (decode rows first)."""
 
     new_requests: list[NewRequestData]
     req_ids: list[str]
@@ -100,7 +100,7 @@ def new_request_data(req: Request) -> NewRequestData:
 
 
 class SchedulerOutputBuilder:
-    """Driver side: turns a scheduler's `ScheduledBatch` into the `SchedulerOutput` a worker reads.
+    """Driver side: turns a scheduler's `SchedulerPlan` into the `SchedulerOutput` a worker reads.
 
     `kv` is the scheduler's KV manager; the builder reads its block tables (`block_ids_of`) and
     takes the blocks it handed out since the last plan (`take_fresh_blocks`), which the worker zeroes."""
@@ -111,7 +111,7 @@ class SchedulerOutputBuilder:
         self.known: dict[str, Request] = {}  # requests the worker holds state for
         self.orphans: dict[str, Request] = {}  # told by a failed plan: the worker may hold them
 
-    def build(self, batch: ScheduledBatch) -> SchedulerOutput:
+    def build(self, batch: SchedulerPlan) -> SchedulerOutput:
         finished = [rid for rid, r in self.known.items() if r.status.finished]
         for rid in finished:
             del self.known[rid]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from minillm.config import EngineConfig
 from minillm.kv.padded import PaddedKVManager
 from minillm.request import Request, RequestStatus
-from minillm.scheduler.base import ModelRunnerOutput, RequestUpdate, ScheduledBatch, SchedulerBase
+from minillm.scheduler.base import ModelRunnerOutput, RequestUpdate, SchedulerBase, SchedulerPlan
 
 
 @dataclass
@@ -65,17 +65,17 @@ class StaticScheduler(SchedulerBase):
             return None
         return self.waiting[0].arrival_time + self.timeout_s
 
-    def schedule(self, now: float, more_arrivals: bool = True) -> ScheduledBatch | None:
+    def schedule(self, now: float, more_arrivals: bool = True) -> SchedulerPlan | None:
         if self.rows and all(r.status.finished for r in self.rows):
             self.rows = []
             self.kv.end_batch()
         if not self.rows:
             return self._start_batch() if self.should_fire(now, more_arrivals) else None
         live = [r for r in self.rows if not r.status.finished]
-        return ScheduledBatch(live, [1] * len(live), num_padding_tokens=len(self.rows) - len(live),
+        return SchedulerPlan(live, [1] * len(live), num_padding_tokens=len(self.rows) - len(live),
                               padded=PaddedStep(self.rows, 1, is_prefill=False))
 
-    def _start_batch(self) -> ScheduledBatch:
+    def _start_batch(self) -> SchedulerPlan:
         n = min(len(self.waiting), self.config.max_num_seqs)
         rows = [self.waiting.popleft() for _ in range(n)]
         width = max(r.num_prompt_tokens for r in rows)
@@ -83,12 +83,12 @@ class StaticScheduler(SchedulerBase):
         for r in rows:
             r.status = RequestStatus.RUNNING
         self.rows = rows
-        return ScheduledBatch(rows, [r.num_prompt_tokens for r in rows],
+        return SchedulerPlan(rows, [r.num_prompt_tokens for r in rows],
                               num_padding_tokens=n * width - sum(r.num_prompt_tokens for r in rows),
                               padded=PaddedStep(rows, width, is_prefill=True),
                               admitted=[(r, RequestStatus.WAITING) for r in rows])
 
-    def update_from_output(self, plan: ScheduledBatch, output: ModelRunnerOutput) -> list[RequestUpdate]:
+    def update_from_output(self, plan: SchedulerPlan, output: ModelRunnerOutput) -> list[RequestUpdate]:
         updates = super().update_from_output(plan, output)
         if not self.config.static_hold_finished:
             return updates
@@ -102,7 +102,7 @@ class StaticScheduler(SchedulerBase):
     def finish(self, request: Request) -> None:
         """The row stays in the batch (and keeps being computed) until the batch ends."""
 
-    def rollback(self, plan: ScheduledBatch) -> None:
+    def rollback(self, plan: SchedulerPlan) -> None:
         """A failed first step un-starts the batch (its rows wait again, first in line); a failed
         decode step changed nothing (the padded cache advances only once the forward ends)."""
         if plan.padded is not None and plan.padded.is_prefill:

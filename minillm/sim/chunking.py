@@ -17,10 +17,10 @@ deterministic on any machine.
 
 One import here points up, out of the simulator: `compare_chunk_policies()` with no trace (as
 chapter 08 calls it for its course-trace table) and `main()` take their defaults (trace, hardware,
-model, knobs, SLO) from `minillm.course_trace`, which sits above the simulator (it runs
+model, knobs, SLO) from `minillm.traces.course`, which sits above the simulator (it runs
 `minillm.sim.simulate`). The import is inside those two functions, on purpose: importing
 `minillm.sim` or this module never loads the course trace, and no circle forms, since
-`course_trace` imports nothing from here (tests/test_import_cycles.py checks). A caller that
+`minillm.traces.course` imports nothing from here (tests/test_import_cycles.py checks). A caller that
 passes its own trace, hardware, model, engine_config and slo never touches it.
 """
 
@@ -35,7 +35,7 @@ from minillm.sim.cost_model import step_time
 from minillm.sim.hardware import Hardware, get_hardware
 from minillm.sim.model_shapes import ModelShape, get_model_shape
 from minillm.sim.simulate import simulate
-from minillm.workload import LengthDist, Trace, make_trace
+from minillm.traces.synthetic import LengthDist, Trace, make_trace
 
 POLICIES = ("sarathi", "splitfuse")
 
@@ -90,9 +90,9 @@ def compare_chunk_policies(trace: Trace | None = None, budgets: Sequence[int] = 
                            slo: SLO | None = None) -> list[PolicyRow]:
     """Simulate `trace` once per (policy, budget) with chunked prefill on.
 
-    Defaults are the course's (`minillm.course_trace`): its trace, hardware (the practical A100),
+    Defaults are the course's (`minillm.traces.course`): its trace, hardware (the practical A100),
     model (Llama-2-7B), knobs (everything up to prefix caching) and SLO (goodput)."""
-    from minillm import course_trace as course
+    from minillm.traces import course
 
     if trace is None:
         trace = course.sim_trace()
@@ -140,7 +140,7 @@ def heavy_trace(num_requests: int = 192, rate_per_s: float = 240.0, seed: int = 
 
 
 def main() -> None:
-    from minillm.course_trace import SIM_HARDWARE
+    from minillm.traces.course import SIM_HARDWARE
 
     spot = sweet_spot_tokens("A100-80GB", "llama-7b")
     print(f"chapter 08's heavy trace, 7B on the A100-80GB, max_num_seqs 64 (sweet spot {spot} tokens)")

@@ -44,7 +44,7 @@ from minillm.config import EngineConfig
 from minillm.engine import build_engine, make_kv_manager
 from minillm.metrics import SLO, RequestMetrics, Summary, summarize
 from minillm.request import SamplingParams
-from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch
+from minillm.scheduler.base import ModelRunnerOutput, SchedulerPlan
 from minillm.sim.cost_model import step_time
 from minillm.sim.executor import SimExecutor
 from minillm.sim.hardware import Hardware, get_hardware
@@ -52,7 +52,7 @@ from minillm.sim.instance_layout import InstanceLayout, deal_to_virtual_engines
 from minillm.sim.model_shapes import ModelShape, get_model_shape
 from minillm.sim.network import Link, get_link
 from minillm.sim.simulate import _fit_to_memory, _model, _non_eos_token, _run, kv_capacity_tokens, simulate
-from minillm.trace import Trace, TraceRequest
+from minillm.traces.trace import Trace, TraceRequest
 
 DEFAULT_ENGINE = {"max_num_seqs": 128}  # both kinds of instance, and the colocated engine
 
@@ -115,7 +115,7 @@ class DecodeInstanceExecutor(SimExecutor):
         self.loaded_tokens = 0  # prompt tokens whose KV arrived over the link
         self.recomputed_tokens = 0  # tokens computed again after a preemption (recompute mode) on this instance
 
-    def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+    def execute(self, batch: SchedulerPlan) -> ModelRunnerOutput:
         sampled, prefill_tokens, decode_context_lens = [], [], []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens

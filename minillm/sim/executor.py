@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from minillm.executor.abstract import ExecutorBase
-from minillm.scheduler.base import ModelRunnerOutput, ScheduledBatch
+from minillm.scheduler.base import ModelRunnerOutput, SchedulerPlan
 from minillm.sim.cost_model import StepCost, step_time
 from minillm.sim.hardware import Hardware
 from minillm.sim.instance_layout import InstanceLayout
@@ -44,7 +44,7 @@ class SimExecutor(ExecutorBase):
         self.token_id = token_id
         self.costs: list[StepCost] = []  # one per executed step, for inspection and plots
 
-    def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+    def execute(self, batch: SchedulerPlan) -> ModelRunnerOutput:
         """Cost the step; every request that gets a next token gets `token_id`.
 
         Rows are classified as the real runner does: one new token after a computed context is a
@@ -103,7 +103,7 @@ class SimExecutor(ExecutorBase):
         return step_time(self.hw, self.shape, prefill_tokens=prefill_tokens, prefill_context=prefill_context,
                          decode_context_lens=decode_context_lens, padding_tokens=padding_tokens)
 
-    def _padded_cost(self, batch: ScheduledBatch) -> StepCost:
+    def _padded_cost(self, batch: SchedulerPlan) -> StepCost:
         """A static/dynamic step computes the whole rectangle, as the padded runner does.
 
         Every row of the batch, finished ones included, runs `width` query tokens (the padded prompt

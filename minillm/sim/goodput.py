@@ -58,7 +58,7 @@ from minillm.sim.disagg import ServingResult, meets, simulate_colocated, simulat
 from minillm.sim.hardware import A100_80GB_PRACTICAL, H100_SXM, Hardware
 from minillm.sim.model_shapes import ModelShape
 from minillm.sim.network import Link, get_link
-from minillm.trace import Trace
+from minillm.traces.trace import Trace
 
 ATTAINMENT = 0.9  # DistServe's X: at least 90 % of requests within both SLOs
 DEFAULT_SLOS = {"azure-conv": SLO(ttft_ms=1000, tpot_ms=50), "azure-code": SLO(ttft_ms=2000, tpot_ms=50),
@@ -281,7 +281,7 @@ def goodput_traces(num_requests: int = 200, *, start_s: float = 600.0, seed: int
     (real arrivals and lengths, Splitwise's traces; prompts cut to fit Llama-2's 4,096 tokens as the other
     chapters cut them, `meta["clipped_prompts"]` says how many), and a synthetic one for contrast (Poisson
     arrivals, lengths uniform around the conv trace's medians: no bursts, no long tail)."""
-    from minillm.workload import azure_trace, make_trace
+    from minillm.traces.synthetic import azure_trace, make_trace
 
     return {
         "azure-conv": azure_trace("conv", start_s=start_s, max_requests=num_requests, seed=seed, max_model_len=4096),

@@ -31,7 +31,7 @@ from minillm.sim.hardware import A100_80GB_PRACTICAL, Hardware, get_hardware
 from minillm.sim.instance_layout import InstanceLayout
 from minillm.sim.model_shapes import ModelShape, get_model_shape
 from minillm.sim.network import Link, get_link
-from minillm.trace import Trace
+from minillm.traces.trace import Trace
 
 
 @dataclass(frozen=True)

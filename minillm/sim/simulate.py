@@ -1,7 +1,7 @@
 """Run a trace through the real engine on simulated hardware: `simulate(trace, ...)` (chapters 02–08).
 
     from minillm.sim import simulate
-    from minillm.workload import make_trace
+    from minillm.traces.synthetic import make_trace
     trace = make_trace(200, seed=0, vocab_size=32000, rate_per_s=8)
     res = simulate(trace, hardware="A100-80GB", model="llama-7b", engine_config={"max_num_seqs": 64})
     print(res.summary)            # vllm-bench-serve-style table: TTFT, TPOT, throughput, ...
@@ -41,7 +41,7 @@ from minillm.sim.hardware import Hardware, get_hardware
 from minillm.sim.instance_layout import InstanceLayout
 from minillm.sim.model_shapes import ModelShape, from_hf_config, get_model_shape
 from minillm.sim.spec_cost import SimSpeculation
-from minillm.workload import Trace
+from minillm.traces.synthetic import Trace
 
 
 @dataclass

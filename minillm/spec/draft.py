@@ -18,7 +18,7 @@ from minillm.executor.uniproc import UniProcExecutor
 from minillm.kv.block_manager import BlockManager
 from minillm.model.llama import LlamaModel
 from minillm.request import Request, RequestStatus, SamplingParams, derive_seed
-from minillm.scheduler.base import ScheduledBatch
+from minillm.scheduler.base import SchedulerPlan
 from minillm.spec.rejection import target_probs
 from minillm.worker.model_runner import ModelRunner
 
@@ -69,7 +69,7 @@ class DraftModelProposer:
         for _ in range(max(room, default=0)):  # guess 1 (after catching up), then one token per pass
             if not rows:
                 break
-            plan = ScheduledBatch([active[i][1] for i in rows], step_counts)
+            plan = SchedulerPlan([active[i][1] for i in rows], step_counts)
             logits, _ = self.executor.compute_logits(plan)
             for j, i in enumerate(rows):
                 req, shadow = active[i]

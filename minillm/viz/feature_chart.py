@@ -1,6 +1,6 @@
 """What each feature bought: the cumulative chart every chapter from 02 on extends by one bar.
 
-Four panels, one bar per rung of the ladder (`minillm.course_trace.LADDER`), each bar a simulator
+Four panels, one bar per rung of the ladder (`minillm.traces.course.LADDER`), each bar a simulator
 run of the course trace with that feature and every earlier one switched on: output throughput,
 p99 TTFT (log axis: static batching's minutes and paged batching's milliseconds share it),
 p99 TPOT, and goodput under the course SLO (DistServe's definition: requests per second meeting
@@ -8,7 +8,7 @@ both TTFT and TPOT targets).
 
 **Chapter authors: adding your bar.**
 
-1. Add a `Rung` for your feature to `LADDER` in `minillm/course_trace.py`, after the rung of the
+1. Add a `Rung` for your feature to `LADDER` in `minillm/traces/course.py`, after the rung of the
    chapter before yours: its label (a name `minillm.viz.style.system_color` knows, e.g. "chunked"),
    your chapter number, the EngineConfig knobs your feature sets, and, if the feature needs a
    simulator argument rather than a knob, `simulate_kwargs` (chapter 09:
@@ -16,7 +16,7 @@ both TTFT and TPOT targets).
    (Or, without touching the module, pass `extra=[Rung(...)]` to `ladder_summaries`.)
 2. In your chapter, one cell (its output is deterministic, so it need not be nbval-ignored):
 
-       from minillm.course_trace import ladder_summaries
+       from minillm.traces.course import ladder_summaries
        from minillm.viz.feature_chart import plot_feature_chart, print_feature_table
        bars = ladder_summaries(upto="chunked")          # runs every rung up to yours, ~1 s each
        print_feature_table(bars)

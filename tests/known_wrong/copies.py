@@ -33,7 +33,7 @@ _RETYPE_SCHEDULE = (
     "                   ('spec = req.spec_token_ids if n == 1 else []', 'spec = [] if n != 1 else req.spec_token_ids'),\n"
     "                   ('if len(self.running) >= self.config.max_num_seqs or budget == 0:',\n"
     "                    'if budget == 0 or len(self.running) >= self.config.max_num_seqs:'),\n"
-    "                   ('    plan = ScheduledBatch([], [])\\n', '    plan = ScheduledBatch([], [])\\n    steps = 0\\n')]:\n"
+    "                   ('    plan = SchedulerPlan([], [])\\n', '    plan = SchedulerPlan([], [])\\n    steps = 0\\n')]:\n"
     "    assert _src.count(_old) == 1, _old  # the library changed: update the edit\n"
     "    _src = _src.replace(_old, _new)\n"
     "{pad}"
@@ -43,7 +43,7 @@ _COPY_SCHEDULE = (  # the same copy with one edit only, then padded
     _RETYPE_SCHEDULE[:_RETYPE_SCHEDULE.index("for _old, _new in [")]
     + "for _old, _new in [('        if n > budget:\\n', '        if budget < n:\\n')]:\n"
     + _RETYPE_SCHEDULE[_RETYPE_SCHEDULE.index("    assert _src.count(_old) == 1"):])
-_PAD_BODY = ("_head = '    plan = ScheduledBatch([], [])\\n'\n"
+_PAD_BODY = ("_head = '    plan = SchedulerPlan([], [])\\n'\n"
              "_src = _src.replace(_head, _head + ''.join(f'    unused_{i} = {i}\\n' for i in range(30)))\n")
 
 # BlockAllocator rebuilt from its source under another name, every method a little changed (locals

@@ -50,7 +50,7 @@ KNOWN_WRONG = [
         "def _lazy(self, now, more_arrivals=True):\n"
         "    budget = self.config.max_num_batched_tokens\n"
         "    planned = {}\n"
-        "    plan = ScheduledBatch([], [])\n"
+        "    plan = SchedulerPlan([], [])\n"
         "    for req in list(self.running):\n"
         "        if req.status is not RequestStatus.RUNNING:\n            continue\n"
         "        n = req.num_tokens - req.num_computed_tokens\n"

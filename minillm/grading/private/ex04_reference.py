@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 
 from minillm.request import RequestStatus
-from minillm.scheduler.base import ScheduledBatch, SchedulerBase
+from minillm.scheduler.base import SchedulerBase, SchedulerPlan
 
 LEARNER_TOOLS = {"AdmitHarness": (2,)}  # task 2 runs the learner's admit inside it: its methods are lent then
 
@@ -74,7 +74,7 @@ class AdmitHarness(SchedulerBase):
             return None
         is_decode = [n == 1 and bool(req.num_computed_tokens) for req, n in rows]
         rows = [row for row, d in zip(rows, is_decode) if d] + [row for row, d in zip(rows, is_decode) if not d]
-        return ScheduledBatch([req for req, _ in rows], [n for _, n in rows],
+        return SchedulerPlan([req for req, _ in rows], [n for _, n in rows],
                               admitted=[(req, RequestStatus.WAITING) for req, _ in admitted])
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from itertools import accumulate
 
 from minillm.request import RequestStatus
-from minillm.scheduler.base import ScheduledBatch
+from minillm.scheduler.base import SchedulerPlan
 from minillm.scheduler.continuous import ContinuousScheduler
 
 LOOKAHEAD = 4  # tokens of room the retraction keeps for every running request beyond this step's
@@ -76,7 +76,7 @@ class RetractScheduler(AgingScheduler):
     """The step with a bulk retraction: room for every running request first, then the plan."""
 
     def schedule(self, now, more_arrivals=True):
-        plan, budget = ScheduledBatch([], []), self.config.max_num_batched_tokens
+        plan, budget = SchedulerPlan([], []), self.config.max_num_batched_tokens
         _retract(self, plan)
         wants = [(r, r.num_tokens - r.num_computed_tokens) for r in self.running]
         rows = [row for row, used in zip(wants, accumulate(n for _, n in wants)) if used <= budget]

@@ -7,7 +7,7 @@ equally popular: tenant k (0-based) is picked with probability proportional to 1
 so with zipf_s = 1 and 8 tenants the hottest sends ~37 % of the traffic. That skew is what a
 router must survive: pure prefix affinity would pile the hot tenant onto one worker.
 
-The trace is a `minillm.workload.Trace` (`prefix_id` = tenant), so it saves as JSONL and
+The trace is a `minillm.traces.synthetic.Trace` (`prefix_id` = tenant), so it saves as JSONL and
 `minillm bench serve --dataset-name jsonl --dataset-path FILE` replays it (prompts become words
 there; a shared token prefix stays a shared text prefix).
 """
@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from minillm.workload import Trace, TraceRequest, gamma_arrivals
+from minillm.traces.synthetic import Trace, TraceRequest, gamma_arrivals
 
 
 def tenant_weights(num_tenants: int, zipf_s: float) -> np.ndarray:

@@ -1,14 +1,20 @@
-"""The engine in a thread of its own: the inbox other threads talk to it through (chapter 11).
+"""The engine's inbox: how other threads talk to an engine that one thread owns (chapter 11).
 
-The server runs the engine in a thread (`run_forever`): that thread is the only one that touches
-engine state. Other threads never call `add_request` or `abort_request`; they `submit_add` /
-`submit_abort` commands into a thread-safe inbox, which `step()` drains first, and receive
-`RequestOutput`s through the callback (`sink`) they gave. With nothing to do, the loop blocks on
-the inbox (no spinning). Why a thread and not a process, as vLLM V1 does (its EngineCore is a
-separate process talking ZMQ): the bundled model is tiny, torch releases the GIL inside its ops,
-and a thread needs no serialization of requests and outputs — what is left to teach is the
-ownership rule, which a thread shows just as well. The price: the HTTP side and the engine share
-one interpreter, so tokenizing or JSON work in the server takes time from the engine loop.
+Every `LLMEngine` has an inbox; whether a thread of its own runs it is the caller's choice:
+
+- **offline** (`LLM.generate`, the benches, the simulator): the caller's thread steps the engine
+  until the trace is done. Nothing else submits commands, except a KV connector, whose transfer
+  thread hands its events in through `call_soon`; `step()` drains them first.
+- **threaded** (the server): one thread runs `run_forever` and is the only one that touches engine
+  state. Other threads never call `add_request` or `abort_request`; they `submit_add` /
+  `submit_abort` into the inbox, and receive `RequestOutput`s through the callback (`sink`) they
+  gave. With nothing to do, the loop blocks on the inbox (no spinning).
+
+Why a thread and not a process, as vLLM V1 does (its EngineCore is a separate process talking ZMQ):
+the bundled model is tiny, torch releases the GIL inside its ops, and a thread needs no
+serialization of requests and outputs — what is left to teach is the ownership rule, which a
+thread shows just as well. The price: the HTTP side and the engine share one interpreter, so
+tokenizing or JSON work in the server takes time from the engine loop.
 """
 
 from __future__ import annotations
@@ -28,10 +34,10 @@ ADD_FAILED = "engine failed to add the request"  # an unexpected error (not a Va
 SERVER_FAULTS = (STEP_FAILED, ADD_FAILED)  # errors that are the server's fault (HTTP 500), not the client's
 
 
-class ThreadedEngine:
+class EngineInbox:
     """The inbox half of `LLMEngine` (which inherits it): commands from other threads, and the loop
-    that serves them. Uses the engine's `add_request`, `abort_request`, `step`, `requests`,
-    `scheduler`, `clock` and `_pending`."""
+    that serves them when a thread runs the engine (`run_forever`). Uses the engine's `add_request`,
+    `abort_request`, `step`, `requests`, `scheduler`, `clock` and `_pending`."""
 
     def _init_inbox(self) -> None:
         # Commands from other threads: ("add", prompt, params, request_id, sink, priority),

@@ -1,10 +1,10 @@
 """A request trace: what arrives when, with which prompt and output length (chapters 02-04).
 
 `Trace` and `TraceRequest` are the data every trace maker returns: the synthetic ones in
-minillm.workload, Azure's real ones in minillm.azure_traces and the tenants' in
-minillm.tenant_trace. A trace saves as JSONL and loads back, so the engine, the simulator and a
+minillm.traces.synthetic, Azure's real ones in minillm.traces.azure and the tenants' in
+minillm.traces.tenant. A trace saves as JSONL and loads back, so the engine, the simulator and a
 benchmark client replay the same requests. They live in a module of their own so that the trace
-makers import them without importing each other; `from minillm.workload import Trace` still works.
+makers import them without importing each other; `from minillm.traces.synthetic import Trace` still works.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ mean 1/rate, so burstiness 1 is a Poisson process, < 1 is burstier, > 1 is more 
 (CV² of the gaps = 1/burstiness). Lengths are uniform, log-normal, Pareto or "ShareGPT-like";
 uniform lengths hide head-of-line blocking (pitfall 5), heavy tails expose it.
 Real lengths and arrivals: `azure_trace("conv" | "code", ...)`, Azure's 2023 production traces
-(minillm.azure_traces), as they are or scaled down for the bundled model on a CPU.
+(minillm.traces.azure), as they are or scaled down for the bundled model on a CPU.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-# Re-exported: `from minillm.workload import Trace, azure_trace` keeps working. Trace and TraceRequest live in
-# minillm.trace so that minillm.azure_traces builds its Trace without importing this module.
-from minillm.azure_traces import AZURE_CITATION, AZURE_TRACES, AzureRows, azure_rows, azure_trace  # noqa: F401
-from minillm.trace import Trace, TraceRequest
+# Re-exported: `from minillm.traces.synthetic import Trace, azure_trace` keeps working. Trace and TraceRequest live in
+# minillm.traces.trace so that minillm.traces.azure builds its Trace without importing this module.
+from minillm.traces.azure import AZURE_CITATION, AZURE_TRACES, AzureRows, azure_rows, azure_trace  # noqa: F401
+from minillm.traces.trace import Trace, TraceRequest
 
 # Mean prompt / output lengths of ShareGPT as reported in the vLLM paper (Kwon et al., 2023, Fig. 11).
 SHAREGPT_MEAN_PROMPT_TOKENS = 161

@@ -5,7 +5,7 @@ serve the same requests under the same service level objective, and each chapter
 cumulative chart (`minillm.viz.feature_chart`) is a real run of the simulator on that trace with
 every feature so far switched on.
 
-    from minillm.course_trace import sim_trace, simulate_course, ladder_summaries, SIM_SLO
+    from minillm.traces.course import sim_trace, simulate_course, ladder_summaries, SIM_SLO
     trace = sim_trace()                         # 200 requests, 4 req/s, ShareGPT-like lengths
     result = simulate_course({"batching": "continuous", "kv_layout": "paged"})
     bars = ladder_summaries(upto="prefix")      # {"static": Summary, ..., "prefix": Summary}
@@ -37,7 +37,7 @@ from typing import Any
 from minillm.metrics import SLO, Summary
 from minillm.sim.hardware import A100_80GB_PRACTICAL, Hardware
 from minillm.sim.simulate import SimResult, simulate
-from minillm.workload import LengthDist, Trace, make_trace
+from minillm.traces.synthetic import LengthDist, Trace, make_trace
 
 COURSE_SEED = 0
 SIM_SLO = SLO(ttft_ms=1000, tpot_ms=50)

@@ -8,7 +8,7 @@ published by Microsoft with Splitwise (Patel et al., "Splitwise: Efficient gener
 using phase splitting", ISCA 2024) under CC-BY 4.0. The files are bundled in `data/traces/`, with
 their attribution in `data/traces/README.md`.
 
-    from minillm.workload import azure_trace
+    from minillm.traces.synthetic import azure_trace
     sim = azure_trace("conv", duration_s=300)                      # as they are: 7B on the simulator
     cpu = azure_trace("conv", duration_s=60, speedup=4, length_scale=(1/16, 1/4),
                       max_model_len=512, vocab_size=llm.vocab_size, token_id_range=(6, llm.vocab_size))
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
-from minillm.trace import Trace, TraceRequest
+from minillm.traces.trace import Trace, TraceRequest
 
-TRACES_DIR = Path(__file__).resolve().parent.parent / "data" / "traces"
+TRACES_DIR = Path(__file__).resolve().parents[2] / "data" / "traces"
 AZURE_TRACES = {"code": "AzureLLMInferenceTrace_code.csv.gz", "conv": "AzureLLMInferenceTrace_conv.csv.gz"}
 AZURE_CITATION = ("Azure LLM inference trace 2023 (Microsoft, AzurePublicDataset, CC-BY 4.0); Patel et al., "
                   "Splitwise: Efficient generative LLM inference using phase splitting, ISCA 2024")
