@@ -100,6 +100,29 @@ def test_ngram_lookup_prefers_the_longest_and_latest_match():
     assert proposer.propose_one([1, 2, 3]) == []
 
 
+@pytest.mark.parametrize("min_n,max_n", [(1, 4), (2, 3), (1, 1)])
+def test_ngram_index_proposes_what_the_search_proposes(min_n, max_n):
+    """The engine's incremental index (grown a few tokens at a time, as decoding grows a sequence)
+    gives the guesses of `propose_one`'s backward search at every length."""
+    import random
+
+    from minillm.spec.ngram import NgramIndex
+
+    proposer = NgramProposer(4, prompt_lookup_max=max_n, prompt_lookup_min=min_n)
+    rng = random.Random(min_n * 10 + max_n)
+    found = 0
+    for _ in range(20):
+        tokens = [rng.randrange(5) for _ in range(rng.randint(1, 6))]  # a small alphabet: many repeats
+        index = NgramIndex(min_n, max_n)
+        while len(tokens) < 120:
+            index.extend(tokens)
+            expected = proposer.propose_one(tokens)
+            assert index.lookup(tokens, 4) == expected, tokens
+            found += bool(expected)
+            tokens += [rng.randrange(5) for _ in range(rng.randint(1, 5))]
+    assert found > 100  # the comparison covered sequences where a match exists
+
+
 def test_speculative_config_errors_name_what_is_accepted():
     with pytest.raises(ValueError, match="choose one of"):
         SpeculativeConfig.from_dict({"method": "medusa", "num_speculative_tokens": 2})
