@@ -119,6 +119,47 @@ def test_backend_equals_torch_backend_on_a_mixed_step(window):
     torch.testing.assert_close(runner.k_pool, pools[0], rtol=0, atol=0)  # both wrote the step's K/V alike
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_verify_step_runs_as_decode_rows_in_one_kernel_call(window):
+    """A speculative step (decode rows and rows of 1 + k tokens after a cached context) is served by
+    the kernel alone, one row per query token, and equals the torch backend's offset-causal SDPA."""
+    torch.manual_seed(1)
+    h_q, h_kv, d, block_size = 4, 2, 8, 4
+    rows = [(9, 1), (21, 5), (3, 3), (14, 2)]  # (cached tokens, new tokens): 1 + k after a context
+    kv = BlockManager(1, h_kv, d, 200, block_size, dtype=torch.float64, max_model_len=64)
+    reqs, counts = [], []
+    for i, (cached, n) in enumerate(rows):
+        req = Request(f"r{i}", list(range(5, 5 + cached + n)), SamplingParams(), 0.0)
+        assert kv.allocate(req, cached + n)
+        req.num_computed_tokens = cached
+        reqs.append(req)
+        counts.append(n)
+
+    class Stub:
+        device, dtype = torch.device("cpu"), torch.float64
+
+        class config:  # noqa: N801 - stands in for a ModelConfig
+            sliding_windows = (window,)
+
+    runner = ModelRunner(Stub(), kv.cache_spec, "numba_cpu")
+    plan = SchedulerOutputBuilder(kv).build(SchedulerPlan(reqs, counts))
+    runner.update_state(plan)
+    runner.k_pool.normal_()
+    runner.v_pool.normal_()
+    inputs = runner.prepare(plan)
+    total = sum(counts)
+    assert inputs.meta.num_decode == total and not inputs.meta.prefill_groups  # every query a kernel row
+    torch_runner = ModelRunner(Stub(), kv.cache_spec, "torch")  # the same step as the torch backend sees it
+    torch_runner.update_state(plan)
+    torch_meta = torch_runner.prepare(plan).meta
+    assert torch_meta.prefill_groups
+    q, k, v = (torch.randn(total, h, d, dtype=torch.float64) for h in (h_q, h_kv, h_kv))
+    pools = runner.k_pool.clone(), runner.v_pool.clone()
+    want = FlatPoolAttention(*pools, torch_meta, (window,))(0, q, k, v)
+    got = NumbaCpuAttention(runner.k_pool, runner.v_pool, inputs.meta, (window,))(0, q, k, v)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_auto_rule_and_errors():
     assert resolve_backend("auto", "cpu", torch.float32) == "numba_cpu"
     assert resolve_backend("auto", "cpu", torch.float64) == "numba_cpu"
