@@ -88,6 +88,13 @@ def test_compiled_draft_loop_computes_the_models_logits(models):
     torch.testing.assert_close(torch.from_numpy(logits), want, rtol=1e-6, atol=1e-6)
     weights.decode(k_cache, v_cache, np.array(prompt[-1:]), len(prompt) - 1, 5, guesses, logits)  # re-feed the last
     assert guesses.tolist() == hf_greedy(hf, prompt, 5)
+    # The proposer: a long prompt's K/V from the batched forward, the last token and the guesses from the loop.
+    from minillm.spec.draft_compiled import BATCHED_CATCH_UP, CompiledDraftProposer
+
+    proposer = CompiledDraftProposer(load_model_dir(dirs["other"], torch.float64, "cpu", 128), 4, 128)
+    long_prompt = (prompt * 4)[: BATCHED_CATCH_UP + 9]
+    req = Request("long", long_prompt, SamplingParams(temperature=0.0), 0.0)
+    assert proposer.propose([req], [4])[0] == [hf_greedy(hf, long_prompt, 4)]
 
 
 def test_speculation_with_prefix_caching_and_preemption_stays_exact(models):

@@ -11,6 +11,12 @@ happens in torch, from a generator of the draft's own, as the engine path does i
 Bookkeeping per step is O(k), not O(context): after the target's verdict, only the guesses this
 proposer fed are compared with what the target kept; the tokens before them were already the
 target's. `LLM` picks this proposer when the draft qualifies (`draft_kernel.supports`).
+
+A long catch-up (a new prompt) is the one place where one token at a time loses: the loop's
+per-token matrix-vector products cannot share a weight read between tokens. So a request's first
+`BATCHED_CATCH_UP` tokens and more go through the draft model's own batched forward
+(`LlamaModel.forward` with `ContiguousAttention`, which writes their K/V into the same cache), and
+only the last one through the loop, which then guesses.
 """
 
 from __future__ import annotations
@@ -19,11 +25,35 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from minillm.model.llama import LlamaModel
 from minillm.request import Request, derive_seed
 from minillm.spec.draft_kernel import DraftWeights
 from minillm.spec.rejection import target_probs
+
+BATCHED_CATCH_UP = 16  # catch-ups this long or longer run the batched forward (all tokens but the last)
+
+
+class ContiguousAttention:
+    """The attention `LlamaModel.forward` calls, over one sequence's contiguous cache: tokens at
+    positions start … start+T-1 write their K/V there and attend causally to everything before."""
+
+    def __init__(self, k_cache: np.ndarray, v_cache: np.ndarray, start: int) -> None:
+        self.k_cache, self.v_cache = torch.from_numpy(k_cache), torch.from_numpy(v_cache)  # shared memory
+        self.start = start
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        end = self.start + q.shape[0]
+        self.k_cache[layer, self.start : end] = k
+        self.v_cache[layer, self.start : end] = v
+        keys, values = self.k_cache[layer, :end].transpose(0, 1), self.v_cache[layer, :end].transpose(0, 1)
+        if self.start == 0:
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, is_causal=True, enable_gqa=True)
+        else:  # query i at position start + i sees keys 0 … start + i
+            mask = torch.ones(q.shape[0], end, dtype=torch.bool).tril(diagonal=self.start)
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, enable_gqa=True)
+        return out.transpose(0, 1)
 
 
 @dataclass
@@ -80,6 +110,9 @@ class CompiledDraftProposer:
             state = self._state_of(req, len(tokens) + k - 1)
             feed = np.asarray(tokens[state.computed :], dtype=np.int64)  # what the target accepted since last time
             start, state.computed = state.computed, len(tokens)
+            if len(feed) >= BATCHED_CATCH_UP:  # all but the last token in one batched forward
+                self._batched_forward(state, feed[:-1], start)
+                start, feed = start + len(feed) - 1, feed[-1:]
             if req.params.greedy:
                 self.weights.decode(state.k_cache, state.v_cache, feed, start, k, self._guesses, self._logits)
                 out = self._guesses[:k].tolist()
@@ -91,6 +124,13 @@ class CompiledDraftProposer:
                 dists.append(q)
             state.fed = out[:-1]  # the last guess was never fed
         return guesses, dists
+
+    def _batched_forward(self, state: DraftState, feed: np.ndarray, start: int) -> None:
+        """K/V of `feed` (positions start, …) into the cache; nothing else is kept."""
+        ids = torch.from_numpy(feed)
+        positions = torch.arange(start, start + len(feed))
+        attention = ContiguousAttention(state.k_cache, state.v_cache, start)
+        self.model.forward(ids, positions, attention, output_rows=torch.tensor([len(feed) - 1]))
 
     def _sample(self, req: Request, state: DraftState, feed: np.ndarray, start: int, k: int):
         out, qs = [], []
