@@ -1,6 +1,6 @@
 """Speculative decoding at batch 1: n-gram and draft model against plain decoding, on the wall clock.
 
-    python bench/spec_batch1.py [--repeats 5] [--num-prompts 8] [--max-tokens 64] [--k 4]
+    python bench/spec_batch1.py [--repeats 5] [--num-prompts 8] [--max-tokens 64] [--k 4] [--k 2 4 6]
 
 One user, one stream (max_num_seqs=1), greedy, fp32, 1 thread; the bundled target, the bundled draft.
 Three workloads, each served by plain decoding, n-gram prompt lookup and the draft model:
@@ -17,7 +17,8 @@ system in turn, the order rotating; what is kept is plain decoding's time ÷ the
 repetition, printed as the median over `--repeats` and its min–max. The same ratio on this process's
 CPU time is printed beside it (a neighbour's load inflates wall time, much less CPU time). Printed
 with it, deterministic whatever the load: target forward passes, acceptance rate, tokens per verify
-step. Every system's greedy tokens are checked equal to plain decoding's.
+step. Every system's greedy tokens are checked equal to plain decoding's. Several `--k` values run
+each proposer once per k, in the same interleaved repetitions: which k pays is read off one table.
 """
 
 from __future__ import annotations
@@ -65,20 +66,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--k", type=int, nargs="+", default=[4], help="num_speculative_tokens (one or more)")
     parser.add_argument("--azure-prompt-scale", type=float, default=0.25)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"command: python bench/spec_batch1.py {' '.join(sys.argv[1:])}".rstrip())
     print(f"machine: {describe_machine()}")
-    print(f"bundled target + draft, fp32, 1 thread, batch 1 (max_num_seqs=1), greedy, k = {args.k}; "
+    print(f"bundled target + draft, fp32, 1 thread, batch 1 (max_num_seqs=1), greedy, k = {', '.join(map(str, args.k))}; "
           f"{args.num_prompts} prompts per workload, {args.repeats} interleaved repetitions\n")
-    llms = {"plain": LLM(max_num_seqs=1),
-            "n-gram": LLM(max_num_seqs=1, speculative_config={"method": "ngram", "num_speculative_tokens": args.k}),
-            "draft model": LLM(max_num_seqs=1, speculative_config={"method": "draft_model",
-                                                                   "num_speculative_tokens": args.k})}
-    header = (f"{'workload':<19} {'system':<12} {'wall ÷ plain (median; min–max)':>32} {'CPU time ÷ plain':>30} "
+    llms = {"plain": LLM(max_num_seqs=1)}
+    for k in args.k:
+        suffix = f" k={k}" if len(args.k) > 1 else ""
+        llms["n-gram" + suffix] = LLM(max_num_seqs=1, speculative_config={"method": "ngram", "num_speculative_tokens": k})
+        llms["draft model" + suffix] = LLM(max_num_seqs=1, speculative_config={"method": "draft_model",
+                                                                               "num_speculative_tokens": k})
+    header = (f"{'workload':<19} {'system':<16} {'wall ÷ plain (median; min–max)':>32} {'CPU time ÷ plain':>30} "
               f"{'passes':>7} {'accept':>7} {'tok/verify':>10}  output")
     print(header)
     for name, (prompts, max_tokens) in workloads(llms["plain"].tokenizer, llms["plain"], args).items():
@@ -90,11 +93,11 @@ def main() -> None:
         for system, run in runs.items():
             same = "identical" if run.tokens == plain.tokens else "DIFFERS FROM PLAIN"
             if system == "plain":
-                print(f"{'':<19} {system:<12} {'1 (baseline)':>32} {'1 (baseline)':>30} {run.target_passes:>7} "
+                print(f"{'':<19} {system:<16} {'1 (baseline)':>32} {'1 (baseline)':>30} {run.target_passes:>7} "
                       f"{'-':>7} {'1.00':>10}  {same}")
                 continue
             wall, cpu = Speedup.of(plain, run), Speedup.of(plain, run, clock="cpu")
-            print(f"{'':<19} {system:<12} {str(wall):>32} {str(cpu):>30} {run.target_passes:>7} "
+            print(f"{'':<19} {system:<16} {str(wall):>32} {str(cpu):>30} {run.target_passes:>7} "
                   f"{run.acceptance_rate:>7.2f} {run.tokens_per_verify:>10.2f}  {same}; {wall.verdict}", flush=True)
 
 

@@ -43,7 +43,7 @@ class SystemRuns:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
 
-def interleaved_runs(llms: dict[str, LLM], prompts: list[list[int]], params: SamplingParams,
+def interleaved_runs(llms: dict[str, LLM], prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                      repeats: int = 3) -> dict[str, SystemRuns]:
     """Serve `prompts` (token ids) with every engine in `llms`, `repeats` times, interleaved."""
     if repeats < 1:
