@@ -95,6 +95,10 @@ def test_compiled_draft_loop_computes_the_models_logits(models):
     long_prompt = (prompt * 4)[: BATCHED_CATCH_UP + 9]
     req = Request("long", long_prompt, SamplingParams(temperature=0.0), 0.0)
     assert proposer.propose([req], [4])[0] == [hf_greedy(hf, long_prompt, 4)]
+    for token in prompt[: BATCHED_CATCH_UP + 2]:  # the target "accepted" a long run: a batched catch-up after a context
+        req.append_token(token)
+    proposer.after_verify(req)
+    assert proposer.propose([req], [4])[0] == [hf_greedy(hf, req.all_token_ids, 4)]
 
 
 def test_speculation_with_prefix_caching_and_preemption_stays_exact(models):
