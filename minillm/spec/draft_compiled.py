@@ -47,13 +47,16 @@ class ContiguousAttention:
         end = self.start + q.shape[0]
         self.k_cache[layer, self.start : end] = k
         self.v_cache[layer, self.start : end] = v
-        keys, values = self.k_cache[layer, :end].transpose(0, 1), self.v_cache[layer, :end].transpose(0, 1)
+        # [1, heads, tokens, D]: with a leading batch dimension PyTorch picks its fused CPU kernel
+        # (without it, SDPA over a 1,000-token prompt took as long as the target's whole prefill)
+        queries = q.transpose(0, 1)[None]
+        keys, values = self.k_cache[None, layer, :end].transpose(1, 2), self.v_cache[None, layer, :end].transpose(1, 2)
         if self.start == 0:
-            out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, is_causal=True, enable_gqa=True)
+            out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True)
         else:  # query i at position start + i sees keys 0 … start + i
             mask = torch.ones(q.shape[0], end, dtype=torch.bool).tril(diagonal=self.start)
-            out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, enable_gqa=True)
-        return out.transpose(0, 1)
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
+        return out[0].transpose(0, 1)
 
 
 @dataclass
