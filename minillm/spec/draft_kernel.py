@@ -7,7 +7,8 @@ a layout, ~40 dispatched torch ops per pass), each pass cost as much overhead as
 and the draft made batch-1 decoding slower, not faster. Here the whole loop — feed the tokens the
 target accepted, then guess, feed the guess, guess again, k times — is one `@njit` function over
 numpy arrays (chapter 10's CPU kernels are written the same way): no Python between tokens, no
-tensor created, no op dispatched.
+tensor created, no op dispatched. Attention is chapter 10's CPU decode kernel (its compiled body,
+inlined), reading the request's cache as one block.
 
 `draft_decode` runs one sequence. Its K/V live in a contiguous cache of its own
 ([layers, capacity, H_kv, D]; the draft's K/V are 512 bytes a token, so a whole context is
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from minillm.kernels.cpu_decode_attention import _decode
 from minillm.model.llama import LlamaModel
 
 
@@ -95,7 +97,7 @@ class DraftWeights:
         """`draft_decode` with this model's weights."""
         draft_decode(self.embed, self.input_norm, self.qkv, self.o, self.post_norm, self.gate_up, self.down,
                      self.final_norm, self.head, self.cos, self.sin, self.eps, self.num_heads, self.num_kv_heads,
-                     k_cache, v_cache, feed, start, steps, guesses, logits)
+                     k_cache, v_cache, feed, start, steps, guesses, logits, self.embed.dtype == np.float32)
 
 
 @njit(fastmath=True, nogil=True, inline="always")
@@ -120,13 +122,14 @@ def _rms_norm(h, weight, eps, out, zero):
 
 @njit(cache=True, fastmath=True, nogil=True)
 def draft_decode(embed, input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, final_norm, head, cos, sin, eps,
-                 num_heads, num_kv_heads, k_cache, v_cache, feed, start, steps, guesses, logits):
+                 num_heads, num_kv_heads, k_cache, v_cache, feed, start, steps, guesses, logits, simd_exp):
     """Feed `feed` (tokens at positions start, start+1, …), then guess `steps` tokens greedily, each
     guess but the last fed in turn: guesses[:steps] ← the draft's argmax after each. `logits` [vocab]
     ← the logits after the last token fed (steps = 1: the distribution a sampled guess is drawn from).
-    K/V of every fed token are written into k_cache, v_cache [L, capacity, H_kv, D] at its position."""
+    K/V of every fed token are written into k_cache, v_cache [L, capacity, H_kv, D] at its position.
+    `simd_exp`: float32's polynomial exp in the attention kernel (float64 keeps math.exp)."""
     num_layers, hidden, dim = qkv_w.shape[0], embed.shape[1], cos.shape[1]
-    half, group = dim // 2, num_heads // num_kv_heads
+    half = dim // 2
     inter = down_w.shape[2]
     scale = 1.0 / math.sqrt(dim)
     dt = embed.dtype
@@ -139,7 +142,9 @@ def draft_decode(embed, input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, fi
     proj = np.empty(hidden, dt)
     gu = np.empty(2 * inter, dt)
     act = np.empty(inter, dt)
-    scores = np.empty(k_cache.shape[1], dt)
+    block_shape = (1,) + k_cache.shape[1:]  # one sequence's cache seen as a single block of the kernel's pool
+    table = np.zeros((1, 1), np.int64)
+    seq_len = np.zeros(1, np.int64)
     total = feed.shape[0] + steps - 1  # tokens fed: the catch-up, then every guess but the last
     for t in range(total):
         token = feed[t] if t < feed.shape[0] else guesses[t - feed.shape[0]]
@@ -161,28 +166,11 @@ def draft_decode(embed, input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, fi
                 for i in range(dim):
                     k_cache[layer, pos, kvh, i] = qkv[kbase + kvh * dim + i]
                     v_cache[layer, pos, kvh, i] = qkv[vbase + kvh * dim + i]
-            for hq in range(num_heads):  # attention over positions 0 … pos
-                kvh = hq // group
-                qoff = hq * dim
-                best = zero - np.inf
-                for j in range(pos + 1):
-                    s = zero
-                    for i in range(dim):
-                        s += qkv[qoff + i] * k_cache[layer, j, kvh, i]
-                    s *= scale
-                    scores[j] = s
-                    best = max(best, s)
-                norm = zero
-                for j in range(pos + 1):
-                    e = math.exp(scores[j] - best)
-                    scores[j] = e
-                    norm += e
-                for i in range(dim):
-                    att[qoff + i] = zero
-                for j in range(pos + 1):
-                    p = scores[j] / norm
-                    for i in range(dim):
-                        att[qoff + i] += p * v_cache[layer, j, kvh, i]
+            # attention over positions 0 … pos: chapter 10's CPU decode kernel, the cache as one block
+            seq_len[0] = pos + 1
+            _decode(qkv[:kbase].reshape((1, num_heads, dim)), k_cache[layer].reshape(block_shape),
+                    v_cache[layer].reshape(block_shape), table, seq_len, scale, 0, att.reshape((1, num_heads, dim)),
+                    zero, simd_exp)
             _matvec(o_w[layer], att, proj, zero)
             for i in range(hidden):
                 h[i] += proj[i]
