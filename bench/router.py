@@ -3,6 +3,7 @@
     python bench/router.py dp         # 2 replicas x 1 thread vs 1 replica x 2 threads, equal offered load
     python bench/router.py policies   # cache_aware vs round_robin vs least_load on a multi-tenant trace
     python bench/router.py policies --policies cache_aware --router-flags "--balance-abs-threshold 8"
+    python bench/router.py hops --rate 2 --num-prompts 60 --output-len 64   # what each router hop adds to TTFT
 
 Every server is a real `python -m minillm serve` process on a loopback port, every router a real
 `python -m minillm router`, and every load the `python -m minillm bench serve` command line (its
@@ -12,7 +13,13 @@ router. `policies` replays a seeded `minillm.traces.tenant` (Zipf-popular tenant
 own system prompt) against 2 replicas with prefix caching and a KV pool too small to keep every
 tenant's prompt, behind each policy in turn (fresh replicas each time), and reads the replicas'
 own prefix-cache counters (vllm:prefix_cache_hits / queries, tokens) and the router's per-worker
-request counts. Printed: ratios against the named peer (1 replica; round_robin).
+request counts. Printed: ratios against the named peer (1 replica; round_robin). `hops` measures
+what a hop adds to TTFT: `minillm serve --data-parallel-size 2` and `--pd-disaggregation` (the real
+launchers), each benched through its router and then on one of its instances directly (at the load
+that instance saw). The client's TTFT less the instances' own (their `vllm:time_to_first_token_seconds`
+over the same run) is HTTP, tokenization and, through the router, the hop(s); the difference between
+the two runs is what the router adds. The router's own histograms (TTFT as its client sees it, the
+worker's as the router sees it) are printed beside it.
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -167,9 +176,109 @@ def run_policies(args) -> None:
           f"router's own match rate {results['cache_aware'][2]:.1%}")
 
 
+def hist(metrics: dict[str, float], name: str, labels: str) -> tuple[float, float]:
+    """(sum, count) of one histogram series in a scrape."""
+    return metrics.get(f"{name}_sum{{{labels}}}", 0.0), metrics.get(f"{name}_count{{{labels}}}", 0.0)
+
+
+def mean_ms(before: dict, after: dict, name: str, labels: str) -> float:
+    (s0, n0), (s1, n1) = hist(before, name, labels), hist(after, name, labels)
+    return (s1 - s0) / (n1 - n0) * 1e3 if n1 > n0 else float("nan")
+
+
+SERVER_TTFT = ("vllm:time_to_first_token_seconds", 'model_name="minillm"')
+
+
+def launch(argv: list[str]) -> tuple[subprocess.Popen, list[str]]:
+    """`python -m minillm serve ARGV` (a launcher: replicas or a PD pair behind its router), once its router
+    printed its URL; (the process, its output lines so far)."""
+    proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("minillm router:"):
+            threading.Thread(target=lambda: proc.stdout.read(), daemon=True).start()  # drained: a full pipe blocks
+            return proc, lines
+    raise RuntimeError("the launcher exited:\n" + "".join(lines))
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)
+
+
+def hop_run(url: str, instances: list[str], first_token_from: str, load: list[str]) -> dict:
+    """One bench through `url`: the client's mean TTFT, the instances' own, the router's histograms (if any)."""
+    before = {u: scrape(u) for u in {url, *instances}}
+    r = bench(url, load)
+    after = {u: scrape(u) for u in before}
+    own = {u: mean_ms(before[u], after[u], *SERVER_TTFT) for u in instances}
+    w = f'worker="{first_token_from}"'
+    return {"client": r["mean_ttft_ms"], "median": r["median_ttft_ms"], "own": own,
+            "router_ttft": mean_ms(before[url], after[url], "minillm_router_time_to_first_token_seconds", w),
+            "router_worker_ttft": mean_ms(before[url], after[url], "minillm_router_worker_time_to_first_token_seconds",
+                                          w), "completed": r["completed"]}
+
+
+def run_hops(args) -> None:
+    flags = ["--max-model-len", "512", "--max-num-seqs", "16"]
+
+    def load(rate: float) -> list[str]:
+        return ["--num-prompts", str(args.num_prompts), "--request-rate", str(rate), "--random-input-len",
+                str(args.input_len), "--random-output-len", str(args.output_len), "--seed", "0"]
+
+    print(f"load: random dataset, {args.num_prompts} prompts of {args.input_len} tokens -> {args.output_len} tokens, "
+          f"Poisson {args.rate} req/s through each router, {args.rate / 2:g} req/s on one instance directly; "
+          f"{describe_machine()}")
+    rows = []
+    port = free_port()
+    proc, lines = launch(["--data-parallel-size", "2", "--port", str(port), "--policy", "round_robin", *flags])
+    try:
+        workers = [m.group(1) for line in lines if (m := re.match(r"minillm serve: (http://[\d.:]+)/v1", line))]
+        routed = hop_run(f"http://127.0.0.1:{port}", workers, workers[0], load(args.rate))
+        direct = hop_run(workers[0], workers[:1], workers[0], load(args.rate / 2))
+        own = sum(routed["own"].values()) / len(workers)
+        rows.append(("--data-parallel-size 2", routed, own, direct))
+    finally:
+        stop(proc)
+    import psutil
+
+    port = free_port()
+    proc, _ = launch(["--pd-disaggregation", "--port", str(port), *flags])
+    try:
+        pair = {}
+        for child in psutil.Process(proc.pid).children():
+            cmd = child.cmdline()
+            role = "prefill" if "kv_producer" in cmd[cmd.index("--kv-transfer-config") + 1] else "decode"
+            pair[role] = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
+        routed = hop_run(f"http://127.0.0.1:{port}", [pair["prefill"], pair["decode"]], pair["prefill"],
+                         load(args.rate))
+        direct = hop_run(pair["prefill"], [pair["prefill"]], pair["prefill"], load(args.rate))
+        rows.append(("--pd-disaggregation", routed, routed["own"][pair["prefill"]], direct))
+        print(f"PD instances' own mean TTFT: prefill {routed['own'][pair['prefill']]:.1f} ms (its first token is "
+              f"the client's), decode {routed['own'][pair['decode']]:.1f} ms (arrival to token 1, the K/V pulled)")
+    finally:
+        stop(proc)
+    print(f"{'mean TTFT, ms':<24} {'client':>8} {'own':>8} {'client-own':>10} {'direct c-o':>10} {'router adds':>11} "
+          f"{'router TTFT':>11} {'worker TTFT':>11} {'in router':>9}")
+    for name, r, own, d in rows:
+        base = d["client"] - next(iter(d["own"].values()))
+        print(f"{name:<24} {r['client']:>8.1f} {own:>8.1f} {r['client'] - own:>10.1f} {base:>10.1f} "
+              f"{r['client'] - own - base:>11.1f} {r['router_ttft']:>11.1f} {r['router_worker_ttft']:>11.1f} "
+              f"{r['router_ttft'] - r['router_worker_ttft']:>9.1f}")
+    print("client-own: the client's TTFT less the instances' own (HTTP, tokenization, the hop); direct c-o: the same "
+          "on one instance without the router; router adds: the difference. in router: the router's TTFT histogram "
+          "less its worker-TTFT histogram (both its own clock).")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["dp", "policies"])
+    parser.add_argument("what", choices=["dp", "policies", "hops"])
     parser.add_argument("--num-prompts", type=int, default=120)
     parser.add_argument("--rate", type=float, default=8.0)
     parser.add_argument("--input-len", type=int, default=128)
@@ -180,7 +289,7 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=["round_robin", "least_load", "cache_aware"])
     parser.add_argument("--router-flags", default="", help="more `minillm router` flags, e.g. '--balance-abs-threshold 8'")
     args = parser.parse_args()
-    run_dp(args) if args.what == "dp" else run_policies(args)
+    {"dp": run_dp, "policies": run_policies, "hops": run_hops}[args.what](args)
 
 
 if __name__ == "__main__":
