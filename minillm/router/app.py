@@ -142,7 +142,8 @@ class Router:
     async def forward(self, request: Request, path: str, chat: bool) -> Response:
         arrival = time.perf_counter()
         body = await request.body()
-        text = routing_text(body, chat) if self.policy.uses_text else ""  # no JSON parse where nothing reads it
+        # no JSON parse where the policy reads no text (a policy that does not say is given the text)
+        text = routing_text(body, chat) if getattr(self.policy, "uses_text", True) else ""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         tried: set[str] = set()
         while True:
