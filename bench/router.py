@@ -203,15 +203,6 @@ def launch(argv: list[str]) -> tuple[subprocess.Popen, list[str]]:
     raise RuntimeError("the launcher exited:\n" + "".join(lines))
 
 
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(30)
-
-
 def hop_run(url: str, instances: list[str], first_token_from: str, load: list[str]) -> dict:
     """One bench through `url`: the client's mean TTFT, the instances' own, the router's histograms (if any)."""
     before = {u: scrape(u) for u in {url, *instances}}
@@ -245,7 +236,7 @@ def run_hops(args) -> None:
         own = sum(routed["own"].values()) / len(workers)
         rows.append(("--data-parallel-size 2", routed, own, direct))
     finally:
-        stop(proc)
+        stop_replicas([(proc, "launcher")], 60)
     import psutil
 
     port = free_port()
@@ -263,7 +254,7 @@ def run_hops(args) -> None:
         print(f"PD instances' own mean TTFT: prefill {routed['own'][pair['prefill']]:.1f} ms (its first token is "
               f"the client's), decode {routed['own'][pair['decode']]:.1f} ms (arrival to token 1, the K/V pulled)")
     finally:
-        stop(proc)
+        stop_replicas([(proc, "launcher")], 60)
     print(f"{'mean TTFT, ms':<24} {'client':>8} {'own':>8} {'client-own':>10} {'direct c-o':>10} {'router adds':>11} "
           f"{'router TTFT':>11} {'worker TTFT':>11} {'in router':>9}")
     for name, r, own, d in rows:

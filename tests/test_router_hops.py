@@ -32,7 +32,7 @@ import psutil
 import pytest
 from test_router import running_router, scrape
 
-from minillm.router.launch import free_port, listening_socket
+from minillm.router.launch import free_port, listening_socket, stop_replicas
 from minillm.router.pd_first_token import FirstTokenSplice, SpliceMismatch, first_token_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("router")]
@@ -228,12 +228,7 @@ def pd_router(prefill: str, decode: str):
         assert line.startswith("minillm router:"), line + proc.stdout.read()
         yield f"http://127.0.0.1:{port}", line
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_replicas([(proc, "router")], 30)  # SIGTERM, then SIGKILL after 30 s
         proc.stdout.close()
     assert _children() == before
 
