@@ -15,8 +15,8 @@ tenant's prompt, behind each policy in turn (fresh replicas each time), and read
 own prefix-cache counters (vllm:prefix_cache_hits / queries, tokens) and the router's per-worker
 request counts. Printed: ratios against the named peer (1 replica; round_robin). `hops` measures
 what a hop adds to TTFT: `minillm serve --data-parallel-size 2` and `--pd-disaggregation` (the real
-launchers), each benched through its router and then on one of its instances directly (at the load
-that instance saw). The client's TTFT less the instances' own (their `vllm:time_to_first_token_seconds`
+launchers), each benched through its router and then on its instances directly at the load each saw
+(the two replicas at once; the PD prefill instance alone, its decode partner idle). The client's TTFT less the instances' own (their `vllm:time_to_first_token_seconds`
 over the same run) is HTTP, tokenization and, through the router, the hop(s); the difference between
 the two runs is what the router adds. The router's own histograms (TTFT as its client sees it, the
 worker's as the router sees it) are printed beside it.
@@ -53,14 +53,25 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def bench(url: str, extra: list[str]) -> dict:
-    out = str(results_path(f"bench-serve-{os.getpid()}.json"))
-    cmd = [sys.executable, "-m", "minillm", "bench", "serve", "--base-url", url, "--model", "minillm",
-           "--disable-tqdm", "--ignore-eos", "--metric-percentiles", "50,99", "--save-result", out, *extra]
-    print("  $", " ".join(cmd[1:]), flush=True)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    result = json.loads(Path(out).read_text())
-    os.unlink(out)
-    return result
+    return bench_all([(url, extra)])[0]
+
+
+def bench_all(runs: list[tuple[str, list[str]]]) -> list[dict]:
+    """`minillm bench serve` against each (URL, flags) at the same time; their result JSONs."""
+    outs, procs = [], []
+    for i, (url, extra) in enumerate(runs):
+        outs.append(str(results_path(f"bench-serve-{os.getpid()}-{i}.json")))
+        cmd = [sys.executable, "-m", "minillm", "bench", "serve", "--base-url", url, "--model", "minillm",
+               "--disable-tqdm", "--ignore-eos", "--metric-percentiles", "50,99", "--save-result", outs[-1], *extra]
+        print("  $", " ".join(cmd[1:]), flush=True)
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
+    for proc in procs:
+        if proc.wait() != 0:
+            raise RuntimeError(f"minillm bench serve exited with code {proc.returncode}")
+    results = [json.loads(Path(out).read_text()) for out in outs]
+    for out in outs:
+        os.unlink(out)
+    return results
 
 
 def start_router(workers: list[str], policy: str, flags: list[str] = ()) -> tuple[subprocess.Popen, str]:
@@ -181,12 +192,16 @@ def hist(metrics: dict[str, float], name: str, labels: str) -> tuple[float, floa
     return metrics.get(f"{name}_sum{{{labels}}}", 0.0), metrics.get(f"{name}_count{{{labels}}}", 0.0)
 
 
-def mean_ms(before: dict, after: dict, name: str, labels: str) -> float:
-    (s0, n0), (s1, n1) = hist(before, name, labels), hist(after, name, labels)
-    return (s1 - s0) / (n1 - n0) * 1e3 if n1 > n0 else float("nan")
+def mean_ms(before: dict, after: dict, name: str, labels: list[str]) -> float:
+    """The mean of a histogram over a run, from scrapes before and after, summed over the label sets."""
+    total = count = 0.0
+    for label in labels:
+        (s0, n0), (s1, n1) = hist(before, name, label), hist(after, name, label)
+        total, count = total + s1 - s0, count + n1 - n0
+    return total / count * 1e3 if count else float("nan")
 
 
-SERVER_TTFT = ("vllm:time_to_first_token_seconds", 'model_name="minillm"')
+SERVER_TTFT = ("vllm:time_to_first_token_seconds", ['model_name="minillm"'])
 
 
 def launch(argv: list[str]) -> tuple[subprocess.Popen, list[str]]:
@@ -203,17 +218,20 @@ def launch(argv: list[str]) -> tuple[subprocess.Popen, list[str]]:
     raise RuntimeError("the launcher exited:\n" + "".join(lines))
 
 
-def hop_run(url: str, instances: list[str], first_token_from: str, load: list[str]) -> dict:
-    """One bench through `url`: the client's mean TTFT, the instances' own, the router's histograms (if any)."""
-    before = {u: scrape(u) for u in {url, *instances}}
-    r = bench(url, load)
+def hop_run(runs: list[tuple[str, list[str]]], instances: list[str], first_token_from: list[str]) -> dict:
+    """Benches at the same time (`bench_all`): the clients' mean TTFT, the instances' own, and the router's
+    histograms for the workers that sent the first token (nan where `runs` go to no router)."""
+    before = {u: scrape(u) for u in {*(url for url, _ in runs), *instances}}
+    results = bench_all(runs)
     after = {u: scrape(u) for u in before}
-    own = {u: mean_ms(before[u], after[u], *SERVER_TTFT) for u in instances}
-    w = f'worker="{first_token_from}"'
-    return {"client": r["mean_ttft_ms"], "median": r["median_ttft_ms"], "own": own,
-            "router_ttft": mean_ms(before[url], after[url], "minillm_router_time_to_first_token_seconds", w),
-            "router_worker_ttft": mean_ms(before[url], after[url], "minillm_router_worker_time_to_first_token_seconds",
-                                          w), "completed": r["completed"]}
+    done = sum(r["completed"] for r in results)
+    router = runs[0][0]
+    labels = [f'worker="{w}"' for w in first_token_from]
+    return {"client": sum(r["mean_ttft_ms"] * r["completed"] for r in results) / done, "completed": done,
+            "own": {u: mean_ms(before[u], after[u], *SERVER_TTFT) for u in instances},
+            "router_ttft": mean_ms(before[router], after[router], "minillm_router_time_to_first_token_seconds", labels),
+            "router_worker_ttft": mean_ms(before[router], after[router],
+                                          "minillm_router_worker_time_to_first_token_seconds", labels)}
 
 
 def run_hops(args) -> None:
@@ -224,17 +242,17 @@ def run_hops(args) -> None:
                 str(args.input_len), "--random-output-len", str(args.output_len), "--seed", "0"]
 
     print(f"load: random dataset, {args.num_prompts} prompts of {args.input_len} tokens -> {args.output_len} tokens, "
-          f"Poisson {args.rate} req/s through each router, {args.rate / 2:g} req/s on one instance directly; "
+          f"Poisson {args.rate} req/s through each router, then on its instances directly at the load each saw; "
           f"{describe_machine()}")
     rows = []
     port = free_port()
     proc, lines = launch(["--data-parallel-size", "2", "--port", str(port), "--policy", "round_robin", *flags])
     try:
         workers = [m.group(1) for line in lines if (m := re.match(r"minillm serve: (http://[\d.:]+)/v1", line))]
-        routed = hop_run(f"http://127.0.0.1:{port}", workers, workers[0], load(args.rate))
-        direct = hop_run(workers[0], workers[:1], workers[0], load(args.rate / 2))
-        own = sum(routed["own"].values()) / len(workers)
-        rows.append(("--data-parallel-size 2", routed, own, direct))
+        routed = hop_run([(f"http://127.0.0.1:{port}", load(args.rate))], workers, workers)
+        # the baseline: each replica benched directly at the load it saw, both at once (the same busy machine)
+        direct = hop_run([(w, load(args.rate / len(workers))) for w in workers], workers, workers)
+        rows.append(("--data-parallel-size 2", routed, direct))
     finally:
         stop_replicas([(proc, "launcher")], 60)
     import psutil
@@ -247,23 +265,26 @@ def run_hops(args) -> None:
             cmd = child.cmdline()
             role = "prefill" if "kv_producer" in cmd[cmd.index("--kv-transfer-config") + 1] else "decode"
             pair[role] = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
-        routed = hop_run(f"http://127.0.0.1:{port}", [pair["prefill"], pair["decode"]], pair["prefill"],
-                         load(args.rate))
-        direct = hop_run(pair["prefill"], [pair["prefill"]], pair["prefill"], load(args.rate))
-        rows.append(("--pd-disaggregation", routed, routed["own"][pair["prefill"]], direct))
+        routed = hop_run([(f"http://127.0.0.1:{port}", load(args.rate))], [pair["prefill"], pair["decode"]],
+                         [pair["prefill"]])
+        routed["own"] = {pair["prefill"]: routed["own"][pair["prefill"]], "decode": routed["own"][pair["decode"]]}
+        # the baseline: the prefill instance benched directly (it serves plain requests too); the decode idles
+        direct = hop_run([(pair["prefill"], load(args.rate))], [pair["prefill"]], [pair["prefill"]])
+        rows.append(("--pd-disaggregation", routed, direct))
         print(f"PD instances' own mean TTFT: prefill {routed['own'][pair['prefill']]:.1f} ms (its first token is "
-              f"the client's), decode {routed['own'][pair['decode']]:.1f} ms (arrival to token 1, the K/V pulled)")
+              f"the client's), decode {routed['own'].pop('decode'):.1f} ms (arrival to token 1, the K/V pulled)")
     finally:
         stop_replicas([(proc, "launcher")], 60)
     print(f"{'mean TTFT, ms':<24} {'client':>8} {'own':>8} {'client-own':>10} {'direct c-o':>10} {'router adds':>11} "
           f"{'router TTFT':>11} {'worker TTFT':>11} {'in router':>9}")
-    for name, r, own, d in rows:
-        base = d["client"] - next(iter(d["own"].values()))
+    for name, r, d in rows:
+        own = sum(r["own"].values()) / len(r["own"])  # (the instances that sent the first token)
+        base = d["client"] - sum(d["own"].values()) / len(d["own"])
         print(f"{name:<24} {r['client']:>8.1f} {own:>8.1f} {r['client'] - own:>10.1f} {base:>10.1f} "
               f"{r['client'] - own - base:>11.1f} {r['router_ttft']:>11.1f} {r['router_worker_ttft']:>11.1f} "
               f"{r['router_ttft'] - r['router_worker_ttft']:>9.1f}")
     print("client-own: the client's TTFT less the instances' own (HTTP, tokenization, the hop); direct c-o: the same "
-          "on one instance without the router; router adds: the difference. in router: the router's TTFT histogram "
+          "on the instances directly, at the same load; router adds: the difference. in router: the router's TTFT histogram "
           "less its worker-TTFT histogram (both its own clock).")
 
 
