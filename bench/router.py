@@ -4,6 +4,7 @@
     python bench/router.py policies   # cache_aware vs round_robin vs least_load on a multi-tenant trace
     python bench/router.py policies --policies cache_aware --router-flags "--balance-abs-threshold 8"
     python bench/router.py hops --rate 2 --num-prompts 60 --output-len 64   # what each router hop adds to TTFT
+    python bench/router.py stub --num-prompts 300   # the hop alone: a stub worker, direct vs through the router
 
 Every server is a real `python -m minillm serve` process on a loopback port, every router a real
 `python -m minillm router`, and every load the `python -m minillm bench serve` command line (its
@@ -19,7 +20,11 @@ launchers), each benched through its router and then on its instances directly a
 (the two replicas at once; the PD prefill instance alone, its decode partner idle). The client's TTFT less the instances' own (their `vllm:time_to_first_token_seconds`
 over the same run) is HTTP, tokenization and, through the router, the hop(s); the difference between
 the two runs is what the router adds. The router's own histograms (TTFT as its client sees it, the
-worker's as the router sees it) are printed beside it.
+worker's as the router sees it) are printed beside it. `stub` isolates the hop: a stub worker (no
+model, `minillm.benchmark.stub_server`, 0 ms to its first chunk) and a `minillm router` in front of it,
+sequential streamed requests sent alternately to each, so that a change in the machine's load hits
+both of a pair alike; printed: the paired difference in time to the first chunk (quartiles) and
+the CPU time per request of the router and of the stub.
 """
 
 from __future__ import annotations
@@ -288,9 +293,53 @@ def run_hops(args) -> None:
           "less its worker-TTFT histogram (both its own clock).")
 
 
+def run_stub(args) -> None:
+    import statistics
+
+    import psutil
+
+    stub_port = free_port()
+    stub = subprocess.Popen([sys.executable, "-m", "minillm.benchmark.stub_server", "--port", str(stub_port),
+                             "--ttft-ms", "0", "--tpot-ms", "1"])
+    worker = f"http://127.0.0.1:{stub_port}"
+    router = None
+    try:
+        router, url = start_router([worker], "round_robin")
+        body = {"model": "stub", "prompt": "hello " * 100, "max_tokens": 4, "stream": True}
+        first_chunk = {worker: [], url: []}
+        cpu = [psutil.Process(p.pid) for p in (router, stub)]
+        with httpx.Client(timeout=30) as client:
+            for i in range(args.num_prompts + 20):  # the first 20 pairs warm up (connections, imports)
+                if i == 20:
+                    cpu_before = [sum(p.cpu_times()[:2]) for p in cpu]
+                for target in (worker, url):
+                    t0 = time.perf_counter()
+                    with client.stream("POST", target + "/v1/completions", json=body) as r:
+                        seen = False
+                        for chunk in r.iter_raw():
+                            if not seen and b"word" in chunk:
+                                seen = True
+                                if i >= 20:
+                                    first_chunk[target].append(time.perf_counter() - t0)
+        cpu_ms = [(sum(p.cpu_times()[:2]) - b) / args.num_prompts * 1e3 for p, b in zip(cpu, cpu_before)]
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(30)
+        stub.terminate()
+        stub.wait(30)
+    diffs = sorted(b - a for a, b in zip(first_chunk[worker], first_chunk[url]))
+    q = statistics.quantiles(diffs, n=4)
+    print(f"{args.num_prompts} pairs of streamed requests, stub worker (0 ms to its first chunk); {describe_machine()}")
+    print(f"time to first chunk, median: direct {statistics.median(first_chunk[worker]) * 1e3:.2f} ms, through the "
+          f"router {statistics.median(first_chunk[url]) * 1e3:.2f} ms; router - direct, pair by pair: "
+          f"p25 / median / p75 {q[0] * 1e3:.2f} / {q[1] * 1e3:.2f} / {q[2] * 1e3:.2f} ms")
+    print(f"CPU per request: router {cpu_ms[0]:.2f} ms (it serves one request and sends one), stub {cpu_ms[1] / 2:.2f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["dp", "policies", "hops"])
+    parser.add_argument("what", choices=["dp", "policies", "hops", "stub"])
     parser.add_argument("--num-prompts", type=int, default=120)
     parser.add_argument("--rate", type=float, default=8.0)
     parser.add_argument("--input-len", type=int, default=128)
@@ -301,7 +350,7 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=["round_robin", "least_load", "cache_aware"])
     parser.add_argument("--router-flags", default="", help="more `minillm router` flags, e.g. '--balance-abs-threshold 8'")
     args = parser.parse_args()
-    {"dp": run_dp, "policies": run_policies, "hops": run_hops}[args.what](args)
+    {"dp": run_dp, "policies": run_policies, "hops": run_hops, "stub": run_stub}[args.what](args)
 
 
 if __name__ == "__main__":
