@@ -16,6 +16,7 @@ before numba is imported); the CPU kernel is plain numba @njit.
     rms_norm(x, weight, eps) -> out
     rotary_embedding(positions, query, key, cos_sin_cache, is_neox=True)          # in place
     paged_attention_decode_cpu(query, key_cache, value_cache, block_tables, seq_lens, scale, window=None)
+    paged_attention_decode_cpu_quantized(query, k_codes, v_codes, block_tables, seq_lens, scale, kv_cache_dtype)
 """
 
 import importlib
@@ -31,7 +32,8 @@ KERNELS = {"reshape_and_cache": "cache_write", "paged_attention_decode": "decode
            "paged_attention_decode_warp": "decode_attention_warp",
            "prefill_attention": "varlen_attention", "rms_norm": "rmsnorm", "rotary_embedding": "rope",
            "flash_attention": "tiled_attention"}
-CPU_KERNELS = {"paged_attention_decode_cpu": "cpu_decode_attention"}  # @njit, not CUDA: no PTX
+CPU_KERNELS = {"paged_attention_decode_cpu": "cpu_decode_attention",  # @njit, not CUDA: no PTX
+               "paged_attention_decode_cpu_quantized": "cpu_quantized_decode"}
 __all__ = [*KERNELS, *CPU_KERNELS]
 
 
