@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit
-
 from minillm.kernels.cpu_decode_attention import _decode
+from numba import njit
 
 
 @njit(fastmath=True, nogil=True, inline="always")

@@ -35,8 +35,9 @@ import torch
 from minillm.kernels._launch import device_array, launch
 from minillm.kernels.decode_attention import paged_attention_decode_reference
 from minillm.kernels.varlen_attention import prefill_attention_reference
-from minillm.kv.quant import FP8_E4M3_MAX, INT8_MAX, decode, decode_table, encode, kv_format
 from numba import cuda, float32
+
+from minillm.kv.quant import FP8_E4M3_MAX, INT8_MAX, decode, decode_table, encode, kv_format
 
 MAX_HEAD_DIM = 256
 SUBNORMAL_STEP = 2.0**-9  # FP8 E4M3's smallest step; its smallest normal is 2^-6

@@ -155,8 +155,9 @@ def test_numba_cpu_kernel_over_a_quantized_pool_matches_the_torch_reference(name
     """Tolerance 2e-6: both sides decode each byte to the same float; the reference sums in float32
     (`paged_attention_decode_reference`), the kernel in the query's dtype and another order."""
     tolerance = 2e-6
-    from minillm.kernels import paged_attention_decode_cpu, paged_attention_decode_cpu_quantized
     from minillm.kernels.decode_attention import paged_attention_decode_reference
+
+    from minillm.kernels import paged_attention_decode_cpu, paged_attention_decode_cpu_quantized
 
     fmt = kv_format(name)
     q, k, v, tables, lens = ragged_case(dtype, name)

@@ -44,6 +44,8 @@ class KVLayoutSnapshot:
     usage: KVUsage
     ref_counts: tuple[int, ...] = ()  # per block: readers (paged)
     cached_unused: tuple[int, ...] = ()  # blocks kept for the prefix cache that nobody reads (paged)
+    bytes_per_token: int = 0  # K and V of one token in the pool's storage (follows kv_cache_dtype; 0: unknown)
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)

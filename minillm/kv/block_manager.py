@@ -561,7 +561,8 @@ class BlockManager:
         allocator = self.allocator
         return KVLayoutSnapshot("blocks", allocator.num_blocks, self.block_size,
                                 {rid: tuple(t) for rid, t in self.block_tables.items()}, dict(self._tokens_of),
-                                self.usage(), tuple(allocator.ref_counts), tuple(allocator.evictable))
+                                self.usage(), tuple(allocator.ref_counts), tuple(allocator.evictable),
+                                self.cache_spec.bytes_per_token, self.cache_spec.kv_cache_dtype)
 
     @property
     def num_free_blocks(self) -> int:

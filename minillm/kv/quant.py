@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from minillm.config import KV_CACHE_DTYPES
+
 INT8_MAX = 127.0
 FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 SCALE_BYTES = 4  # one float32 scale per (token, head)

@@ -119,4 +119,5 @@ class SlabKVManager:
     def layout_snapshot(self) -> KVLayoutSnapshot:
         return KVLayoutSnapshot("slabs", self.num_slabs, self.slab_len,
                                 {rid: (slab,) for rid, slab in self.slab_of.items()}, dict(self._tokens_of),
-                                self.usage())
+                                self.usage(), bytes_per_token=self.cache_spec.bytes_per_token,
+                                kv_cache_dtype=self.cache_spec.kv_cache_dtype)

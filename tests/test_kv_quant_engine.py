@@ -1,0 +1,109 @@
+"""A quantized KV cache through every engine mode (chapter 14; issue 30, item 2).
+
+With `kv_cache_dtype="int8"` or `"fp8_e4m3"` the outputs are no longer HF's (the cache is lossy by
+design), so the demand is the next strongest one: every path that stores and reads K/V — static and
+dynamic batching's rectangle, slabs, pages with the torch and the numba CPU backend, prefix
+caching, chunked prefill, preemption by recompute and by swap, speculative rows — sees the same
+quantized numbers, so on a float64 tiny model they all generate the continuous/torch run's greedy
+tokens exactly. That the quantization really happens is checked too (the pool holds bytes; the
+logprobs move away from `"auto"`'s, by little). `"auto"` parity with HF stays with the existing
+parity tests. Tiny model, ~16 short requests per run: about a minute on 2 shared cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_hf_model
+
+from minillm import LLM, SamplingParams
+from minillm.traces.synthetic import make_trace
+
+QUANTIZED = ["int8", "fp8_e4m3"]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return make_tiny_hf_model("llama-gqa")
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_trace():
+    return make_trace(12, seed=11, vocab_size=160, rate_per_s=float("inf"), prompt_len=("uniform", 1, 20),
+                      output_len=("uniform", 4, 20), max_output_len=20, token_id_range=(3, 160),
+                      shared_prefix_len=21, num_prefixes=2)
+
+
+@pytest.fixture(scope="module")
+def storm_trace():
+    """Short prompts, long outputs in a pool of 48 one-token blocks: preemption after preemption."""
+    return make_trace(10, seed=3, vocab_size=160, prompt_len=("uniform", 2, 8), output_len=("uniform", 16, 36),
+                      max_output_len=36, token_id_range=(3, 160))
+
+
+def run(hf, trace, logprobs: int | None = None, **knobs):
+    llm = LLM(hf, dtype="float64", device="cpu", max_model_len=96, **knobs)
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+              for r in trace]
+    outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in trace], params, use_tqdm=False)
+    return llm, [o.outputs[0] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(hf, shared_prefix_trace):
+    """Per dtype: continuous batching, paged, torch backend."""
+    return {d: [o.token_ids for o in run(hf, shared_prefix_trace, kv_cache_dtype=d, attention_backend="torch",
+                                         max_num_seqs=8)[1]] for d in QUANTIZED}
+
+
+MODES = {
+    "static": dict(batching="static", max_num_seqs=4, attention_backend="torch"),
+    "dynamic": dict(batching="dynamic", max_num_seqs=4, max_queue_delay_ms=0, attention_backend="torch"),
+    "slab": dict(kv_layout="slab", max_num_seqs=4, attention_backend="torch"),
+    "paged-numba_cpu": dict(block_size=4, max_num_seqs=8, attention_backend="numba_cpu"),
+    "prefix-cache": dict(block_size=5, max_num_seqs=8, enable_prefix_caching=True, attention_backend="numba_cpu"),
+    "chunked": dict(block_size=4, max_num_seqs=8, enable_chunked_prefill=True, max_num_batched_tokens=16,
+                    attention_backend="numba_cpu"),
+    "ngram-spec": dict(block_size=4, max_num_seqs=8, attention_backend="torch",
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_every_mode_reads_the_same_quantized_kv(hf, shared_prefix_trace, reference, kv_cache_dtype, mode):
+    llm, outs = run(hf, shared_prefix_trace, kv_cache_dtype=kv_cache_dtype, **MODES[mode])
+    assert [o.token_ids for o in outs] == reference[kv_cache_dtype]
+    if mode == "prefix-cache":
+        assert llm.engine.metrics.summary().prefix_cache_hit_rate > 0.3
+    if mode == "chunked":
+        assert any(s.num_prefill_tokens and s.num_decode_tokens for s in llm.engine.metrics.steps)
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_preemption_by_recompute_and_by_swap_keeps_the_tokens(hf, storm_trace, kv_cache_dtype, preemption_mode):
+    """Swap copies the pool's bytes out and back (the int8 scales ride in the same rows); recompute
+    writes the same codes again."""
+    _, calm = run(hf, storm_trace, kv_cache_dtype=kv_cache_dtype, max_num_seqs=8, attention_backend="numba_cpu")
+    llm, stormy = run(hf, storm_trace, kv_cache_dtype=kv_cache_dtype, max_model_len=48, block_size=1,
+                      num_kv_blocks=48, max_num_seqs=8, kv_watermark=0.0, preemption_mode=preemption_mode,
+                      attention_backend="numba_cpu")
+    assert [o.token_ids for o in stormy] == [o.token_ids for o in calm]
+    assert llm.engine.scheduler.num_preemptions > len(storm_trace)
+    if preemption_mode == "swap":
+        assert llm.engine.kv.num_swapped_out_tokens > 0 and not llm.engine.kv.swapped
+        steps = llm.engine.metrics.steps  # swapping never recomputes
+        assert sum(s.num_prefill_tokens for s in steps) == sum(r.prompt_len for r in storm_trace)
+
+
+def test_the_pool_holds_bytes_and_the_logprobs_move_a_little(hf, storm_trace):
+    exact_llm, exact = run(hf, storm_trace, logprobs=0, max_num_seqs=8)
+    assert exact_llm.engine.executor.worker.k_pool.dtype == torch.float64
+    for kv_cache_dtype, row_bytes in (("int8", 16 + 4), ("fp8_e4m3", 16)):  # head_dim 16
+        llm, outs = run(hf, storm_trace, logprobs=0, max_num_seqs=8, kv_cache_dtype=kv_cache_dtype)
+        pool = llm.engine.executor.worker.k_pool
+        assert pool.dtype == torch.uint8 and pool.shape[-1] == row_bytes
+        first = [(o.logprobs[0], e.logprobs[0]) for o, e in zip(outs, exact)]  # the first token: same context
+        diffs = [abs(next(iter(a.values())) - next(iter(b.values()))) for a, b in first]
+        assert 0 < max(diffs) < 0.5, diffs
