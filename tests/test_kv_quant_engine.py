@@ -42,7 +42,7 @@ def storm_trace():
 
 
 def run(hf, trace, logprobs: int | None = None, **knobs):
-    llm = LLM(hf, dtype="float64", device="cpu", max_model_len=96, **knobs)
+    llm = LLM(hf, dtype="float64", device="cpu", **{"max_model_len": 96, **knobs})
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
               for r in trace]
     outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in trace], params, use_tqdm=False)
