@@ -172,3 +172,18 @@ def test_numba_cpu_kernel_over_a_quantized_pool_matches_the_torch_reference(name
                                                 window=6)
     assert (windowed - float_windowed).abs().max() <= tolerance
     assert (windowed[4] - got[4]).abs().max() > 1e-3  # the window really cut row 4's 17 keys to 6
+
+
+@pytest.mark.slow
+def test_the_quantized_cuda_kernels_match_their_references_in_the_simulator():
+    """tests/kernel_checks_quantized.py in a fresh process on numba's CUDA simulator: the write's bytes
+    equal torch's (FP8 edges included), decode and prefill within 1e-5 of the reference on ragged
+    batches, and the engine's 'numba' backend gives the 'torch' backend's tokens. ~40 s (simulated
+    threads are slow: the shapes are tiny). The PTX compile of the same kernels is in
+    tests/test_kernels.py (they are in minillm.kernels.KERNELS)."""
+    from conftest import REPO_ROOT, run_numba_script
+
+    proc = run_numba_script([str(REPO_ROOT / "tests" / "kernel_checks_quantized.py")], simulator=True)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sum(line.startswith("PASS") for line in lines) == 8 and not any(line.startswith("FAIL") for line in lines)

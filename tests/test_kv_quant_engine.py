@@ -107,3 +107,69 @@ def test_the_pool_holds_bytes_and_the_logprobs_move_a_little(hf, storm_trace):
         first = [(o.logprobs[0], e.logprobs[0]) for o, e in zip(outs, exact)]  # the first token: same context
         diffs = [abs(next(iter(a.values())) - next(iter(b.values()))) for a, b in first]
         assert 0 < max(diffs) < 0.5, diffs
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("distributed")
+def test_tensor_parallel_2_splits_the_quantized_pool_by_heads():
+    """TP 2 on the bundled model in float64 (2 spawned ranks, each holding its 2 KV heads' rows —
+    codes and scales — of every token), with chunked prefill, prefix caching and swap preemption
+    happening: the one-process engine's tokens. ~30 s, most of it the ranks' start."""
+    from test_distributed_engine import KNOBS, PROMPTS, bounded, tokens
+
+    knobs = dict(KNOBS, preemption_mode="swap", kv_cache_dtype="int8")
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = LLM(dtype="float64", **knobs).generate(PROMPTS, greedy, use_tqdm=False)
+    llm = LLM(dtype="float64", tensor_parallel_size=2, **knobs)
+    try:
+        got = bounded(lambda: llm.generate(PROMPTS, greedy, use_tqdm=False))
+        assert tokens(got) == tokens(want)
+        engine = llm.engine
+        assert engine.scheduler.num_preemptions > 0 and engine.kv.num_hit_tokens > 0
+        assert engine.kv.num_swapped_in_tokens > 0
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_a_prefill_decode_pair_moves_the_quantized_bytes(kv_cache_dtype):
+    """A prefill and a decode instance in one process (two LLMs, a gloo pair over loopback): the decode
+    side computes no prompt token, its text equals a plain engine's, and the bytes moved are the
+    quantized blocks' (codes and scales), not float32 blocks. ~20 s."""
+    from fastapi.testclient import TestClient
+
+    from minillm.kv_transfer import parse_kv_transfer_config
+    from minillm.router.launch import free_port
+    from minillm.server.app import create_app
+
+    port = free_port()
+    knobs = dict(max_model_len=128, max_num_seqs=2, kv_cache_dtype=kv_cache_dtype)
+    halves = {role: LLM(**knobs, kv_transfer_config=parse_kv_transfer_config(
+        {"kv_connector": "TorchDistConnector", "kv_role": role, "kv_port": port,
+         "kv_connector_extra_config": {"connect_timeout_s": 60}})) for role in ("kv_producer", "kv_consumer")}
+    prompt = "In the beginning God created the heaven and the earth. And the earth was without form, and void"
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
+    plain = LLM(**knobs).generate([prompt], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    try:
+        with TestClient(create_app(halves["kv_producer"])) as producer, \
+                TestClient(create_app(halves["kv_consumer"])) as consumer:
+            r = producer.post("/v1/completions", json=dict(body, kv_transfer_params={"do_remote_decode": True,
+                                                                                     "transfer_id": "q-1"}))
+            assert r.status_code == 200, r.text
+            r = consumer.post("/v1/completions", json=dict(body, kv_transfer_params={"do_remote_prefill": True,
+                                                                                     "transfer_id": "q-1"}))
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == plain[0].outputs[0].text
+        stats = halves["kv_consumer"].engine.kv_connector.stats
+        spec = halves["kv_consumer"].engine.kv.cache_spec
+        num_prompt_tokens = len(plain[0].prompt_token_ids)
+        assert stats.prompt_tokens_computed == 0 and stats.ok == 1
+        assert stats.blocks == -(-num_prompt_tokens // spec.block_size)
+        assert stats.bytes == stats.blocks * spec.block_bytes
+        float32_block = 2 * 4 * spec.block_size * 4 * 32 * 4  # K and V, 4 layers, 4 KV heads, head_dim 32, 4 bytes
+        assert spec.block_bytes == float32_block * (36 if kv_cache_dtype == "int8" else 32) // 128
+    finally:
+        for llm in halves.values():
+            llm.shutdown()
