@@ -75,6 +75,8 @@ class ModelRunner:
         self.cache_spec = cache_spec
         self.attention_backend = resolve_backend(attention_backend, model.device, cache_spec.dtype)
         self.backend = backend_class(self.attention_backend)  # builds its metadata, then runs each layer
+        # a quantized pool (chapter 14): the backend is told how to read it (a backend without the keyword refuses)
+        self.quantized_kv = {"kv_cache_dtype": cache_spec.kv_cache_dtype} if cache_spec.quantized else {}
         self.block_size = cache_spec.block_size
         self.null_block = cache_spec.null_block
         self.k_pool = self.v_pool = None
@@ -295,7 +297,7 @@ class ModelRunner:
         (plan order, 1+k per speculative row) and the step's inputs."""
         inputs = self.prepare(plan)
         attention = self.backend(self.k_pool, self.v_pool, inputs.meta, self.model.config.sliding_windows,
-                                 kv_cache_dtype=self.cache_spec.kv_cache_dtype)
+                                 **self.quantized_kv)
         rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=inputs.input_ids.device)
         start = time.perf_counter()
         forward = self.model.forward(inputs.input_ids, inputs.positions, attention, output_rows=rows)
