@@ -145,27 +145,25 @@ def _write_kernel(key, value, k_codes, v_codes, k_scales, v_scales, slot_mapping
     _write_row(value, t, h, v_codes, v_scales, blk, off, dim, is_fp8, has_scale)
 
 
-def _decode_kernel(query, k_codes, v_codes, k_scales, v_scales, table, has_scale, block_tables, seq_lens, scale,
-                   out):
-    i = cuda.grid(1)
-    num_seqs, q_heads, dim = query.shape
-    if i >= num_seqs * q_heads:
-        return
-    b = i // q_heads
-    h = i % q_heads
-    kv_head = h // (q_heads // k_codes.shape[2])
+@cuda.jit(device=True, inline="always")
+def _attend(query, row, h, k_codes, v_codes, k_scales, v_scales, table, has_scale, block_tables, b, num_keys, scale,
+            out):
+    """out[row, h] = softmax(q·K / √D)·V over sequence b's first `num_keys` positions, one pass with an
+    online softmax (as decode_attention.py), each K/V number decoded from its byte as it is read."""
+    dim = query.shape[2]
+    kv_head = h // (query.shape[1] // k_codes.shape[2])
     block_size = k_codes.shape[1]
     acc = cuda.local.array(MAX_HEAD_DIM, float32)
     for d in range(dim):
         acc[d] = 0.0
     m = -math.inf
     total = 0.0
-    for p in range(seq_lens[b]):
+    for p in range(num_keys):
         block = block_tables[b, p // block_size]
         off = p % block_size
         s = 0.0
         for d in range(dim):
-            s += query[b, h, d] * _value(k_codes, k_scales, table, has_scale, block, off, kv_head, d, dim)
+            s += query[row, h, d] * _value(k_codes, k_scales, table, has_scale, block, off, kv_head, d, dim)
         s *= scale
         m_new = max(m, s)
         correction = math.exp(m - m_new)
@@ -176,45 +174,33 @@ def _decode_kernel(query, k_codes, v_codes, k_scales, v_scales, table, has_scale
                                                            d, dim)
         m = m_new
     for d in range(dim):
-        out[b, h, d] = acc[d] / total
+        out[row, h, d] = acc[d] / total
+
+
+def _decode_kernel(query, k_codes, v_codes, k_scales, v_scales, table, has_scale, block_tables, seq_lens, scale,
+                   out):
+    i = cuda.grid(1)  # one thread per (sequence, query head), as decode_attention.py
+    num_seqs, q_heads, _ = query.shape
+    if i >= num_seqs * q_heads:
+        return
+    b = i // q_heads
+    _attend(query, b, i % q_heads, k_codes, v_codes, k_scales, v_scales, table, has_scale, block_tables, b,
+            seq_lens[b], scale, out)
 
 
 def _prefill_kernel(query, k_codes, v_codes, k_scales, v_scales, table, has_scale, block_tables, query_start_loc,
                     seq_lens, scale, out):
-    i = cuda.grid(1)
-    num_tokens, q_heads, dim = query.shape
+    i = cuda.grid(1)  # one thread per (query, head), as varlen_attention.py
+    num_tokens, q_heads, _ = query.shape
     if i >= num_tokens * q_heads:
         return
     t = i // q_heads
-    h = i % q_heads
     b = 0
     while query_start_loc[b + 1] <= t:  # which sequence this query belongs to
         b += 1
     position = seq_lens[b] - (query_start_loc[b + 1] - query_start_loc[b]) + (t - query_start_loc[b])
-    kv_head = h // (q_heads // k_codes.shape[2])
-    block_size = k_codes.shape[1]
-    acc = cuda.local.array(MAX_HEAD_DIM, float32)
-    for d in range(dim):
-        acc[d] = 0.0
-    m = -math.inf
-    total = 0.0
-    for p in range(position + 1):
-        block = block_tables[b, p // block_size]
-        off = p % block_size
-        s = 0.0
-        for d in range(dim):
-            s += query[t, h, d] * _value(k_codes, k_scales, table, has_scale, block, off, kv_head, d, dim)
-        s *= scale
-        m_new = max(m, s)
-        correction = math.exp(m - m_new)
-        weight = math.exp(s - m_new)
-        total = total * correction + weight
-        for d in range(dim):
-            acc[d] = acc[d] * correction + weight * _value(v_codes, v_scales, table, has_scale, block, off, kv_head,
-                                                           d, dim)
-        m = m_new
-    for d in range(dim):
-        out[t, h, d] = acc[d] / total
+    _attend(query, t, i % q_heads, k_codes, v_codes, k_scales, v_scales, table, has_scale, block_tables, b,
+            position + 1, scale, out)
 
 
 write_kernel = cuda.jit(_write_kernel)

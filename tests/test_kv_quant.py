@@ -122,6 +122,17 @@ def test_bytes_per_token_follow_the_dtype():
     assert swap == {"auto": int(2**30 * 0.001 // (4096 * 16)), "int8": int(2**30 * 0.001 // (1152 * 16))}
 
 
+def test_serve_takes_the_flag():
+    import argparse
+
+    from minillm.server.serve import add_serve_arguments, engine_knobs
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert engine_knobs(parser.parse_args(["--kv-cache-dtype", "fp8_e4m3"]))["kv_cache_dtype"] == "fp8_e4m3"
+    assert "kv_cache_dtype" not in engine_knobs(parser.parse_args([]))  # unset: the engine's default, "auto"
+
+
 def test_bad_kv_cache_dtypes_are_refused_with_the_choices():
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8'.*'auto', 'int8', 'fp8_e4m3'"):
         EngineConfig(kv_cache_dtype="fp8")

@@ -38,6 +38,9 @@ class NumbaPagedAttention:
         self.kernels = kernels
         self.k_pool, self.v_pool, self.meta = k_pool, v_pool, meta
         self.kv_cache_dtype = kv_cache_dtype
+        if kv_cache_dtype == "auto" and k_pool.dtype == torch.uint8:  # e.g. CUDA graphs handed a quantized pool
+            raise ValueError("this KV pool holds quantized bytes (uint8): pass its kv_cache_dtype ('int8' or "
+                             "'fp8_e4m3') so the quantized kernels read it")
         m = meta
         nd = m.num_decode
         self.decode_tables, self.decode_lens = m.block_tables[:nd].contiguous(), m.seq_lens[:nd].contiguous()
