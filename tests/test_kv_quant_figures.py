@@ -4,6 +4,8 @@ simulated trace: a few seconds."""
 
 from __future__ import annotations
 
+import json
+
 import matplotlib
 import pytest
 from conftest import make_tiny_hf_model
@@ -14,6 +16,16 @@ from minillm.sim.simulate import kv_capacity_tokens, simulate
 from minillm.traces.synthetic import make_trace
 
 matplotlib.use("Agg")
+
+
+def test_a_models_bytes_per_token_by_dtype():
+    from minillm.llm import BUNDLED_TARGET
+    from minillm.model.config import ModelConfig
+
+    config = ModelConfig.from_hf_dict(json.loads((BUNDLED_TARGET / "config.json").read_text()))  # L 4, H_kv 4, D 32
+    assert [config.kv_bytes_per_token(4, d) for d in ("auto", "int8", "fp8_e4m3")] == [4096, 1152, 1024]
+    with pytest.raises(ValueError, match="kv_cache_dtype='int4'"):
+        config.kv_bytes_per_token(4, "int4")
 
 
 def test_the_simulators_capacity_at_a_memory_budget_follows_the_dtype():
