@@ -173,3 +173,13 @@ def test_a_prefill_decode_pair_moves_the_quantized_bytes(kv_cache_dtype):
     finally:
         for llm in halves.values():
             llm.shutdown()
+
+
+def test_a_sliding_window_model_reads_the_same_quantized_window_on_both_cpu_backends(shared_prefix_trace):
+    """Mistral's window (24) over an int8 pool: the numba CPU kernel decodes only the window's blocks."""
+    mistral = make_tiny_hf_model("mistral-window")
+    outs = {backend: [o.token_ids for o in run(mistral, shared_prefix_trace, kv_cache_dtype="int8", block_size=4,
+                                               max_num_seqs=8, attention_backend=backend)[1]]
+            for backend in ("torch", "numba_cpu")}
+    assert outs["numba_cpu"] == outs["torch"]
+    assert max(r.prompt_len + r.max_tokens for r in shared_prefix_trace) > 24  # the window really cuts

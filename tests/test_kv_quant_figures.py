@@ -84,3 +84,17 @@ def test_the_pd_connector_moves_the_quantized_blocks_bytes(quantized_llm):
     connector = TorchDistConnectorScheduler(config, spec, 1, lambda r: 0, lambda: None)
     assert connector.block_shape == (2, 2, 4, 2, 20) and connector.kind == "int8"
     assert connector.block_bytes == 4 * 160  # 4 tokens of 160 B, against 4 · 1024 B in float64
+
+
+def test_blocks_in_a_memory_budget_follow_the_dtype():
+    from minillm.kv.quant import num_blocks_in_budget
+    from minillm.llm import BUNDLED_TARGET
+    from minillm.model.config import ModelConfig
+
+    config = ModelConfig.from_hf_dict(json.loads((BUNDLED_TARGET / "config.json").read_text()))
+    budget = 2**20  # 1 MiB of K/V, blocks of 16 tokens: 64 KiB per float32 block, 18 KiB per int8 one
+    blocks = {d: num_blocks_in_budget(budget, config, 16, d) for d in ("auto", "int8", "fp8_e4m3")}
+    assert blocks == {"auto": 16, "int8": 56, "fp8_e4m3": 64}
+    llm_kv = LLM(max_model_len=64, max_num_seqs=2, block_size=16, num_kv_blocks=blocks["int8"],
+                 kv_cache_dtype="int8").engine.kv
+    assert llm_kv.cache_spec.block_bytes * blocks["int8"] <= budget < llm_kv.cache_spec.block_bytes * (blocks["int8"] + 1)

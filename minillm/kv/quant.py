@@ -29,6 +29,14 @@ of heads) moves the scales with the codes and needs no code of its own. fp8's ro
 Decoding one byte is a 256-entry table (`decode_table`): the numba kernels take it as an array, so
 one kernel serves both formats (`value = table[byte] · scale`). numba has no fp8 type; the kernels
 see bytes (uint8), torch sees `float8_e4m3fn` / `int8` through a view of the same bytes.
+
+What other code calls (chapter 14's measurements, ex14's grader):
+
+    quantize_int8(x) -> (codes int8 [..., D], scales float32 [...])     dequantize_int8(codes, scales)
+    quantize_fp8_e4m3(x, per_token_scale=False) -> (codes, scales)       dequantize_fp8_e4m3(codes, scales)
+    round_trip(x, kv_cache_dtype)        x as attention reads it back from the pool
+    kv_row_bytes / ModelConfig.kv_bytes_per_token(dtype_bytes, kv_cache_dtype) / num_blocks_in_budget
+    encode / decode / decode_table       the pool's bytes, and what the kernels decode them with
 """
 
 from __future__ import annotations
@@ -158,3 +166,12 @@ def check_head_dim(head_dim: int, kv_cache_dtype: str) -> None:
     if fmt is not None and fmt.per_token_scale and head_dim % 4:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} keeps a float32 scale after each head's {head_dim} "
                          "codes, which needs head_dim to be a multiple of 4; use kv_cache_dtype='auto' or 'fp8_e4m3'")
+
+
+def num_blocks_in_budget(budget_bytes: float, model_config, block_size: int, kv_cache_dtype: str = "auto",
+                         dtype_bytes: int = 4) -> int:
+    """KV blocks of `block_size` tokens that fit in `budget_bytes` (K and V, every layer): the
+    `num_kv_blocks` to give an engine for a fixed memory budget. `model_config`: a
+    `minillm.model.config.ModelConfig`; `dtype_bytes`: the model's dtype (used when "auto")."""
+    per_block = model_config.kv_bytes_per_token(dtype_bytes, kv_cache_dtype) * block_size
+    return int(budget_bytes // per_block)
