@@ -46,34 +46,46 @@ def stored_three_ways(x: torch.Tensor) -> dict[str, torch.Tensor]:
             "fp8 / token+head": dequantize_fp8_e4m3(*quantize_fp8_e4m3(x, per_token_scale=True))}
 
 
+def kv_of(model_dir: str, text: str) -> list[tuple[str, torch.Tensor]]:
+    """(name, rows [tokens * heads, D]) for K and V of every layer: HF transformers' cache after one forward."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+    out = []
+    for i, layer in enumerate(cache.layers):
+        for name, x in (("K", layer.keys), ("V", layer.values)):
+            out.append((f"{i} {name}", x.transpose(1, 2).reshape(-1, x.shape[-1])))  # rows: (token, head)
+    return out
+
+
+def relative_errors(rows: torch.Tensor) -> dict[str, float]:
+    """‖x − x̂‖ / ‖x‖ of each way of storing `rows`."""
+    return {method: ((rows - x_hat).norm() / rows.norm()).item() for method, x_hat in stored_three_ways(rows).items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(Path(__file__).resolve().parents[1] / "models" / "minillm-target"))
     parser.add_argument("--text", default=PASSAGE)
     args = parser.parse_args()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    ids = tokenizer(args.text, return_tensors="pt").input_ids
-    with torch.no_grad():
-        cache = model(ids, use_cache=True).past_key_values
-    head_dim = cache.layers[0].keys.shape[-1]
-    print(f"{args.model}: {ids.shape[1]} tokens, head_dim {head_dim}; bytes per (token, head): int8 "
-          f"{head_dim + SCALE_BYTES}, fp8/tensor {head_dim}, fp8/token+head {head_dim + SCALE_BYTES} (float32 {4 * head_dim})")
-    print(f"{'layer':>5} {'':2} {'max|x|':>7} {'<2^-6':>6}  " + "  ".join(f"{name:>24}" for name in stored_three_ways(
-        torch.ones(1, 4))))
+    tensors = kv_of(args.model, args.text)
+    head_dim = tensors[0][1].shape[-1]
+    print(f"{args.model}: {tensors[0][1].shape[0]} (token, head) rows per tensor, head_dim {head_dim}; bytes per "
+          f"(token, head): int8 {head_dim + SCALE_BYTES}, fp8/tensor {head_dim}, fp8/token+head "
+          f"{head_dim + SCALE_BYTES} (float32 {4 * head_dim})")
+    print(f"{'layer':>7} {'max|x|':>7} {'<2^-6':>6}  " + "  ".join(f"{m:>24}" for m in stored_three_ways(torch.ones(1, 4))))
     totals: dict[str, list[float]] = {}
-    for i, layer in enumerate(cache.layers):
-        for name, x in (("K", layer.keys), ("V", layer.values)):
-            x = x.transpose(1, 2).reshape(-1, head_dim)  # rows: (token, head)
-            small = (x.abs() < SMALLEST_NORMAL).float().mean().item()
-            cells = []
-            for method, x_hat in stored_three_ways(x).items():
-                rel = ((x - x_hat).norm() / x.norm()).item()
-                totals.setdefault(method, []).append(rel)
-                cells.append(f"rel {rel:.2e} max {(x - x_hat).abs().max().item():.1e}")
-            print(f"{i:>5} {name:2} {x.abs().max().item():7.2f} {small:6.1%}  " + "  ".join(f"{c:>24}" for c in cells))
+    for name, x in tensors:
+        cells = []
+        for (method, rel), x_hat in zip(relative_errors(x).items(), stored_three_ways(x).values()):
+            totals.setdefault(method, []).append(rel)
+            cells.append(f"rel {rel:.2e} max {(x - x_hat).abs().max().item():.1e}")
+        small = (x.abs() < SMALLEST_NORMAL).float().mean().item()
+        print(f"{name:>7} {x.abs().max().item():7.2f} {small:6.1%}  " + "  ".join(f"{c:>24}" for c in cells))
     mean = {m: sum(v) / len(v) for m, v in totals.items()}
     print("mean relative RMS error: " + ", ".join(f"{m} {e:.3e}" for m, e in mean.items()))
     ratio = mean["fp8 / tensor (1)"] / mean["fp8 / token+head"]
