@@ -39,8 +39,9 @@ def _decode_quantized(query, k_codes, v_codes, k_scales, v_scales, table, has_sc
     most_blocks = 1
     for b in range(num_seqs):
         most_blocks = max(most_blocks, (seq_lens[b] + block_size - 1) // block_size)
-    keys = np.zeros((most_blocks, block_size, kv_heads, dim), query.dtype)
-    values = np.zeros((most_blocks, block_size, kv_heads, dim), query.dtype)
+    # (uninitialised: the float kernel reads only the rows decoded here, a sequence's first n)
+    keys = np.empty((most_blocks, block_size, kv_heads, dim), query.dtype)
+    values = np.empty((most_blocks, block_size, kv_heads, dim), query.dtype)
     table_row = np.arange(most_blocks).astype(np.int32).reshape(1, most_blocks)
     length = np.empty(1, np.int32)
     for b in range(num_seqs):
