@@ -140,8 +140,9 @@ def encode(x: torch.Tensor, fmt: KVQuantFormat) -> torch.Tensor:
         codes, scales = quantize_int8(x) if fmt.code_dtype == torch.int8 else quantize_fp8_e4m3(x, True)
         scale_bytes = scales[..., None].contiguous().view(torch.uint8)  # [..., 4]
         return torch.cat([codes.view(torch.uint8), scale_bytes], -1)
-    codes, _ = quantize_fp8_e4m3(x) if fmt.code_dtype == torch.float8_e4m3fn else quantize_int8(x)
-    return codes.view(torch.uint8)
+    if fmt.code_dtype != torch.float8_e4m3fn:  # int8 without its scale would lose every row's range
+        raise ValueError(f"{fmt.name}: only FP8 codes can go without a per-token scale (a static scale of 1)")
+    return quantize_fp8_e4m3(x)[0].view(torch.uint8)
 
 
 def decode(rows: torch.Tensor, fmt: KVQuantFormat, dtype: torch.dtype) -> torch.Tensor:
