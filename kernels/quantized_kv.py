@@ -251,27 +251,28 @@ def reshape_and_cache_quantized(key: torch.Tensor, value: torch.Tensor, k_codes:
         v_codes.view(torch.float32)[slots // bs, slots % bs, :, at] = v_scales[keep]
 
 
-def paged_attention_decode_quantized(query: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,
-                                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                     kv_cache_dtype: str) -> torch.Tensor:
+def _attention(kernel, query: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, kv_cache_dtype: str,
+               *layout) -> torch.Tensor:
+    """Launch `kernel` with one thread per (query row, head): the pool's bytes, their scales and the byte
+    table, then the step's layout (`layout`: tensors, then the softmax scale) and the output."""
     _check(query, k_codes, kv_cache_dtype)
     has_scale = kv_format(kv_cache_dtype).per_token_scale
     out = torch.empty_like(query)
-    launch(decode_kernel, query.shape[0] * query.shape[1], device_array(query), device_array(k_codes),
+    launch(kernel, query.shape[0] * query.shape[1], device_array(query), device_array(k_codes),
            device_array(v_codes), device_array(_scales(k_codes, has_scale)), device_array(_scales(v_codes, has_scale)),
-           device_array(_table(kv_cache_dtype, query.device)), has_scale, device_array(block_tables),
-           device_array(seq_lens), float(scale), device_array(out))
+           device_array(_table(kv_cache_dtype, query.device)), has_scale,
+           *(device_array(a) if isinstance(a, torch.Tensor) else float(a) for a in layout), device_array(out))
     return out
+
+
+def paged_attention_decode_quantized(query: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,
+                                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                                     kv_cache_dtype: str) -> torch.Tensor:
+    return _attention(decode_kernel, query, k_codes, v_codes, kv_cache_dtype, block_tables, seq_lens, scale)
 
 
 def prefill_attention_quantized(query: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,
                                 block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                                 scale: float, kv_cache_dtype: str) -> torch.Tensor:
-    _check(query, k_codes, kv_cache_dtype)
-    has_scale = kv_format(kv_cache_dtype).per_token_scale
-    out = torch.empty_like(query)
-    launch(prefill_kernel, query.shape[0] * query.shape[1], device_array(query), device_array(k_codes),
-           device_array(v_codes), device_array(_scales(k_codes, has_scale)), device_array(_scales(v_codes, has_scale)),
-           device_array(_table(kv_cache_dtype, query.device)), has_scale, device_array(block_tables),
-           device_array(query_start_loc), device_array(seq_lens), float(scale), device_array(out))
-    return out
+    return _attention(prefill_kernel, query, k_codes, v_codes, kv_cache_dtype, block_tables, query_start_loc,
+                      seq_lens, scale)
