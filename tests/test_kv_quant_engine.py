@@ -7,7 +7,7 @@ caching, chunked prefill, preemption by recompute and by swap, speculative rows 
 quantized numbers, so on a float64 tiny model they all generate the continuous/torch run's greedy
 tokens exactly. That the quantization really happens is checked too (the pool holds bytes; the
 logprobs move away from `"auto"`'s, by little). `"auto"` parity with HF stays with the existing
-parity tests. Tiny model, ~16 short requests per run: about a minute on 2 shared cores.
+parity tests. Tiny model, 10-12 short requests per run, ~25 runs: 2-3 minutes on 2 shared cores.
 """
 
 from __future__ import annotations
