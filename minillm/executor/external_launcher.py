@@ -32,6 +32,7 @@ fail (within `execute_model_timeout_s`), and torchrun stops the others.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import hashlib
 import logging
@@ -95,16 +96,11 @@ class ExternalLauncherExecutor(WorkerExecutor):
             interface = gloo_interface_towards(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
             logger.info("rank %d: gloo on interface %s", self.rank, interface or os.environ.get("GLOO_SOCKET_IFNAME"))
         torch.set_num_threads(spec.num_threads)
-        dist.init_process_group("nccl" if on_cuda else "gloo", init_method="env://", rank=self.rank,
-                                world_size=spec.tp * spec.pp, timeout=datetime.timedelta(seconds=spec.timeout_s))
-        try:
-            self.worker = build_rank(spec, self.rank)  # the group exists: build_rank joins no other
-            # Plans and answers are Python objects: on CUDA they travel over a gloo group beside NCCL's.
-            self.control = dist.new_group(backend="gloo") if on_cuda else dist.group.WORLD
-            self.warm_up_report = warm_up(self.worker, spec.max_num_seqs) if spec.max_num_seqs else None
-        except BaseException:
-            dist.destroy_process_group()
-            raise
+        join_world(spec, self.rank, on_cuda)
+        self.worker = build_rank(spec, self.rank)  # the world exists: build_rank only adds the TP groups
+        # Plans and answers are Python objects: on CUDA they travel over a gloo group beside NCCL's.
+        self.control = dist.new_group(backend="gloo") if on_cuda else dist.group.WORLD
+        self.warm_up_report = warm_up(self.worker, spec.max_num_seqs) if spec.max_num_seqs else None
 
     # ---- one step --------------------------------------------------------------------------------
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
@@ -145,8 +141,26 @@ class ExternalLauncherExecutor(WorkerExecutor):
         return self.worker.stats(reset)
 
     def shutdown(self) -> None:
-        """Leave the world (idempotent); torchrun ends the processes."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """No more steps (idempotent). The world stays: a later `LLM` in this process joins it again, and
+        the process leaves it at exit (`join_world`)."""
         if self.dead is None:
             self.dead = "the executor was shut down"
+
+
+def join_world(spec: WorkerSpec, rank: int, on_cuda: bool) -> None:
+    """Join torchrun's world once per process (env:// rendezvous), or use the one the script or an earlier
+    `LLM` joined: a world left and joined again on the same store would meet the first one's keys."""
+    world_size = spec.tp * spec.pp
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+            raise ValueError(f"this process already belongs to a torch.distributed world as rank {dist.get_rank()} "
+                             f"of {dist.get_world_size()}, not rank {rank} of {world_size}")
+        return
+    dist.init_process_group("nccl" if on_cuda else "gloo", init_method="env://", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=spec.timeout_s))
+    atexit.register(_leave_world)
+
+
+def _leave_world() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
