@@ -3,7 +3,7 @@
 Slow part (two tests, marked slow, in the "distributed" xdist group; each starts torchrun and
 loads the bundled model in every rank — about a minute each on a busy 2-core machine, so CI pays
 two launches, not one per case):
-- `torchrun --nproc-per-node 2 tests/torchrun_script.py 2x1 1x2 --mismatch`: one process per rank,
+- `torchrun --nproc-per-node 2 tests/torchrun_script.py 2x1 1x2 --mismatch --out=DIR`: one process per rank,
   TP 2 and then PP 2 in the same processes (the second engine joins the world the first joined),
   with a pool small enough that requests are preempted; every rank returns the one-process greedy
   tokens, and the same seeded tokens as every other rank; ranks given different prompts stop with
@@ -100,44 +100,45 @@ def left_behind(procs: list[subprocess.Popen]) -> list[int]:
     return left
 
 
-def results(out: str) -> list[dict]:
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+def results(out_dir: Path) -> list[dict]:
+    """What the ranks recorded, each in its own file."""
+    return [json.loads(line) for f in sorted(out_dir.glob("rank*.jsonl")) for line in f.read_text().splitlines()]
 
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("distributed")
-def test_torchrun_two_processes_tp2_then_pp2_match_one_process():
+def test_torchrun_two_processes_tp2_then_pp2_match_one_process(tmp_path):
     want = one_process_tokens()
     proc = torchrun(["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port("127.0.0.1"))],
-                    ["2x1", "1x2", "--mismatch"])
+                    ["2x1", "1x2", "--mismatch", f"--out={tmp_path}"])
     code, out = finish(proc)
     assert not left_behind([proc])
-    lines = results(out)
+    lines = results(tmp_path)
     runs = [r for r in lines if "tokens" in r]
-    assert sorted((r["tp"], r["pp"], r["rank"]) for r in runs) == [(1, 2, 0), (1, 2, 1), (2, 1, 0), (2, 1, 1)], out
+    assert sorted((r["tp"], r["pp"], r["rank"]) for r in runs) == [(1, 2, 0), (1, 2, 1), (2, 1, 0), (2, 1, 1)], out[-3000:]
     for r in runs:
         assert r["tokens"] == want, (r, want)
         assert r["preemptions"] > 0, r  # the pool is small: the ranks' schedulers agreed through preemption too
     assert len({json.dumps(r["seeded"]) for r in runs}) == 1  # the sampling rank's tokens on every rank
     mismatches = [r["mismatch"] for r in lines if "mismatch" in r]
     assert len(mismatches) == 2 and all(
-        m and "EngineDeadError: the ranks planned different steps" in m and "[[0], [1]]" in m for m in mismatches), out
+        m and "EngineDeadError: the ranks planned different steps" in m and "[[0], [1]]" in m for m in mismatches), out[-3000:]
     assert code == 0, out[-3000:]
 
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("distributed")
-def test_torchrun_two_nodes_on_this_host_pp2_match_one_process():
+def test_torchrun_two_nodes_on_this_host_pp2_match_one_process(tmp_path):
     want = one_process_tokens()
     master = host_address()
     port = str(free_port(master))
     nodes = [torchrun(["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", master,
-                       "--master-port", port], ["1x2"]) for node in (0, 1)]
+                       "--master-port", port], ["1x2", f"--out={tmp_path}"]) for node in (0, 1)]
     finished = [finish(node) for node in nodes]
     assert not left_behind(nodes)
     for code, out in finished:
         assert code == 0, out[-3000:]
-    runs = [r for _, out in finished for r in results(out)]
+    runs = results(tmp_path)
     assert sorted(r["rank"] for r in runs) == [0, 1]
     for r in runs:
         assert (r["tp"], r["pp"], r["tokens"]) == (1, 2, want), r
