@@ -22,7 +22,8 @@ Two collectives are added per step, both on the whole world:
   updates its requests exactly as that rank's does.
 
 The world comes from torchrun's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
-`MASTER_PORT`) through torch.distributed's `env://` rendezvous; `WORLD_SIZE` must equal
+`MASTER_PORT`) through torch.distributed's `env://` rendezvous (torch's threads per process are
+torchrun's `OMP_NUM_THREADS`: 1 unless set); `WORLD_SIZE` must equal
 tensor_parallel_size × pipeline_parallel_size. Ranks are laid out as everywhere in minillm
 (`minillm.distributed.layout`): consecutive ranks form a stage's TP group, so with
 `--nproc-per-node` = tensor_parallel_size a stage's TP group stays on one node and pipeline stages
@@ -92,10 +93,10 @@ class ExternalLauncherExecutor(WorkerExecutor):
         on_cuda = spec.device.startswith("cuda")
         if on_cuda:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        else:  # gloo's sockets go out on the interface that reaches the master, not the host name's address
-            interface = gloo_interface_towards(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-            logger.info("rank %d: gloo on interface %s", self.rank, interface or os.environ.get("GLOO_SOCKET_IFNAME"))
-        torch.set_num_threads(spec.num_threads)
+        # gloo's sockets (the world on a CPU; plans and answers beside NCCL on CUDA) on the interface that
+        # reaches the master, not on the address the host's name resolves to
+        interface = gloo_interface_towards(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        logger.info("rank %d: gloo on interface %s", self.rank, interface or os.environ.get("GLOO_SOCKET_IFNAME"))
         join_world(spec, self.rank, on_cuda)
         self.worker = build_rank(spec, self.rank)  # the world exists: build_rank only adds the TP groups
         # Plans and answers are Python objects: on CUDA they travel over a gloo group beside NCCL's.
