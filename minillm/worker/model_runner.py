@@ -29,6 +29,7 @@ from minillm.attention.registry import backend_class
 from minillm.attention.select import resolve_backend
 from minillm.kv.base import KVCacheSpec
 from minillm.kv_transfer.base import KVConnectorBase, KVConnectorOutput
+from minillm.model.decode_step import CompiledDecode
 from minillm.model.llama import LlamaModel
 from minillm.sampling import sample, sampled_logprobs
 from minillm.scheduler.base import ModelRunnerOutput
@@ -90,6 +91,12 @@ class ModelRunner:
         self.kv_connector = kv_connector
         if kv_connector is not None:
             kv_connector.register_kv_caches(self.k_pool, self.v_pool, self.block_size)
+        # Small decode steps as one compiled call over reused buffers, where that is exact
+        # (minillm/model/decode_step.py); why not, when it is not.
+        self.compiled_decode: CompiledDecode | None = None
+        self.compiled_decode_off = CompiledDecode.supported(model, self.k_pool, self.attention_backend)
+        if self.compiled_decode_off is None:
+            self.compiled_decode = CompiledDecode(model, self.k_pool, self.v_pool, self.block_size)
 
     def stats(self, reset: bool = False) -> WorkerStats:
         """The counters since start (or the last reset); `reset` zeroes them after reading."""
@@ -203,7 +210,18 @@ class ModelRunner:
         """Run one step; per plan row, the token ids it sampled (and their logprobs)."""
         loaded = self.update_state(plan)
         batch = self.input_batch
-        if plan.padded is not None:
+        compiled = self.compiled_decode
+        rows = None if compiled is None else compiled.rows_of(plan, batch)
+        if rows is not None:  # a small decode step: one compiled call, every row samples
+            starts = np.asarray(plan.num_computed_tokens, dtype=np.int64)
+            start = time.perf_counter()
+            logits = compiled.run(rows, starts, batch)
+            self.model_time_s += time.perf_counter() - start
+            keys = int(starts.sum()) + len(rows)
+            self.keys_read += keys
+            self.keys_exist += keys
+            sampled, expert_load = range(len(rows)), None
+        elif plan.padded is not None:
             logits, expert_load = self.compute_padded_logits(plan)
             sampled = [i for i in range(len(plan.req_ids))]
             rows = batch.rows_of(plan.req_ids)
