@@ -142,13 +142,14 @@ class CompiledDecode:
                 np.empty((rows, 2 * inter), f32), np.empty((rows, inter), f32), logits, torch.from_numpy(logits))
         return buffers
 
-    def run(self, batch_rows: np.ndarray, starts: np.ndarray, batch) -> torch.Tensor:
+    def run(self, batch_rows: np.ndarray, starts: np.ndarray, batch) -> tuple[torch.Tensor, np.ndarray]:
         """Logits [rows, vocab] of one decode step (row b: input-batch row `batch_rows[b]`, its new token
-        at position `starts[b]`), which also writes the step's K/V into the pool. The tensor is this
-        batch size's buffer: read it before the next step."""
+        at position `starts[b]`), which also writes the step's K/V into the pool; as a tensor and as
+        the numpy array it shares memory with. Both are this batch size's buffer: read them before
+        the next step."""
         b = self._buffers(len(batch_rows))
         self.kernel(batch_rows, starts, batch.token_ids, batch.block_table.table, self.block_size, *self.weights,
                     *self.rope, *self.pools, *self.heads, b.positions, b.seq_lens, b.h, b.x, b.qkv, b.attn, b.delta,
                     b.gate_up, b.act, b.logits)
-        return b.logits_tensor
+        return b.logits_tensor, b.logits
 

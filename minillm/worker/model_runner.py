@@ -215,11 +215,15 @@ class ModelRunner:
         if rows is not None:  # a small decode step: one compiled call, every row samples
             starts = np.asarray(plan.num_computed_tokens, dtype=np.int64)
             start = time.perf_counter()
-            logits = compiled.run(rows, starts, batch)
+            logits, logits_np = compiled.run(rows, starts, batch)
             self.model_time_s += time.perf_counter() - start
             keys = int(starts.sum()) + len(rows)
             self.keys_read += keys
             self.keys_exist += keys
+            if not (batch.num_random or batch.num_penalized or batch.num_min_tokens or batch.num_logprobs):
+                # every known request greedy and plain: `sample` would be this argmax (the first
+                # largest logit), here without a tensor op
+                return ModelRunnerOutput([[t] for t in logits_np.argmax(axis=-1).tolist()], None, None, loaded)
             sampled, expert_load = range(len(rows)), None
         elif plan.padded is not None:
             logits, expert_load = self.compute_padded_logits(plan)
