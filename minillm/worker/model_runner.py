@@ -82,6 +82,7 @@ class ModelRunner:
         if cache_spec.allocate and cache_spec.num_slots:
             self.k_pool = torch.zeros(cache_spec.shape, dtype=cache_spec.dtype, device=model.device)
             self.v_pool = torch.zeros(cache_spec.shape, dtype=cache_spec.dtype, device=model.device)
+        self._pools_by_block: list | None = None  # the pools seen as [L, blocks, block] (`_zero_blocks`)
         self.padded_cache: PaddedBatchCache | None = None  # static/dynamic batching's rectangle
         self.swapped: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}  # host K, V, number of blocks
         self.input_batch = InputBatch(cache_spec.max_blocks_per_seq, model.device)
@@ -129,14 +130,18 @@ class ModelRunner:
         return None
 
     def _zero_blocks(self, blocks: list[int]) -> None:
-        """Zero the K and V of `blocks` in every layer (on a CPU through numpy views: a few µs,
-        where torch's index_fill_ cost ~50 µs a step at batch 64)."""
-        for pool in (self.k_pool, self.v_pool):
-            by_block = (pool.shape[0], -1, self.block_size * pool.shape[2] * pool.shape[3])  # [L, blocks, block]
-            if pool.device.type == "cpu" and pool.dtype in (torch.float32, torch.float64):  # (numpy has no bf16)
-                pool.numpy().reshape(by_block)[:, blocks] = 0
+        """Zero the K and V of `blocks` in every layer (on a CPU through numpy views of the pools,
+        made once: a few µs and no torch op, where torch's index_fill_ cost ~50 µs a step at batch 64)."""
+        if self._pools_by_block is None:
+            numpy_ok = self.k_pool.device.type == "cpu" and self.k_pool.dtype in (torch.float32, torch.float64)
+            self._pools_by_block = [(pool.numpy() if numpy_ok else pool).reshape(
+                pool.shape[0], -1, self.block_size * pool.shape[2] * pool.shape[3])  # [L, blocks, block]
+                for pool in (self.k_pool, self.v_pool)]  # (numpy has no bf16)
+        for pool in self._pools_by_block:
+            if isinstance(pool, np.ndarray):
+                pool[:, blocks] = 0
             else:
-                pool.view(by_block).index_fill_(1, torch.tensor(blocks, dtype=torch.long, device=pool.device), 0)
+                pool.index_fill_(1, torch.tensor(blocks, dtype=torch.long, device=pool.device), 0)
 
     def _block_slots(self, blocks: list[int]) -> torch.Tensor:
         bs, device = self.block_size, self.k_pool.device
