@@ -72,6 +72,9 @@ class EngineConfig:
     # KVTransferConfig, its dict or its JSON. The engine builds the connector's scheduler side, every worker its
     # worker side.
     kv_transfer_config: Any = None
+    # torch threads per step: None follows the step's size and dtype (minillm/worker/threads.py: one
+    # thread for every step by default, never more than torch had at start); an integer fixes the count.
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_transfer_config is not None:
@@ -111,6 +114,8 @@ class EngineConfig:
         if self.preemption_mode == "swap" and self.kv_layout != "paged":
             raise ValueError("preemption_mode='swap' needs kv_layout='paged'")
         _require_int("max_num_seqs", self.max_num_seqs, 1)
+        if self.num_threads is not None:
+            _require_int("num_threads", self.num_threads, 1)
         _require_int("block_size", self.block_size, 1)
         if self.num_kv_blocks is not None:
             _require_int("num_kv_blocks", self.num_kv_blocks, 1)

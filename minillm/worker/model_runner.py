@@ -36,6 +36,7 @@ from minillm.scheduler.base import ModelRunnerOutput
 from minillm.scheduler.output import SchedulerOutput
 from minillm.spec.rejection import rejection_sample
 from minillm.worker.input_batch import InputBatch
+from minillm.worker.threads import StepThreads
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,13 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, cache_spec: KVCacheSpec, attention_backend: str = "auto",
-                 kv_connector: KVConnectorBase | None = None) -> None:
+                 kv_connector: KVConnectorBase | None = None, num_threads: int | None = None) -> None:
         """`kv_connector`: a KV connector's worker side (minillm.kv_transfer), which loads remote K/V into
-        this worker's blocks when the plan's `kv_connector_metadata` says so."""
+        this worker's blocks when the plan's `kv_connector_metadata` says so. `num_threads`: torch
+        threads for every step, or None for the step's rule (minillm/worker/threads.py)."""
         self.model = model
         self.cache_spec = cache_spec
+        self.threads = StepThreads(model.dtype, num_threads)  # torch threads per step, by its size
         self.attention_backend = resolve_backend(attention_backend, model.device, cache_spec.dtype)
         self.backend = backend_class(self.attention_backend)  # builds its metadata, then runs each layer
         self.block_size = cache_spec.block_size
@@ -231,10 +234,12 @@ class ModelRunner:
                 return ModelRunnerOutput([[t] for t in logits_np.argmax(axis=-1).tolist()], None, None, loaded)
             sampled, expert_load = range(len(rows)), None
         elif plan.padded is not None:
+            self.threads.apply(len(plan.padded.row_req_ids) * plan.padded.width)
             logits, expert_load = self.compute_padded_logits(plan)
             sampled = [i for i in range(len(plan.req_ids))]
             rows = batch.rows_of(plan.req_ids)
         else:
+            self.threads.apply(plan.num_tokens)
             logits, inputs = self.compute_logits(plan)
             sampled, rows = inputs.sampled, inputs.sampled_rows  # (prepare looked the rows up)
             expert_load = inputs.expert_load

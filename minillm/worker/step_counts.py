@@ -23,13 +23,15 @@ include everything it calls, and "step glue" is the step's own work between them
     update requests     scheduler.update_from_output
     outputs, metrics    engine._on_update (text, streams) + engine._record (step metrics)
 
-`count_steps(engine, n)` runs n steps of whatever the engine holds and returns the counts per step.
+`count_steps(engine, n)` runs n steps of whatever the engine holds and returns the counts per step;
+`timed_pieces(engine)` times the same pieces (wall clock, for bench/step_profile.py; never for tests).
 """
 
 from __future__ import annotations
 
 import sys
-from collections import Counter
+import time
+from collections import Counter, defaultdict
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
@@ -86,7 +88,7 @@ def _pieces_marked(engine, current: list[str], wrapper_codes: set, ranges: bool)
 
     saved = []
     for obj, name, piece in _targets(engine):
-        saved.append((obj, name, obj.__dict__.get(name) if hasattr(obj, "__dict__") else None))
+        saved.append((obj, name, obj.__dict__.get(name)))
         setattr(obj, name, wrap(getattr(obj, name), piece))
     try:
         yield
@@ -156,3 +158,31 @@ def total(counts: dict[str, PieceCounts]) -> PieceCounts:
     return PieceCounts(sum(c.python_calls for c in counts.values()),
                        sum(c.torch_ops_from_python for c in counts.values()),
                        sum(c.torch_ops for c in counts.values()))
+
+
+@contextmanager
+def timed_pieces(engine):
+    """While open, each piece's wall time is added to the yielded dict (seconds, by piece; a step's
+    own time outside them is not: take the step's time and subtract)."""
+    seconds: dict[str, float] = defaultdict(float)
+    saved = []
+    def timed(function, piece):
+        def in_piece(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                seconds[piece] += time.perf_counter() - start
+        return in_piece
+
+    for obj, name, piece in _targets(engine):
+        saved.append((obj, name, obj.__dict__.get(name)))
+        setattr(obj, name, timed(getattr(obj, name), piece))
+    try:
+        yield seconds
+    finally:
+        for obj, name, original in reversed(saved):
+            if original is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, original)
