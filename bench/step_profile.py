@@ -1,7 +1,8 @@
 """Where a minillm step's time goes: small batches as one chat, max batch 16 and 64 on the ladder's trace.
 
     python bench/step_profile.py [--batch-sizes 16 64] [--num-requests 200]
-    python bench/step_profile.py --batch-sizes 1 2 4 8 [--compare] [--rounds 5]
+    python bench/step_profile.py --batch-sizes 1 2 4 8
+    python bench/step_profile.py --batch-sizes 1 2 4 8 16 32 --compare [--rounds 5]
 
 Every run uses the bundled model, fp32, 1 thread, attention_backend="auto".
 
@@ -13,8 +14,9 @@ its wall ms per decode step and share, and its counts per step — Python calls 
 (dispatched from Python / all) — with the compiled decode step (minillm/model/decode_step.py, taken
 up to its MAX_ROWS rows) and without it (the op-by-op forward), so each count's before/after is on
 one line. Counts are exact and repeat on any machine; the ms move with the machine's load.
-`--compare` adds the wall-clock ratio op-by-op ÷ compiled per decode step, in `--rounds`
-interleaved rounds (median and range), which is how `MAX_ROWS` was chosen.
+`--compare` prints instead, for every batch size listed (this workload, MAX_ROWS lifted), the
+wall-clock ratio op-by-op ÷ compiled per decode step in `--rounds` interleaved rounds (median and
+range), which is how `MAX_ROWS` is chosen.
 
 **Max batch 16 and 64**: the ladder's trace (bench/ladder.py) is served twice by minillm
 continuous: once plainly, to split each step's wall time into the model (forward + lm_head) and
@@ -174,11 +176,11 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"machine: {describe_machine()}")
     print(f"attention backend: {ladder.resolve_backend('auto', 'cpu')}\n")
-    small = [b for b in cli.batch_sizes if b < SMALL]
-    for batch in small:
+    if cli.compare:
+        compare(args.model, cli.batch_sizes, cli.rounds)
+        return
+    for batch in [b for b in cli.batch_sizes if b < SMALL]:
         small_batch_table(args.model, batch)
-    if cli.compare and small:
-        compare(args.model, small, cli.rounds)
     large = [b for b in cli.batch_sizes if b >= SMALL]
     if large:
         trace = ladder.bench_trace(args, ladder.read_hf_config(args.model)["vocab_size"])

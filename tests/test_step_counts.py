@@ -6,8 +6,6 @@ see the counts; raise one only with a reason in the commit.)"""
 
 from __future__ import annotations
 
-import pytest
-
 from minillm import LLM, SamplingParams
 from minillm.worker.step_counts import PIECES, count_steps, total
 
@@ -15,7 +13,7 @@ PROMPT = list(range(10, 210))  # 200 tokens, as the issue's single-stream measur
 
 
 def decoding_engine(batch: int, compiled: bool = True):
-    llm = LLM(max_num_seqs=8, max_model_len=512)
+    llm = LLM(max_num_seqs=16, max_model_len=512)
     engine = llm.engine
     if not compiled:
         engine.executor.worker.compiled_decode = None
@@ -43,8 +41,8 @@ def test_the_op_by_op_step_it_replaces_is_counted_too():
     assert total(counts).python_calls >= 2 * 200
 
 
-@pytest.mark.parametrize("batch", [8])
-def test_a_batched_decode_step_does_not_grow(batch):
-    """Above the compiled path's rows, the ladder's kind of step (op-by-op forward)."""
-    step = total(count_steps(decoding_engine(batch), num_steps=3))
-    assert step.python_calls <= 1000 and step.torch_ops_from_python <= 330 and step.torch_ops <= 480, step
+def test_a_batched_decode_step_does_not_grow():
+    """The ladder's kind of step (max batch 16: above the compiled path's rows, the op-by-op forward).
+    Before issue 29 it made 1265 Python calls and dispatched 299 torch ops from Python (431 in all)."""
+    step = total(count_steps(decoding_engine(16), num_steps=3))
+    assert step.python_calls <= 1300 and step.torch_ops_from_python <= 310 and step.torch_ops <= 440, step

@@ -46,10 +46,20 @@ def test_the_engine_default_follows_the_rule_and_the_knob_overrides_it(restore_t
     torch.set_num_threads(2)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     texts = ["In the beginning", "And the king said", "Blessed are", "Thus saith", "Now the serpent"]
-    llm = LLM(max_num_seqs=8, max_model_len=128)  # 5 rows: above the compiled decode's, the op-by-op step
+    llm = LLM(max_num_seqs=8, max_model_len=128)
     llm.generate(texts, params, use_tqdm=False)
     assert torch.get_num_threads() == threads_for(5, torch.float32, 2) == 1
     torch.set_num_threads(2)
     fixed = LLM(max_num_seqs=8, max_model_len=128, num_threads=2)
     fixed.generate(texts, params, use_tqdm=False)
     assert torch.get_num_threads() == 2
+
+
+def test_a_table_that_varies_sets_threads_per_step(monkeypatch, restore_threads):
+    torch.set_num_threads(2)
+    monkeypatch.setitem(THREADS_BY_TOKENS, torch.float32, [(1, 1), (64, 2)])
+    threads = StepThreads(torch.float32)
+    assert threads.per_step
+    assert threads.apply(8) == 1 and torch.get_num_threads() == 1
+    assert threads.apply(200) == 2 and torch.get_num_threads() == 2
+    assert not StepThreads(torch.float32, num_threads=1).per_step and torch.get_num_threads() == 1  # set once

@@ -36,7 +36,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-MAX_ROWS = 4  # decode steps of this many rows or fewer run compiled (bench/step_profile.py --compare)
+# Decode steps of this many rows or fewer run compiled: the largest batch at which every interleaved round of
+# `python bench/step_profile.py --batch-sizes 1 2 4 8 12 16 24 --compare` ran the compiled step clearly faster
+# (its matrix-vector loops redo each weight row's arithmetic per row; from ~16 rows oneDNN's blocked matmuls win).
+MAX_ROWS = 8
 _KINDS = ("qkv", "o", "gate_up", "down")
 
 
@@ -84,21 +87,22 @@ class CompiledDecode:
 
     @staticmethod
     def supported(model, k_pool: torch.Tensor | None, attention_backend: str) -> str | None:
-        """None if this model and pool can run compiled, else why not (one sentence)."""
-        c = model.config
-        reasons = [
-            (model.dtype != torch.float32, f"the model is {model.dtype}, the compiled step is float32 only"),
-            (not model.fused_ops, "the forward does not run the fused CPU ops"),
-            (model.layout.world_size != 1, "a parallel layout"),
-            (any(layer.moe is not None or layer.gate_up is None for layer in model.layers), "an MoE model"),
-            (any(layer.q_norm is not None for layer in model.layers), "per-head q/k norms (Qwen3)"),
-            (any(getattr(layer, kind).bias is not None for layer in model.layers for kind in _KINDS), "biases"),
-            (any(w is not None for w in c.sliding_windows), "sliding-window layers"),
-            (attention_backend != "numba_cpu", f"attention backend {attention_backend!r}, not 'numba_cpu'"),
-            (k_pool is None or k_pool.dtype != torch.float32, "no float32 paged KV pool"),
-            (model.embed_tokens is None or model.lm_head is None, "not the whole model"),
+        """None if this model and pool can run compiled, else why not (one sentence). The checks run
+        in order and stop at the first that fails (a stand-in model need not have what the later ones read)."""
+        checks = [
+            (lambda: model.dtype != torch.float32, f"the model is {model.dtype}, the compiled step is float32 only"),
+            (lambda: attention_backend != "numba_cpu", f"attention backend {attention_backend!r}, not 'numba_cpu'"),
+            (lambda: k_pool is None or k_pool.dtype != torch.float32, "no float32 paged KV pool"),
+            (lambda: not model.fused_ops, "the forward does not run the fused CPU ops"),
+            (lambda: model.layout.world_size != 1, "a parallel layout"),
+            (lambda: model.embed_tokens is None or model.lm_head is None, "not the whole model"),
+            (lambda: any(layer.moe is not None or layer.gate_up is None for layer in model.layers), "an MoE model"),
+            (lambda: any(layer.q_norm is not None for layer in model.layers), "per-head q/k norms (Qwen3)"),
+            (lambda: any(getattr(layer, kind).bias is not None for layer in model.layers for kind in _KINDS),
+             "biases"),
+            (lambda: any(w is not None for w in model.config.sliding_windows), "sliding-window layers"),
         ]
-        return next((why for failed, why in reasons if failed), None)
+        return next((why for failed, why in checks if failed()), None)
 
     def __init__(self, model, k_pool: torch.Tensor, v_pool: torch.Tensor, block_size: int,
                  max_rows: int = MAX_ROWS) -> None:

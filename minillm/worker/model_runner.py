@@ -219,7 +219,7 @@ class ModelRunner:
         loaded = self.update_state(plan)
         batch = self.input_batch
         compiled = self.compiled_decode
-        rows = None if compiled is None else compiled.rows_of(plan, batch)
+        rows = None if compiled is None or len(plan.req_ids) > compiled.max_rows else compiled.rows_of(plan, batch)
         if rows is not None:  # a small decode step: one compiled call, every row samples
             starts = np.asarray(plan.num_computed_tokens, dtype=np.int64)
             start = time.perf_counter()
@@ -234,12 +234,14 @@ class ModelRunner:
                 return ModelRunnerOutput([[t] for t in logits_np.argmax(axis=-1).tolist()], None, None, loaded)
             sampled, expert_load = range(len(rows)), None
         elif plan.padded is not None:
-            self.threads.apply(len(plan.padded.row_req_ids) * plan.padded.width)
+            if self.threads.per_step:
+                self.threads.apply(len(plan.padded.row_req_ids) * plan.padded.width)
             logits, expert_load = self.compute_padded_logits(plan)
             sampled = [i for i in range(len(plan.req_ids))]
             rows = batch.rows_of(plan.req_ids)
         else:
-            self.threads.apply(plan.num_tokens)
+            if self.threads.per_step:
+                self.threads.apply(plan.num_tokens)
             logits, inputs = self.compute_logits(plan)
             sampled, rows = inputs.sampled, inputs.sampled_rows  # (prepare looked the rows up)
             expert_load = inputs.expert_load

@@ -63,7 +63,7 @@ def _targets(engine) -> list[tuple[object, str, str]]:
                (worker.model, "forward", "forward, lm_head"), (worker.model, "compute_logits", "forward, lm_head"),
                (model_runner, "sample", "sample"), (engine.scheduler, "update_from_output", "update requests"),
                (engine, "_on_update", "outputs, metrics"), (engine, "_record", "outputs, metrics")]
-    if worker.compiled_decode is not None:
+    if getattr(worker, "compiled_decode", None) is not None:
         targets.append((worker.compiled_decode, "run", "forward, lm_head"))
     return targets
 

@@ -43,8 +43,9 @@ def threads_for(num_tokens: int, dtype: torch.dtype, available: int,
 
 
 class StepThreads:
-    """The worker's thread setter: `apply(num_tokens)` before a step's forward sets torch's count when
-    it changes (a no-op call otherwise)."""
+    """The worker's thread setter. A fixed count, or a table with one row for the dtype, is set once,
+    here (`per_step` False: the worker then calls nothing per step); otherwise `apply(num_tokens)`
+    before a step's forward sets torch's count when it changes."""
 
     def __init__(self, dtype: torch.dtype, num_threads: int | None = None) -> None:
         if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
@@ -53,9 +54,15 @@ class StepThreads:
         self.fixed = num_threads
         self.available = torch.get_num_threads()
         self.current = self.available
+        steps = THREADS_BY_TOKENS.get(dtype) or [(1, 1)]
+        # one row in the table: the same count for every step, found once
+        self.constant = min(self.available, steps[0][1]) if len(steps) == 1 else None
+        self.per_step = self.fixed is None and self.constant is None
+        if not self.per_step:
+            self.apply(0)
 
     def apply(self, num_tokens: int) -> int:
-        n = self.fixed if self.fixed is not None else threads_for(num_tokens, self.dtype, self.available)
+        n = self.fixed or self.constant or threads_for(num_tokens, self.dtype, self.available)
         if n != self.current:
             torch.set_num_threads(n)
             self.current = n
