@@ -122,3 +122,27 @@ def test_steps_it_cannot_run_go_the_op_by_op_way(llm):
     assert compiled.rows_of(plan(1, decode=False), batch) is None
     assert compiled.rows_of(plan(1, spec={"r0": [3, 4]}), batch) is None
     assert CompiledDecode.supported(llm.model, None, "numba_cpu") == "no float32 paged KV pool"
+
+
+def test_compute_logits_runs_compiled_and_hands_back_a_copy(llm):
+    """`executor.compute_logits` (the draft model's passes, chapter 04's look inside a step) takes the
+    compiled step for a decode plan: logits equal the op-by-op forward's, in a tensor of their own."""
+    engine = llm.engine
+    worker = engine.executor.worker
+    for text in TEXTS[:2]:
+        engine.add_request(text, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    engine.step()  # the prefill
+    plan = engine.scheduler.schedule(engine.clock.now())
+    sizes, compiled = count_compiled_calls(llm), worker.compiled_decode
+    try:
+        got, ids = engine.executor.compute_logits(plan)
+        assert sizes == [2] and ids == [r.request_id for r in plan.requests]
+        assert got.data_ptr() != compiled.buffers[2].logits_tensor.data_ptr()
+        worker.compiled_decode = None
+        want, _ = engine.executor.compute_logits(plan)  # the same step again, op by op
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    finally:
+        worker.compiled_decode = compiled
+        del compiled.run  # (count_compiled_calls' wrapper)
+        for rid in list(engine.requests):
+            engine.abort_request(rid)

@@ -221,13 +221,7 @@ class ModelRunner:
         compiled = self.compiled_decode
         rows = None if compiled is None or len(plan.req_ids) > compiled.max_rows else compiled.rows_of(plan, batch)
         if rows is not None:  # a small decode step: one compiled call, every row samples
-            starts = np.asarray(plan.num_computed_tokens, dtype=np.int64)
-            start = time.perf_counter()
-            logits, logits_np = compiled.run(rows, starts, batch)
-            self.model_time_s += time.perf_counter() - start
-            keys = int(starts.sum()) + len(rows)
-            self.keys_read += keys
-            self.keys_exist += keys
+            logits, logits_np = self._run_compiled(plan, rows)
             if not (batch.num_random or batch.num_penalized or batch.num_min_tokens or batch.num_logprobs):
                 # every known request greedy and plain: `sample` would be this argmax (the first
                 # largest logit), here without a tensor op
@@ -323,9 +317,31 @@ class ModelRunner:
         self.model_time_s += time.perf_counter() - start
         return logits, forward.expert_load
 
+    def _run_compiled(self, plan: SchedulerOutput, rows: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        """The compiled decode step (minillm/model/decode_step.py) on `rows`: its logits buffer, as a
+        tensor and as numpy; the runner's counters kept as the op-by-op step keeps them."""
+        starts = np.asarray(plan.num_computed_tokens, dtype=np.int64)
+        start = time.perf_counter()
+        logits, logits_np = self.compiled_decode.run(rows, starts, self.input_batch)
+        self.model_time_s += time.perf_counter() - start
+        keys = int(starts.sum()) + len(rows)
+        self.keys_read += keys
+        self.keys_exist += keys
+        return logits, logits_np
+
     def compute_logits(self, plan: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
         """Run the model on a step whose diffs were applied; logits [N, vocab] of the sampled rows
-        (plan order, 1+k per speculative row) and the step's inputs."""
+        (plan order, 1+k per speculative row) and the step's inputs. A step the compiled decode
+        can run (the draft model's one-token passes, chapter 09) runs compiled: its logits are a
+        copy of the buffer, and its inputs hold no tensors (none were built)."""
+        compiled = self.compiled_decode
+        if compiled is not None and len(plan.req_ids) <= compiled.max_rows:
+            rows = compiled.rows_of(plan, self.input_batch)
+            if rows is not None:
+                n = len(rows)
+                every = list(range(n))
+                return self._run_compiled(plan, rows)[0].clone(), StepInputs(
+                    None, None, None, every, every, every, [(j, 1) for j in every], rows)
         inputs = self.prepare(plan)
         attention = self.backend(self.k_pool, self.v_pool, inputs.meta, self.model.config.sliding_windows)
         rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=inputs.input_ids.device)
