@@ -47,6 +47,7 @@ CHAT_PROMPT, CHAT_TOKENS = 200, 128  # one chat's request, as issue 29 measured 
 SMALL = 16  # batch sizes below this run the chat workload
 
 NUMBA_DECODE = "numba_cpu::paged_decode"  # a profiler range around each call of the @njit decode kernel
+COMPILED_STEP = "numba_cpu::decode_step"  # ... and around each compiled decode step (minillm/model/decode_step.py)
 # (label, op names), first match wins; the rest is "other model ops". The float32 CPU forward runs
 # its matmuls as oneDNN's `mkldnn::_linear_pointwise` on packed weights (minillm/model/fused.py),
 # one-row ones and other dtypes as `aten::mm` / `aten::addmm` under `aten::linear` / `aten::matmul`
@@ -59,6 +60,7 @@ CATEGORIES = [
                                                    "aten::scaled_dot_product_attention", NUMBA_DECODE)),
     ("KV reads/writes (block gathers, cache writes, zeroing)", ("aten::index_select", "aten::index_copy_",
                                                                "aten::index_fill_")),
+    ("compiled decode steps (the whole forward, steps of few rows)", (COMPILED_STEP,)),
 ]
 
 
@@ -73,7 +75,8 @@ def categorize(prof) -> dict[str, float]:
 @contextmanager
 def numba_calls_in_ranges():
     """The profiler sees torch ops only: while profiling, each call of a numba function runs in a
-    named range (the functions are looked up on their module at each call: cpu_paged, model/fused)."""
+    named range (the functions are looked up on their module at each call: cpu_paged, model/fused),
+    and so does each compiled decode step."""
     from minillm.kernels import cpu_decode_attention, cpu_fused_ops
 
     targets = [(cpu_decode_attention, name, NUMBA_DECODE) for name in ("paged_decode_f32", "paged_decode_f64")] + [
@@ -88,9 +91,18 @@ def numba_calls_in_ranges():
 
     for (module, name, label), function in zip(targets, originals):
         setattr(module, name, in_a_range(function, label))
+    from minillm.model.decode_step import CompiledDecode
+
+    run = CompiledDecode.run
+
+    def run_in_a_range(self, *args):
+        with record_function(COMPILED_STEP):
+            return run(self, *args)
+    CompiledDecode.run = run_in_a_range
     try:
         yield
     finally:
+        CompiledDecode.run = run
         for (module, name, _), function in zip(targets, originals):
             setattr(module, name, function)
 

@@ -14,9 +14,12 @@ position, token and block-table row straight from the worker's input batch.
 Why numba and not torch.compile or a C++ extension: the repository already compiles its CPU kernels
 with numba (`cache=True`: compiled once per machine, nothing to build at install time), the norms,
 RoPE and attention it needs are those kernels, called from the compiled step without going back
-to Python; torch.compile's CPU backend would still run its generated code through a Python
-wrapper with guards per call and hand the matmuls to oneDNN one by one, and a C++ extension needs a
-compiler wherever minillm is installed.
+to Python, and a C++ extension needs a compiler wherever minillm is installed. torch.compile's CPU
+backend (inductor) was tried once with a scratch script on the same decode step at batch 1 (the
+bundled model, a static 512-slot cache so that one graph serves every position): its step still
+makes 288 Python calls (guards, the generated wrapper) against 6 for this one, took minutes to
+compile on the course's VM, and ran 2.6–5.0× slower than this step in seven interleaved rounds —
+no faster than eager torch there (2.4–4.4×).
 
 Where it is taken (`CompiledDecode.supported`, then `rows_of` per step): a float32 dense Llama
 -family model on a CPU in one process running the fused ops (float64 keeps HF's ops, op for op:
