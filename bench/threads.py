@@ -31,6 +31,7 @@ import torch  # noqa: E402
 from _machine import describe_machine  # noqa: E402
 
 from minillm import LLM, SamplingParams  # noqa: E402
+from minillm.worker.threads import StepThreads  # noqa: E402
 
 PAYS = 1.10  # a thread count pays when its worst round is this much faster than one thread
 PROMPT = 200
@@ -79,7 +80,7 @@ def measure(llm: LLM, kind: str, size: int, threads: list[int], rounds: int, ste
     for _ in range(rounds):
         seconds = {}
         for n in threads:
-            worker.threads.fixed = n
+            worker.threads = StepThreads(llm.model.dtype, num_threads=n)  # sets n now, and holds it
             seconds[n] = (time_decode if kind == "decode" else time_prefill)(llm, size, steps)
         for n in threads:
             speedups[n].append(seconds[1] / seconds[n])

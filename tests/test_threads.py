@@ -63,3 +63,24 @@ def test_a_table_that_varies_sets_threads_per_step(monkeypatch, restore_threads)
     assert threads.apply(8) == 1 and torch.get_num_threads() == 1
     assert threads.apply(200) == 2 and torch.get_num_threads() == 2
     assert not StepThreads(torch.float32, num_threads=1).per_step and torch.get_num_threads() == 1  # set once
+
+
+def test_bench_threads_turns_measured_speedups_into_the_table():
+    """bench/threads.py's rule: a count pays where its worst round is >= 1.10x one thread, there and at
+    every larger size measured (for every kind of step measured at a size)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("threads_bench_under_test", bench / "threads.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(bench))
+    paying = {2: [1.2, 1.3]}
+    assert module.rule({8: [{2: [0.9, 1.4]}], 64: [paying], 256: [{2: [1.5, 1.6]}]}) == [(1, 1), (64, 2)]
+    assert module.rule({8: [paying], 64: [{2: [1.05, 1.5]}], 256: [paying]}) == [(1, 1), (256, 2)]
+    assert module.rule({64: [paying, {2: [0.5]}]}) == [(1, 1)]  # a decode step at 64 pays, a prefill does not
