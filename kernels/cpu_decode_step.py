@@ -9,7 +9,7 @@ layout is computed inside too, from the input batch's own arrays (each row's pos
 slot and block-table row), so nothing is built in Python for it.
 
 Why one call: at batch 1 the bundled model's step reads ~16 MB of weights, about a millisecond of
-memory traffic, while the op-by-op forward dispatches ~500 torch ops and ~30 numba calls a step
+memory traffic, while the op-by-op forward dispatches ~480 torch ops and 17 numba calls a step
 (counted: `python bench/step_profile.py --batch-sizes 1`), each a few µs of framework work. Here
 every matmul is a matrix-vector product per row, written as `out[b] += x[b, i] · W[i]` over the
 weight's rows (`W` stored [in, out]: the storage the model already keeps, `column_major` in

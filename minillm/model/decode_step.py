@@ -21,8 +21,8 @@ makes 288 Python calls (guards, the generated wrapper) against 6 for this one, t
 compile on the course's VM, and ran 2.6–5.0× slower than this step in seven interleaved rounds —
 no faster than eager torch there (2.4–4.4×).
 
-Where it is taken (`CompiledDecode.supported`, then `rows_of` per step): a float32 dense Llama
--family model on a CPU in one process running the fused ops (float64 keeps HF's ops, op for op:
+Where it is taken (`CompiledDecode.supported`, then `rows_of` per step): a float32 dense
+Llama-family model on a CPU in one process running the fused ops (float64 keeps HF's ops, op for op:
 the parity tests' path), no biases, no per-head q/k norms, no sliding windows, the `numba_cpu`
 attention backend on a float32 pool; a step whose rows are all decode rows that sample, with no
 speculative guesses, static batch or KV connector. Everything else runs the op-by-op forward.
@@ -41,7 +41,7 @@ import torch
 
 # Decode steps of this many rows or fewer run compiled: the largest batch at which every interleaved round of
 # `python bench/step_profile.py --batch-sizes 1 2 4 8 12 16 24 --compare` ran the compiled step clearly faster
-# (its matrix-vector loops redo each weight row's arithmetic per row; from ~16 rows oneDNN's blocked matmuls win).
+# (its matrix-vector loops redo each weight row's arithmetic per row; at 16-24 rows oneDNN's blocked matmuls caught up).
 MAX_ROWS = 8
 _KINDS = ("qkv", "o", "gate_up", "down")
 
