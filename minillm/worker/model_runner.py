@@ -79,12 +79,15 @@ class ModelRunner:
         self.threads = StepThreads(model.dtype, num_threads)  # torch threads per step, by its size
         self.attention_backend = resolve_backend(attention_backend, model.device, cache_spec.dtype)
         self.backend = backend_class(self.attention_backend)  # builds its metadata, then runs each layer
+        # a quantized pool (chapter 14): the backend is told how to read it (a backend without the keyword refuses)
+        self.quantized_kv = {"kv_cache_dtype": cache_spec.kv_cache_dtype} if cache_spec.quantized else {}
         self.block_size = cache_spec.block_size
         self.null_block = cache_spec.null_block
         self.k_pool = self.v_pool = None
         if cache_spec.allocate and cache_spec.num_slots:
-            self.k_pool = torch.zeros(cache_spec.shape, dtype=cache_spec.dtype, device=model.device)
-            self.v_pool = torch.zeros(cache_spec.shape, dtype=cache_spec.dtype, device=model.device)
+            # (a quantized kv_cache_dtype stores bytes: each (token, head) row its codes and scale)
+            self.k_pool = torch.zeros(cache_spec.shape, dtype=cache_spec.storage_dtype, device=model.device)
+            self.v_pool = torch.zeros(cache_spec.shape, dtype=cache_spec.storage_dtype, device=model.device)
         self._pools_by_block: list | None = None  # the pools seen as [L, blocks, block] (`_zero_blocks`)
         self.padded_cache: PaddedBatchCache | None = None  # static/dynamic batching's rectangle
         self.swapped: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}  # host K, V, number of blocks
@@ -136,10 +139,11 @@ class ModelRunner:
         """Zero the K and V of `blocks` in every layer (on a CPU through numpy views of the pools,
         made once: a few µs and no torch op, where torch's index_fill_ cost ~50 µs a step at batch 64)."""
         if self._pools_by_block is None:
-            numpy_ok = self.k_pool.device.type == "cpu" and self.k_pool.dtype in (torch.float32, torch.float64)
+            numpy_ok = self.k_pool.device.type == "cpu" and self.k_pool.dtype in (
+                torch.float32, torch.float64, torch.uint8)  # (numpy has no bf16)
             self._pools_by_block = [(pool.numpy() if numpy_ok else pool).reshape(
                 pool.shape[0], -1, self.block_size * pool.shape[2] * pool.shape[3])  # [L, blocks, block]
-                for pool in (self.k_pool, self.v_pool)]  # (numpy has no bf16)
+                for pool in (self.k_pool, self.v_pool)]
         for pool in self._pools_by_block:
             if isinstance(pool, np.ndarray):
                 pool[:, blocks] = 0
@@ -294,7 +298,7 @@ class ModelRunner:
         step, device, c = plan.padded, self.model.device, self.cache_spec
         if step.is_prefill:
             self.padded_cache = PaddedBatchCache(c.num_layers, len(step.row_req_ids), step.max_len, c.num_kv_heads,
-                                                 c.head_dim, c.dtype, device)
+                                                 c.head_dim, c.dtype, device, c.kv_cache_dtype)
         cache, width = self.padded_cache, step.width
         ids = torch.zeros(len(step.row_req_ids), width, dtype=torch.long)
         is_real = torch.zeros(len(step.row_req_ids), width, dtype=torch.bool)
@@ -343,7 +347,8 @@ class ModelRunner:
                 return self._run_compiled(plan, rows)[0].clone(), StepInputs(
                     None, None, None, every, every, every, [(j, 1) for j in every], rows)
         inputs = self.prepare(plan)
-        attention = self.backend(self.k_pool, self.v_pool, inputs.meta, self.model.config.sliding_windows)
+        attention = self.backend(self.k_pool, self.v_pool, inputs.meta, self.model.config.sliding_windows,
+                                 **self.quantized_kv)
         rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=inputs.input_ids.device)
         start = time.perf_counter()
         forward = self.model.forward(inputs.input_ids, inputs.positions, attention, output_rows=rows)
