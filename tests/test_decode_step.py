@@ -102,6 +102,7 @@ def test_layer_weights_are_views_of_the_stacked_weights_not_copies(llm):
 @pytest.mark.parametrize(("knobs", "why"), [
     ({"dtype": "float64"}, "float32 only"),
     ({"attention_backend": "torch"}, "not 'numba_cpu'"),
+    ({"kv_cache_dtype": "int8"}, "no float32 paged KV pool"),  # a quantized pool (chapter 14) stores bytes
 ])
 def test_not_taken_where_not_supported(knobs, why):
     worker = LLM(max_num_seqs=2, max_model_len=64, **knobs).engine.executor.worker
