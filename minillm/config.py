@@ -79,6 +79,9 @@ class EngineConfig:
     # How the KV pool stores K and V (chapter 14; vLLM's name): "auto" (the model's dtype), "int8" (a scale per
     # token and head) or "fp8_e4m3" (one static scale); minillm.kv.quant
     kv_cache_dtype: str = "auto"
+    # torch threads per step: None follows the step's size and dtype (minillm/worker/threads.py: one
+    # thread for every step by default, never more than torch had at start); an integer fixes the count.
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -120,6 +123,8 @@ class EngineConfig:
         if self.preemption_mode == "swap" and self.kv_layout != "paged":
             raise ValueError("preemption_mode='swap' needs kv_layout='paged'")
         _require_int("max_num_seqs", self.max_num_seqs, 1)
+        if self.num_threads is not None:
+            _require_int("num_threads", self.num_threads, 1)
         _require_int("block_size", self.block_size, 1)
         if self.num_kv_blocks is not None:
             _require_int("num_kv_blocks", self.num_kv_blocks, 1)

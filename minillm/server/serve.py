@@ -43,6 +43,8 @@ ENGINE_FLAGS = [
     ("--tensor-parallel-size", "tensor_parallel_size", int, "ranks that split each layer (Megatron TP), one process each"),
     ("--pipeline-parallel-size", "pipeline_parallel_size", int, "stages that split the layers (PP), tp processes each"),
     ("--distributed-executor-backend", "distributed_executor_backend", str, "uni (one process) or mp (one per rank)"),
+    ("--num-threads", "num_threads", int, "torch threads per step (default: by the step's size and dtype, "
+     "minillm/worker/threads.py)"),
 ]
 
 
