@@ -23,6 +23,7 @@ Where minillm applies it, and what it simplifies (say so when you quote a number
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +81,9 @@ class KVEvictionConfig:
 
 def streaming_keep_positions(seq_len: int, budget_tokens: int, num_sinks: int) -> np.ndarray:
     """StreamingLLM's keep-set of a sequence of `seq_len` tokens: sinks, then the recent window."""
+    if not 0 <= num_sinks < budget_tokens:
+        raise ValueError(f"num_sinks={num_sinks} must be >= 0 and leave room for a recent window in "
+                         f"budget_tokens={budget_tokens}")
     if seq_len <= budget_tokens:
         return np.arange(seq_len)
     recent = budget_tokens - num_sinks
@@ -106,10 +110,13 @@ class _SequenceState:
 
 class EvictionTracker:
     """Per request: which of its positions decode still attends to, and (h2o) their accumulated scores.
-    Lives in the worker, keyed by request id; `forget` when the request finishes."""
+    Lives in the worker, keyed by request id; `forget` when the request finishes. `streaming_keep`: the
+    function that gives StreamingLLM's keep-set (exercise 14 plugs the learner's in here)."""
 
-    def __init__(self, config: KVEvictionConfig) -> None:
+    def __init__(self, config: KVEvictionConfig,
+                 streaming_keep: Callable[[int, int, int], Any] = streaming_keep_positions) -> None:
         self.config = config
+        self.streaming_keep = streaming_keep
         self.states: dict[str, _SequenceState] = {}
         self.evicted_tokens = 0  # over the tracker's life: positions dropped from attention
 
@@ -131,7 +138,7 @@ class EvictionTracker:
         cfg = self.config
         if int(kept.sum()) > cfg.budget_tokens:
             if cfg.policy == "streaming":
-                survivors = streaming_keep_positions(seq_len, cfg.budget_tokens, cfg.num_sinks)
+                survivors = np.asarray(self.streaming_keep(seq_len, cfg.budget_tokens, cfg.num_sinks), dtype=np.int64)
             else:
                 survivors = h2o_keep_positions(kept, state.scores[:seq_len], cfg.budget_tokens, cfg.recent_tokens)
             new = np.zeros(seq_len, dtype=bool)

@@ -14,6 +14,8 @@ are all zero gets scale 1, so nothing is ever divided by zero.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from minillm.attention.flat_pool import FlatPoolAttention
@@ -35,17 +37,22 @@ def round_trip(x: torch.Tensor, kv_dtype: str) -> torch.Tensor:
     return codes * scale
 
 
+def round_trip_backend(transform: Callable[[torch.Tensor], torch.Tensor]) -> type:
+    """The torch backend with every K/V [tokens, heads, head_dim] written as `transform(K)`, `transform(V)`
+    (exercise 14 plugs the learner's quantize-then-dequantize in here)."""
+
+    class RoundTripAttention(FlatPoolAttention):
+        def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return super().write(layer, transform(k), transform(v))
+
+    return RoundTripAttention
+
+
 def simulated_backend(kv_dtype: str) -> type:
     """The torch backend with every K/V written through `round_trip(…, kv_dtype)`."""
     if kv_dtype not in SIMULATED_KV_DTYPES:
         raise ValueError(f"kv_dtype={kv_dtype!r}; choose one of {sorted(SIMULATED_KV_DTYPES)}")
-
-    class RoundTripAttention(FlatPoolAttention):
-        def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return super().write(layer, round_trip(k, kv_dtype), round_trip(v, kv_dtype))
-
-    RoundTripAttention.__name__ = f"RoundTrip{kv_dtype.title().replace('_', '')}Attention"
-    return RoundTripAttention
+    return round_trip_backend(lambda x: round_trip(x, kv_dtype))
 
 
 def simulate_kv_dtype(llm, kv_dtype: str) -> None:
