@@ -21,14 +21,16 @@ import torch
 from minillm.attention.flat_pool import FlatPoolAttention, decode_mask
 from minillm.attention.metadata import AttentionMetadata, RowGroup
 from minillm.kv.eviction import EvictionTracker
+from minillm.kv.quant import decode
 
 
 class EvictingAttention(FlatPoolAttention):
     """Per step: the keep masks of the decode rows, built once (evicting down to the budget first)."""
 
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
-                 sliding_windows: tuple[int | None, ...], tracker: EvictionTracker, row_req_ids: list[str]) -> None:
-        super().__init__(k_pool, v_pool, meta, sliding_windows)
+                 sliding_windows: tuple[int | None, ...], tracker: EvictionTracker, row_req_ids: list[str],
+                 kv_cache_dtype: str = "auto") -> None:
+        super().__init__(k_pool, v_pool, meta, sliding_windows, kv_cache_dtype)
         self.tracker = tracker
         self.row_req_ids = row_req_ids  # per flattened sequence (decode rows first), its request
         self.seq_lens = meta.seq_lens.tolist()
@@ -40,14 +42,14 @@ class EvictingAttention(FlatPoolAttention):
                 row = g.first_row + r
                 allowed[r, : self.seq_lens[row]] = tracker.keep_mask(row_req_ids[row], self.seq_lens[row])
             additive = np.where(allowed, 0.0, -math.inf)[:, None, None, :]
-            self.keep_masks[g.first_row] = torch.from_numpy(additive).to(k_pool.device, k_pool.dtype)
+            self.keep_masks[g.first_row] = torch.from_numpy(additive).to(meta.slot_mapping.device)
 
     def _decode(self, g: RowGroup, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
                 window: int | None) -> torch.Tensor:
-        keys, values = self._gather(g, k_blocks, v_blocks)  # [b, H_kv, K, D]
+        keys, values = self._gather(g, k_blocks, v_blocks, q.dtype)  # [b, H_kv, K, D], dequantized if stored so
         b, h_q, d = q.shape
         h_kv = keys.shape[1]
-        mask = self.keep_masks[g.first_row]
+        mask = self.keep_masks[g.first_row].to(q.dtype)
         if window is not None:
             mask = mask + decode_mask(g, window, q.dtype)
         # GQA folded as in the parent: the G query heads of KV head j are G queries of that head
@@ -72,7 +74,9 @@ class EvictingAttention(FlatPoolAttention):
         seq_len, first, last = self.seq_lens[row], self.query_start[row], self.query_start[row + 1]
         n, bs = last - first, self.meta.block_size
         blocks = self.meta.block_tables[row, : -(-seq_len // bs)].long()
-        keys = k_blocks.index_select(0, blocks).reshape(-1, *k_blocks.shape[2:])[:seq_len]  # [L, H_kv, D]
+        keys = k_blocks.index_select(0, blocks).reshape(-1, *k_blocks.shape[2:])[:seq_len]  # [L, H_kv, D or W bytes]
+        if self.kv_format is not None:
+            keys = decode(keys, self.kv_format, q.dtype)
         queries = q[first:last]  # [n, H_q, D]
         h_q, h_kv, d = queries.shape[1], keys.shape[1], queries.shape[2]
         qg = queries.view(n, h_kv, h_q // h_kv, d).permute(1, 2, 0, 3)  # [H_kv, G, n, D]

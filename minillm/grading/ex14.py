@@ -2,7 +2,8 @@
 and head, its dequantization, StreamingLLM's keep-set, then both inside the engine.
 
 Chapter 14 measures what 8-bit KV and eviction cost, but does not print the code of either: the
-quantizer behind its simulated rows (`minillm.kv.simulated_quant.round_trip`) and the keep-set behind
+engine's int8 pool (`minillm.kv.quant`: quantize_int8, dequantize_int8, encode, decode, round_trip), the
+simulated round trip (`minillm.kv.simulated_quant.round_trip`) and the keep-set behind
 `kv_eviction={"policy": "streaming"}` (`minillm.kv.eviction.streaming_keep_positions`) are the
 references here, disabled (`forbid`) while learner code runs. The checks test the properties that
 define each piece, not one output:
@@ -27,10 +28,12 @@ import random
 import torch
 
 from minillm.grading import Fail, forbid, grade_time_seeds, task
-from minillm.kv import eviction, simulated_quant
+from minillm.kv import eviction, quant, simulated_quant
 
 LEARNER_TOOLS = ()  # nothing of this module is lent
+# minillm's own answers: the simulated round trip, the engine's quantized pool (kv_cache_dtype) and the keep-set
 REFERENCE = (simulated_quant.round_trip, simulated_quant.simulated_backend, simulated_quant.simulate_kv_dtype,
+             quant.quantize_int8, quant.dequantize_int8, quant.round_trip, quant.encode, quant.decode,
              eviction.streaming_keep_positions)
 FRESH_CASES = 3
 TOLERANCE = 1e-6  # relative, on scales and dequantized values (float32 arithmetic in a learner's code)

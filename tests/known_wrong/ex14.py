@@ -40,6 +40,9 @@ KNOWN_WRONG = [
         "    scales = x.abs().amax(dim=-1, keepdim=True) / 127\n"
         "    scales = torch.where(scales == 0, torch.ones_like(scales), scales)\n"
         "    return (_rt(x, 'int8') / scales).round().to(torch.int8), scales\n"), expect="reference"),
+    Mutant(1, "delegates to the engine's int8 pool code (minillm.kv.quant.quantize_int8)", code=(
+        "from minillm.kv.quant import quantize_int8 as _q\n"
+        "def quantize_int8(x):\n    codes, scales = _q(x)\n    return codes, scales[..., None]\n"), expect="reference"),
     reads_the_checks_frame(1, "def quantize_int8(x):\n    return _expected()\n", var="got"),
     # task 2: dequantize
     Mutant(2, "forgets the scale", edits=(("return codes.to(dtype) * scales.to(dtype)", "return codes.to(dtype)"),),
@@ -51,6 +54,10 @@ KNOWN_WRONG = [
     Mutant(2, "the first token's scales for every token",
            edits=(("return codes.to(dtype) * scales.to(dtype)", "return codes.to(dtype) * scales[:1].to(dtype)"),),
            expect="expected code x scale"),
+    Mutant(2, "delegates to minillm.kv.quant.dequantize_int8", code=(
+        "from minillm.kv.quant import dequantize_int8 as _d\n"
+        "def dequantize_int8(codes, scales, dtype=torch.float32):\n    return _d(codes, scales[..., 0]).to(dtype)\n"),
+        expect="reference"),
     # task 3: the keep-set
     Mutant(3, "no sinks: the recent window only", edits=(("if p < num_sinks or p >= window_start", "if p >= window_start"),),
            expect="kept"),
