@@ -4,9 +4,8 @@
     python bench/kv_quality.py --texts 6 --tokens 256
 
 Each row is one engine configuration (LLM keyword arguments; the first is the reference): exact,
-int8 and fp8 e4m3 KV (simulated: K/V rounded through 8 bits as written, minillm.kv.simulated_quant),
-StreamingLLM and H2O eviction at int8's memory and at a tighter budget. Once the engine has
-`kv_cache_dtype`, add rows `QualityRow("int8", {"kv_cache_dtype": "int8"})` beside the simulated ones.
+the engine's int8 and fp8 e4m3 KV pools (`kv_cache_dtype`), StreamingLLM and H2O eviction at int8's
+memory and at a tighter budget.
 Quality numbers, not timings: they repeat on a machine, and may differ in the last digits on another.
 """
 
@@ -31,8 +30,8 @@ def rows_for(int8_budget: int, tight_budget: int) -> list[QualityRow]:
         return QualityRow(f"{policy} {budget}", {"kv_eviction": {"policy": policy, "budget_tokens": budget}})
 
     return [QualityRow("exact", {}),
-            QualityRow("int8 KV (simulated)", {"attention_backend": "torch"}, simulated_kv_dtype="int8"),
-            QualityRow("fp8 e4m3 KV (simulated)", {"attention_backend": "torch"}, simulated_kv_dtype="fp8_e4m3"),
+            QualityRow("int8 KV", {"kv_cache_dtype": "int8"}),
+            QualityRow("fp8 e4m3 KV", {"kv_cache_dtype": "fp8_e4m3"}),
             evict("streaming", int8_budget), evict("h2o", int8_budget),
             evict("streaming", tight_budget), evict("h2o", tight_budget)]
 

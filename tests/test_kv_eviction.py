@@ -123,6 +123,18 @@ def test_budget_at_least_the_sequence_is_exact(control, policy):
     assert evicting.max_logprob_diff < 1e-10
 
 
+def test_eviction_over_an_int8_pool(control):
+    """kv_eviction reads a quantized pool (kv_cache_dtype) dequantized: with nothing evicted it is the int8 engine."""
+    texts = [[(i * 29 + 5 * j) % 4000 + 6 for i in range(90)] for j in range(2)]
+    rows = [QualityRow("int8", {"kv_cache_dtype": "int8", "attention_backend": "torch"}),
+            QualityRow("int8 + h2o 256", {"kv_cache_dtype": "int8", "kv_eviction": {"policy": "h2o", "budget_tokens": 256}}),
+            QualityRow("int8 + h2o 10", {"kv_cache_dtype": "int8", "kv_eviction": {"policy": "h2o", "budget_tokens": 10}})]
+    whole, unevicted, evicted = measure_quality(rows, texts, make_llm=lambda **k: _control_llm(control, **k),
+                                                prompt_tokens=8, num_greedy_tokens=40)
+    assert unevicted.greedy == whole.greedy and unevicted.max_logprob_diff < 1e-10
+    assert evicted.max_logprob_diff > 1e-3
+
+
 def test_quality_falls_as_the_budget_shrinks():
     """On the bundled model and held-out text: the smaller the budget, the fewer greedy tokens match the exact
     cache and the higher the perplexity (teacher-forced through the evicting engine)."""

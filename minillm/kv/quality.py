@@ -1,8 +1,8 @@
 """What squeezing the KV cache costs in quality, measured through the engine (chapter 14).
 
 Each row of the table is one engine configuration, given as `LLM` keyword arguments — exact caching
-(`{}`), eviction (`{"kv_eviction": {"policy": "h2o", "budget_tokens": 64}}`), a quantized KV dtype
-(`{"kv_cache_dtype": "int8"}` once the engine has that knob) — and is compared with the first row,
+(`{}`), eviction (`{"kv_eviction": {"policy": "h2o", "budget_tokens": 64}}`), a quantized KV pool
+(`{"kv_cache_dtype": "int8"}`, minillm.kv.quant), or both — and is compared with the first row,
 the reference. On held-out text the bundled models never trained on (data/heldout/, every 50th
 chapter of the corpus, tools/export_heldout.py), per row:
 
