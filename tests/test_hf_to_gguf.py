@@ -95,7 +95,8 @@ def test_vocabulary_round_trips(converted):
     assert [i for i, t in enumerate(types) if t == gguf.TokenType.CONTROL] == [hf_tok.token_to_id(s) for s in
                                                                                sorted(specials, key=hf_tok.token_to_id)]
     assert set(types) == {gguf.TokenType.NORMAL, gguf.TokenType.CONTROL}
-    assert (_field(reader, "tokenizer.ggml.model"), _field(reader, "tokenizer.ggml.pre")) == ("gpt2", "gpt2")
+    # llama.cpp's names: byte-level BPE, split by GPT-2's regex
+    assert (_field(reader, "tokenizer.ggml.model"), _field(reader, "tokenizer.ggml.pre")) == ("gpt2", "gpt-2")
     assert _field(reader, "tokenizer.ggml.bos_token_id") == hf_tok.token_to_id("<s>") == 0
     assert _field(reader, "tokenizer.ggml.eos_token_id") == hf_tok.token_to_id("</s>") == 1
     assert _field(reader, "tokenizer.ggml.add_bos_token") is True  # the post-processor prepends <s>

@@ -39,7 +39,7 @@ def _check_supported(config: dict, tokenizer: dict) -> None:
         raise ValueError(f"hf_to_gguf converts Llama checkpoints (model_type 'llama'); got {config.get('model_type')!r}")
     model, pre = tokenizer.get("model", {}), tokenizer.get("pre_tokenizer") or {}
     if model.get("type") != "BPE" or pre.get("type") != "ByteLevel" or not pre.get("use_regex", True):
-        raise ValueError("hf_to_gguf converts byte-level BPE tokenizers (GPT-2's pre-tokenizer, llama.cpp's 'gpt2'); "
+        raise ValueError("hf_to_gguf converts byte-level BPE tokenizers (GPT-2's pre-tokenizer, llama.cpp's 'gpt-2'); "
                          f"got model {model.get('type')!r} with pre-tokenizer {pre.get('type')!r}")
 
 
@@ -91,7 +91,7 @@ def convert(model_dir: str | Path, out_path: str | Path) -> Path:
 
     tokens, token_types, merges = vocabulary(tokenizer)
     writer.add_tokenizer_model("gpt2")  # llama.cpp's name for byte-level BPE
-    writer.add_tokenizer_pre("gpt2")  # GPT-2's split regex, what HF's ByteLevel(use_regex=True) applies
+    writer.add_tokenizer_pre("gpt-2")  # GPT-2's split regex, what HF's ByteLevel(use_regex=True) applies
     writer.add_token_list(tokens)
     writer.add_token_types(token_types)
     writer.add_token_merges(merges)
