@@ -3,8 +3,8 @@
 It imports llama_cpp and numpy only (never minillm or torch). Two modes:
 
     python bench/_llamacpp_peer.py serve       JSON requests on stdin, one JSON answer a line
-    python bench/_llamacpp_peer.py startup GGUF LAUNCHED_AT THREADS MESSAGES_JSON
-                                               import + Llama(...) load + the first token of a chat
+    python bench/_llamacpp_peer.py startup GGUF LAUNCHED_AT THREADS CHATS_JSON
+                                               import + Llama(...) load + the first token of each chat
 
 Generation goes through the low-level binding as llama.cpp's own `batched` example does: one
 context, one KV cache (`kv_unified`), a `llama_batch` whose tokens carry their sequence id, llama.cpp's
@@ -166,22 +166,24 @@ def serve() -> None:
         out.write(json.dumps(answer) + "\n")
 
 
-def startup(path: str, launched_at: float, threads: int, messages: list[dict]) -> None:
-    """What a llama.cpp user waits for: interpreter + import + load, then the first token of a chat."""
+def startup(path: str, launched_at: float, threads: int, chats: list[list[dict]]) -> None:
+    """What a llama.cpp user waits for: interpreter + import + load, then the first token of each chat."""
     out = _protocol_stream()
     from llama_cpp import Llama
 
     threads_kw = {"n_threads": threads, "n_threads_batch": threads} if threads > 0 else {}  # 0: its defaults
     llm = Llama(model_path=path, n_ctx=2048, verbose=False, **threads_kw)
     ready_at = time.time()
-    request_at = time.time()
-    first_at, prompt_tokens = None, None
-    for chunk in llm.create_chat_completion(messages, max_tokens=8, temperature=0.0, stream=True):
-        if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-            first_at, prompt_tokens = time.time(), llm.n_tokens  # the first sampled token is not evaluated yet
-            break
-    out.write(json.dumps({"launched_at": launched_at, "ready_at": ready_at, "request_at": request_at,
-                          "first_token_at": first_at, "prompt_tokens": prompt_tokens}) + "\n")
+    first_token_s, prompt_tokens = [], []
+    for messages in chats:
+        sent = time.time()
+        for chunk in llm.create_chat_completion(messages, max_tokens=8, temperature=0.0, stream=True):
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                first_token_s.append(time.time() - sent)
+                prompt_tokens.append(llm.n_tokens)  # the first sampled token is not evaluated yet
+                break
+    out.write(json.dumps({"launched_at": launched_at, "ready_at": ready_at, "first_token_s": first_token_s,
+                          "prompt_tokens": prompt_tokens}) + "\n")
 
 
 if __name__ == "__main__":
@@ -190,4 +192,4 @@ if __name__ == "__main__":
     elif sys.argv[1:2] == ["startup"]:
         startup(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]))
     else:
-        sys.exit("usage: _llamacpp_peer.py serve | startup GGUF LAUNCHED_AT THREADS MESSAGES_JSON")
+        sys.exit("usage: _llamacpp_peer.py serve | startup GGUF LAUNCHED_AT THREADS CHATS_JSON")

@@ -105,8 +105,12 @@ def row(label: str, ours: list[float], theirs: list[float], ratios: list[float],
     print(f"  {label:<44} {spread(ours, fmt):>22} {spread(theirs, fmt):>22} {spread(ratios, '{:.2f}'):>18}")
 
 
-def header(title: str, unit: str) -> None:
-    print(f"\n{title}\n  {unit:<44} {'minillm':>22} {'llama.cpp':>22} {'minillm / llama.cpp':>18}")
+def header(title: str, unit: str, ratio: str = "minillm / llama.cpp") -> None:
+    print(f"\n{title}\n  {unit:<44} {'minillm':>22} {'llama.cpp':>22} {ratio:>18}")
+
+
+def rounds_text(n: int) -> str:
+    return f"{n} round{'s' * (n != 1)}"
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -148,13 +152,13 @@ def heavy_tailed_requests(tokenizer, bos: int, n: int, seed: int) -> tuple[list[
     return prompts, [int(k) for k in output_lens]
 
 
-def chat_of_length(tokenizer, n_tokens: int) -> tuple[list[dict], int]:
+def chat_of_length(tokenizer, n_tokens: int, skip_words: int = 0) -> tuple[list[dict], int]:
     """A one-message chat whose templated prompt is as close to n_tokens as whole words allow."""
     from spec import VERSES
 
     from minillm.llm import chat_prompt_ids
 
-    words = (" ".join(VERSES) + " ").split() * 4
+    words = ((" ".join(VERSES) + " ").split() * 5)[skip_words:]
     lo, hi = 1, len(words)
     while lo < hi:  # the most words whose prompt fits in n_tokens
         mid = (lo + hi + 1) // 2
@@ -205,7 +209,7 @@ def greedy_check(peer: LlamaCppPeer, engines: dict[str, Minillm], tokenizer, bos
 
 
 def single_sequence(peer, engines, prompt: list[int], max_tokens: int, rounds: int) -> None:
-    header(f"2. single sequence: {len(prompt)}-token prompt + {max_tokens} greedy tokens, {rounds} rounds",
+    header(f"2. single sequence: {len(prompt)}-token prompt + {max_tokens} greedy tokens, {rounds_text(rounds)}",
            "output tok/s")
     for name, threads in (("target", 1), ("target", 2), ("draft", 1)):
         ours, theirs = [], []
@@ -222,7 +226,7 @@ def batch(peer, engine: Minillm, prompts, max_tokens, rounds: int, threads: int)
     total = sum(max_tokens)
     header(f"3. {len(prompts)} requests, heavy-tailed: prompts {min(map(len, prompts))}-{max(map(len, prompts))} "
            f"tokens (median {statistics.median(map(len, prompts)):.0f}), outputs {min(max_tokens)}-{max(max_tokens)} "
-           f"(median {statistics.median(max_tokens):.0f}), {total} output tokens; {threads} thread(s), {rounds} rounds",
+           f"(median {statistics.median(max_tokens):.0f}), {total} output tokens; {threads} thread(s), {rounds_text(rounds)}",
            "output tok/s")
     ours, multi, serial, same = [], [], [], 0
     for _ in range(rounds):
@@ -246,7 +250,7 @@ def prompt_lookup(peer, prompts: list[list[int]], max_tokens: int, k: int, ngram
     lookup = {"max_ngram_size": ngram, "num_pred_tokens": k}
     n_out = max_tokens * len(prompts)
     header(f"4. prompt lookup at batch 1: {len(prompts)} prompts x {max_tokens} tokens, {k} guessed tokens, "
-           f"n-grams up to {ngram}; 1 thread, {rounds} rounds", "output tok/s")
+           f"n-grams up to {ngram}; 1 thread, {rounds_text(rounds)}", "output tok/s")
     ours_plain, ours_spec, theirs_plain, theirs_spec, outputs = [], [], [], [], {}
     for _ in range(rounds):
         for engine, sink, key in ((plain, ours_plain, "minillm plain"), (spec, ours_spec, "minillm n-gram")):
@@ -277,8 +281,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def minillm_startup(messages: list[dict]) -> tuple[float, float]:
-    """`minillm serve` (its defaults) from launch to /health 200, then the first streamed token of the chat."""
+def _first_token_s(url: str, messages: list[dict]) -> float:
+    import httpx
+
+    body = {"model": "minillm", "messages": messages, "max_tokens": 8, "temperature": 0.0, "stream": True}
+    sent = time.time()
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choices = json.loads(line[6:])["choices"]
+                if choices and choices[0]["delta"].get("content"):
+                    return time.time() - sent
+    raise SystemExit(f"minillm serve streamed no token for the chat (HTTP {r.status_code})")
+
+
+def minillm_startup(chats: list[list[dict]]) -> tuple[float, list[float]]:
+    """`minillm serve` (its defaults) from launch to /health 200, then the first streamed token of each chat."""
     import httpx
 
     port = _free_port()
@@ -298,50 +316,48 @@ def minillm_startup(messages: list[dict]) -> tuple[float, float]:
                 pass
             time.sleep(0.01)
         ready = time.time()
-        body = {"model": "minillm", "messages": messages, "max_tokens": 8, "temperature": 0.0, "stream": True}
-        sent = time.time()
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    choices = json.loads(line[6:])["choices"]
-                    if choices and choices[0]["delta"].get("content"):
-                        first = time.time()
-                        break
-        return ready - launched, first - sent
+        return ready - launched, [_first_token_s(url, messages) for messages in chats]
     finally:
         proc.terminate()
         proc.wait(timeout=60)
 
 
-def llamacpp_startup(python: str, gguf: Path, messages: list[dict]) -> tuple[float, float, int]:
+def llamacpp_startup(python: str, gguf: Path, chats: list[list[dict]]) -> tuple[float, list[float], list[int]]:
     launched = time.time()
     done = subprocess.run([python, str(BENCH / "_llamacpp_peer.py"), "startup", str(gguf), repr(launched), "0",
-                           json.dumps(messages)], capture_output=True, text=True, timeout=600)
+                           json.dumps(chats)], capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise SystemExit(f"llama.cpp start-up run failed:\n{done.stderr[-2000:]}")
     t = json.loads(done.stdout.strip().splitlines()[-1])
-    return t["ready_at"] - t["launched_at"], t["first_token_at"] - t["request_at"], t["prompt_tokens"]
+    return t["ready_at"] - t["launched_at"], t["first_token_s"], t["prompt_tokens"]
 
 
 def startup(python: str, gguf: Path, tokenizer, rounds: int) -> None:
-    messages, n_prompt = chat_of_length(tokenizer, 200)
-    ready, ttft, their_ready, their_ttft, their_prompt = [], [], [], [], 0
+    """Two chats of 200 tokens, different words (so no prefix cache helps the second): the first request
+    on a fresh process, then one on the warm process."""
+    (first, n_prompt), (second, _) = chat_of_length(tokenizer, 200), chat_of_length(tokenizer, 200, skip_words=7)
+    ours: dict[str, list[float]] = {"ready": [], "first": [], "second": []}
+    theirs: dict[str, list[float]] = {"ready": [], "first": [], "second": []}
+    their_prompt: list[int] = []
     for _ in range(rounds):
-        r, t = minillm_startup(messages)
-        ready.append(r)
-        ttft.append(t * 1e3)
-        r, t, their_prompt = llamacpp_startup(python, gguf, messages)
-        their_ready.append(r)
-        their_ttft.append(t * 1e3)
-    header(f"5. start-up and first token: `minillm serve` (its defaults) vs `Llama(...)` (its defaults), a fresh "
-           f"process each, {rounds} rounds; the chat prompt is {n_prompt} tokens in minillm, {their_prompt} in llama.cpp",
-           "time (ratio: llama.cpp's / minillm's)")
-    row("launch to ready (s): /health 200 | Llama loaded", ready, their_ready,
-        [b / a for a, b in zip(ready, their_ready)], "{:.2f}")
-    row("first token of the chat on a fresh server (ms)", ttft, their_ttft,
-        [b / a for a, b in zip(ttft, their_ttft)], "{:.1f}")
-    total, their_total = [a + b / 1e3 for a, b in zip(ready, ttft)], [a + b / 1e3 for a, b in zip(their_ready, their_ttft)]
+        ready, ttfts = minillm_startup([first, second])
+        their_ready, their_ttfts, their_prompt = llamacpp_startup(python, gguf, [first, second])
+        for sink, r, (t1, t2) in ((ours, ready, ttfts), (theirs, their_ready, their_ttfts)):
+            sink["ready"].append(r)
+            sink["first"].append(t1 * 1e3)
+            sink["second"].append(t2 * 1e3)
+    header(f"5. start-up and first token: `minillm serve` vs `Llama(...)`, each with its default threads, a fresh "
+           f"process each round, {rounds_text(rounds)}; chat prompts of {n_prompt} tokens in minillm, "
+           f"{' and '.join(map(str, their_prompt))} in llama.cpp",
+           "time", "llama.cpp / minillm")
+    ratio = {k: [b / a for a, b in zip(ours[k], theirs[k])] for k in ours}
+    row("launch to ready (s): /health 200 | Llama loaded", ours["ready"], theirs["ready"], ratio["ready"], "{:.2f}")
+    row("first token, first chat (ms)", ours["first"], theirs["first"], ratio["first"], "{:.1f}")
+    row("first token, second chat, warm (ms)", ours["second"], theirs["second"], ratio["second"], "{:.1f}")
+    total = [a + b / 1e3 for a, b in zip(ours["ready"], ours["first"])]
+    their_total = [a + b / 1e3 for a, b in zip(theirs["ready"], theirs["first"])]
     row("launch to first token (s)", total, their_total, [b / a for a, b in zip(total, their_total)], "{:.2f}")
+    print("  (time ratios: > 1 means minillm takes less time)")
 
 
 def main() -> None:
@@ -356,7 +372,12 @@ def main() -> None:
     parser.add_argument("--batch-threads", type=int, default=1)
     parser.add_argument("--k", type=int, default=4, help="guessed tokens per prompt-lookup step")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sections", default="2,3,4,5", help="which of sections 2-5 to run (the greedy check, 1, "
+                        "always runs first)")
     args = parser.parse_args()
+    sections = {int(x) for x in args.sections.split(",") if x.strip()}
+    if not sections <= {2, 3, 4, 5}:
+        raise SystemExit(f"--sections takes numbers from 2,3,4,5; got {args.sections!r}")
     if args.install:
         install(PEER_VENV)
         return
@@ -389,14 +410,18 @@ def main() -> None:
             engine.generate([[bos, 5, 6, 7]], [4], threads=1)
             peer("generate", name=name, prompts=[[bos, 5, 6, 7]], max_tokens=[4], threads=1)
         greedy_check(peer, engines, tokenizer, bos)
-        long_prompt = [bos, *text_token_stream(tokenizer, 199)[:199]]
-        single_sequence(peer, engines, long_prompt, 128, args.rounds)
-        batch(peer, engines["target"], prompts, max_tokens, args.batch_rounds, args.batch_threads)
-        lookup_prompts = [[bos, *text_token_stream(tokenizer, 400)[s:s + 99]] for s in (0, 40, 80, 120)]
-        prompt_lookup(peer, lookup_prompts, 128, args.k, 3, args.batch_rounds)
+        if 2 in sections:
+            long_prompt = [bos, *text_token_stream(tokenizer, 199)[:199]]
+            single_sequence(peer, engines, long_prompt, 128, args.rounds)
+        if 3 in sections:
+            batch(peer, engines["target"], prompts, max_tokens, args.batch_rounds, args.batch_threads)
+        if 4 in sections:
+            lookup_prompts = [[bos, *text_token_stream(tokenizer, 400)[s:s + 99]] for s in (0, 40, 80, 120)]
+            prompt_lookup(peer, lookup_prompts, 128, args.k, 3, args.batch_rounds)
     finally:
         peer.close()
-    startup(python, ggufs["target"], tokenizer, args.startup_rounds)
+    if 5 in sections:
+        startup(python, ggufs["target"], tokenizer, args.startup_rounds)
     print("\nmedian [min-max] over rounds; ratios are per round (same load), then their median and range")
 
 
