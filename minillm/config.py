@@ -19,6 +19,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREFIX_CACHES = ("hash", "radix")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 CHUNK_POLICIES = ("sarathi", "splitfuse")  # minillm.scheduler.chunk_policy
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # minillm.kv.quant (chapter 14)
 EXECUTOR_BACKENDS = ("uni", "mp")  # minillm.executor: in this process, or one spawned process per rank
 
 
@@ -72,8 +73,13 @@ class EngineConfig:
     # KVTransferConfig, its dict or its JSON. The engine builds the connector's scheduler side, every worker its
     # worker side.
     kv_transfer_config: Any = None
+    # How the KV pool stores K and V (chapter 14; vLLM's name): "auto" (the model's dtype), "int8" (a scale per
+    # token and head) or "fp8_e4m3" (one static scale); minillm.kv.quant
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}; choose one of {KV_CACHE_DTYPES}")
         if self.kv_transfer_config is not None:
             from minillm.kv_transfer.config import KVTransferConfig, parse_kv_transfer_config
 

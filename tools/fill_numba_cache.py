@@ -2,7 +2,7 @@
 
 Building `LLM()` warms the engine up (minillm/worker/warm_up.py): numba compiles every kernel a step
 runs and, with `cache=True`, writes it to its cache beside the sources. Once per CPU dtype the
-chapters use."""
+chapters use, and once with a quantized KV cache (chapter 14: its own decode kernel)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ def main() -> None:
         start = time.perf_counter()
         LLM(dtype=dtype)
         print(f"numba cache filled for {dtype} in {time.perf_counter() - start:.1f} s", flush=True)
+    start = time.perf_counter()
+    LLM(kv_cache_dtype="int8")  # (one kernel serves int8 and fp8: the byte table is an argument)
+    print(f"numba cache filled for a quantized KV cache in {time.perf_counter() - start:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ two extra passes over the keys and values, and one call per group. Rows with sev
 measures faster for them here. Everything else (the K/V write, the prefill groups) is shared with
 `FlatPoolAttention`; its metadata builder puts every decode row in one group (the kernel's one
 call; a torch backend handed this metadata would still compute the same result, padded) and counts
-each key read once.
+each key read once. A quantized pool (`kv_cache_dtype`, chapter 14) goes to
+`kernels/cpu_quantized_decode.py`, which decodes each sequence's bytes once, then runs the same loops.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from minillm.attention.flat_pool import FlatPoolAttention, build_row_groups
 from minillm.attention.metadata import AttentionMetadata, StepLayout
+from minillm.kv.quant import head_dim_of
 
 KERNEL_DTYPES = (torch.float32, torch.float64)
 
@@ -39,16 +41,18 @@ class NumbaCpuAttention(FlatPoolAttention):
         return meta
 
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
-                 sliding_windows: tuple[int | None, ...] = ()) -> None:
-        super().__init__(k_pool, v_pool, meta, sliding_windows)
+                 sliding_windows: tuple[int | None, ...] = (), kv_cache_dtype: str = "auto") -> None:
+        super().__init__(k_pool, v_pool, meta, sliding_windows, kv_cache_dtype)
         from minillm.kernels import cpu_decode_attention
 
-        self.kernel = cpu_decode_attention.kernel_for(k_pool.dtype)  # looked up each step (profilers wrap it)
+        self.kernel = None
+        if self.kv_format is None:
+            self.kernel = cpu_decode_attention.kernel_for(k_pool.dtype)  # looked up each step (profilers wrap it)
         nd = meta.num_decode
         # numpy views (zero-copy) made once per step and shared by every layer
         self.decode_tables = meta.block_tables[:nd].contiguous().numpy()
         self.decode_lens = meta.seq_lens[:nd].contiguous().numpy()
-        self.scale = 1.0 / math.sqrt(k_pool.shape[-1])
+        self.scale = 1.0 / math.sqrt(head_dim_of(k_pool.shape[-1], self.kv_format))
         bs = meta.block_size  # the pools as numpy [L, num_blocks, block_size, H_kv, D], one view per step
         self.k_blocks = k_pool.numpy().reshape(k_pool.shape[0], -1, bs, *k_pool.shape[2:])
         self.v_blocks = v_pool.numpy().reshape(v_pool.shape[0], -1, bs, *v_pool.shape[2:])
@@ -58,9 +62,21 @@ class NumbaCpuAttention(FlatPoolAttention):
         k_blocks, v_blocks = self.write(layer, k, v)
         nd = self.meta.num_decode
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if nd:
+        if nd and self.kernel is None:  # a quantized pool: its bytes decoded inside the kernel
+            self._quantized_decode(layer, q[:nd].contiguous(), window, out[:nd])
+        elif nd:
             self.kernel(q[:nd].contiguous().numpy(), self.k_blocks[layer], self.v_blocks[layer], self.decode_tables,
                         self.decode_lens, self.scale, window or 0, out[:nd].numpy())
         if self.meta.prefill_groups:
-            self.multi_token(out, q, k, v, k_blocks, v_blocks, window)
+            self.multi_token(out, q, self.as_stored(k), self.as_stored(v), k_blocks, v_blocks, window)
         return out
+
+    def _quantized_decode(self, layer: int, q: torch.Tensor, window: int | None, out: torch.Tensor) -> None:
+        from minillm.kernels.cpu_quantized_decode import quantized_kernel_for, scale_view
+        from minillm.kv.quant import decode_table
+
+        fmt, k_np, v_np = self.kv_format, self.k_blocks[layer], self.v_blocks[layer]
+        has_scale = fmt.per_token_scale
+        quantized_kernel_for(q.dtype)(q.numpy(), k_np, v_np, scale_view(k_np, has_scale), scale_view(v_np, has_scale),
+                                      decode_table(fmt, q.dtype).numpy(), has_scale, self.decode_tables,
+                                      self.decode_lens, self.scale, window or 0, out.numpy())

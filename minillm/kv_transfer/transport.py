@@ -30,6 +30,9 @@ import torch.distributed as dist
 PRODUCER_RANK, CONSUMER_RANK = 0, 1
 # The dtypes a block may have, as a number in the header.
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# What a block holds, as that number: one of DTYPES, or a quantized kv_cache_dtype (its bytes, scales included:
+# a PD pair with a quantized pool moves those bytes, not the model's dtype; minillm.kv.quant, chapter 14)
+BLOCK_KINDS = (*DTYPES, "int8", "fp8_e4m3")
 HEADER_LEN = 12
 
 

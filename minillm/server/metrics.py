@@ -12,6 +12,10 @@
     vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
     vllm:e2e_request_latency_seconds, vllm:request_queue_time_seconds,
     vllm:iteration_tokens_total                 histograms
+    vllm:cache_config_info{block_size, cache_dtype, num_gpu_blocks}   1, the pool's settings as labels (vLLM's)
+    minillm:kv_cache_bytes_per_token, minillm:kv_cache_used_bytes      gauges: K and V of one token over every
+                                                layer, and of the tokens held now, in the pool's storage
+                                                (they follow kv_cache_dtype, chapter 14)
 
 Each exporter has its own `CollectorRegistry` (not prometheus_client's global one), so one
 process can run several servers or `LLM`s. The engine thread updates plain Python numbers (a
@@ -100,6 +104,11 @@ class PrometheusMetrics(Collector):
         self.histograms = {name: _Histogram(bounds) for name, (_, bounds) in HISTOGRAMS.items()}
         self._ttft, self._itl = self.histograms["time_to_first_token_seconds"], \
             self.histograms["inter_token_latency_seconds"]
+        spec = engine.kv.cache_spec  # the pool's shape and storage (minillm.kv.base.KVCacheSpec)
+        self.cache_config = {"block_size": str(spec.block_size), "cache_dtype": spec.kv_cache_dtype,
+                             "num_gpu_blocks": str(spec.num_slots // spec.block_size)}
+        self.kv_bytes_per_token = spec.bytes_per_token
+        self.kv_used_bytes = 0
         self.registry = CollectorRegistry()
         self.registry.register(self)
         if engine.kv_connector is not None:  # one half of a prefill/decode pair: its minillm:kv_transfer_* series
@@ -123,6 +132,7 @@ class PrometheusMetrics(Collector):
         g["num_requests_waiting"] = load.num_waiting + load.num_not_arrived
         usage = load.kv_usage
         g["kv_cache_usage_perc"] = usage.reserved_tokens / usage.total_tokens if usage.total_tokens else 0.0
+        self.kv_used_bytes = usage.used_tokens * self.kv_bytes_per_token
 
     def on_step(self, step: StepRecord) -> None:
         self.refresh()
@@ -176,6 +186,16 @@ class PrometheusMetrics(Collector):
         yield fam
         for name, (doc, _) in HISTOGRAMS.items():
             yield self.histograms[name].family(f"vllm:{name}", doc, labels)
+        fam = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's settings.",
+                                labels=["model_name", *self.cache_config])
+        fam.add_metric([self.model_name, *self.cache_config.values()], 1)
+        yield fam
+        for name, value, doc in (("kv_cache_bytes_per_token", self.kv_bytes_per_token,
+                                  "K and V of one token over every layer, as the pool stores them (bytes)."),
+                                 ("kv_cache_used_bytes", self.kv_used_bytes, "Bytes of the tokens the pool holds.")):
+            fam = GaugeMetricFamily(f"minillm:{name}", doc, labels=["model_name"])
+            fam.add_metric([self.model_name], value)
+            yield fam
 
     def _gauge(self, name: str, doc: str) -> GaugeMetricFamily:
         fam = GaugeMetricFamily(f"vllm:{name}", doc, labels=["model_name"])

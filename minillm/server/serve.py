@@ -38,6 +38,8 @@ ENGINE_FLAGS = [
     ("--seed", "seed", int, "seed of requests that give none"),
     ("--batching", "batching", str, "continuous (default), dynamic or static (minillm's teaching knob)"),
     ("--kv-layout", "kv_layout", str, "paged (default) or slab"),
+    ("--kv-cache-dtype", "kv_cache_dtype", str, "how the KV pool stores K/V: auto (the model's dtype), int8 (a scale "
+     "per token and head) or fp8_e4m3 (vLLM's knob; minillm.kv.quant)"),
     ("--prefix-cache", "prefix_cache", str, "hash (vLLM) or radix (SGLang), with --enable-prefix-caching"),
     ("--tensor-parallel-size", "tensor_parallel_size", int, "ranks that split each layer (Megatron TP), one process each"),
     ("--pipeline-parallel-size", "pipeline_parallel_size", int, "stages that split the layers (PP), tp processes each"),

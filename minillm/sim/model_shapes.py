@@ -32,6 +32,9 @@ class ModelShape:
     vocab_size: int
     tied_embeddings: bool = False  # lm_head reuses the embedding matrix (small models often do)
     qkv_bias: bool = False  # Qwen2 adds a bias to the q, k and v projections
+    # how the KV pool stores K/V (chapter 14, minillm.kv.quant): "auto" (dtype_bytes per number), "int8" (1 byte
+    # per number + a 4-byte scale per token and head) or "fp8_e4m3" (1 byte)
+    kv_cache_dtype: str = "auto"
 
     @property
     def params_per_layer(self) -> int:
@@ -66,8 +69,13 @@ class ModelShape:
         return self.num_params * dtype_bytes
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """2 (K and V) * layers * KV heads * head_dim * dtype_bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        """2 (K and V) * layers * KV heads * head_dim * dtype_bytes (a quantized `kv_cache_dtype`: * its
+        bytes per (token, head) row instead of head_dim * dtype_bytes)."""
+        if self.kv_cache_dtype == "auto":
+            return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        from minillm.kv.quant import kv_row_bytes
+
+        return 2 * self.num_layers * self.num_kv_heads * kv_row_bytes(self.kv_cache_dtype, self.head_dim, dtype_bytes)
 
     def kv_bytes(self, seq_len: int, batch: int, dtype_bytes: int) -> int:
         """KV-cache bytes of `batch` sequences of `seq_len` tokens each."""
@@ -115,5 +123,15 @@ def from_hf_config(config: dict[str, Any] | str | Path, name: str | None = None)
         intermediate_size=config["intermediate_size"],
         vocab_size=config["vocab_size"],
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias", False)),
+        qkv_bias=_has_qkv_bias(config),
     )
+
+
+def _has_qkv_bias(config: dict[str, Any]) -> bool:
+    """What the registered family reads from its config (Qwen2: always); an unregistered one: `attention_bias`."""
+    from minillm.model.registry import model_class, supported_model_types
+
+    if config.get("model_type") in supported_model_types():
+        family = model_class(config["model_type"])
+        return bool(family.hf_config_fields(config, config["num_hidden_layers"]).get("qkv_bias", False))
+    return bool(config.get("attention_bias", False))

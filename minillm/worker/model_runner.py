@@ -75,12 +75,15 @@ class ModelRunner:
         self.cache_spec = cache_spec
         self.attention_backend = resolve_backend(attention_backend, model.device, cache_spec.dtype)
         self.backend = backend_class(self.attention_backend)  # builds its metadata, then runs each layer
+        # a quantized pool (chapter 14): the backend is told how to read it (a backend without the keyword refuses)
+        self.quantized_kv = {"kv_cache_dtype": cache_spec.kv_cache_dtype} if cache_spec.quantized else {}
         self.block_size = cache_spec.block_size
         self.null_block = cache_spec.null_block
         self.k_pool = self.v_pool = None
         if cache_spec.allocate and cache_spec.num_slots:
-            self.k_pool = torch.zeros(cache_spec.shape, dtype=cache_spec.dtype, device=model.device)
-            self.v_pool = torch.zeros(cache_spec.shape, dtype=cache_spec.dtype, device=model.device)
+            # (a quantized kv_cache_dtype stores bytes: each (token, head) row its codes and scale)
+            self.k_pool = torch.zeros(cache_spec.shape, dtype=cache_spec.storage_dtype, device=model.device)
+            self.v_pool = torch.zeros(cache_spec.shape, dtype=cache_spec.storage_dtype, device=model.device)
         self.padded_cache: PaddedBatchCache | None = None  # static/dynamic batching's rectangle
         self.swapped: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}  # host K, V, number of blocks
         self.input_batch = InputBatch(cache_spec.max_blocks_per_seq, model.device)
@@ -126,7 +129,7 @@ class ModelRunner:
         where torch's index_fill_ cost ~50 µs a step at batch 64)."""
         for pool in (self.k_pool, self.v_pool):
             by_block = (pool.shape[0], -1, self.block_size * pool.shape[2] * pool.shape[3])  # [L, blocks, block]
-            if pool.device.type == "cpu" and pool.dtype in (torch.float32, torch.float64):  # (numpy has no bf16)
+            if pool.device.type == "cpu" and pool.dtype in (torch.float32, torch.float64, torch.uint8):  # (no bf16)
                 pool.numpy().reshape(by_block)[:, blocks] = 0
             else:
                 pool.view(by_block).index_fill_(1, torch.tensor(blocks, dtype=torch.long, device=pool.device), 0)
@@ -266,7 +269,7 @@ class ModelRunner:
         step, device, c = plan.padded, self.model.device, self.cache_spec
         if step.is_prefill:
             self.padded_cache = PaddedBatchCache(c.num_layers, len(step.row_req_ids), step.max_len, c.num_kv_heads,
-                                                 c.head_dim, c.dtype, device)
+                                                 c.head_dim, c.dtype, device, c.kv_cache_dtype)
         cache, width = self.padded_cache, step.width
         ids = torch.zeros(len(step.row_req_ids), width, dtype=torch.long)
         is_real = torch.zeros(len(step.row_req_ids), width, dtype=torch.bool)
@@ -293,7 +296,8 @@ class ModelRunner:
         """Run the model on a step whose diffs were applied; logits [N, vocab] of the sampled rows
         (plan order, 1+k per speculative row) and the step's inputs."""
         inputs = self.prepare(plan)
-        attention = self.backend(self.k_pool, self.v_pool, inputs.meta, self.model.config.sliding_windows)
+        attention = self.backend(self.k_pool, self.v_pool, inputs.meta, self.model.config.sliding_windows,
+                                 **self.quantized_kv)
         rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=inputs.input_ids.device)
         start = time.perf_counter()
         forward = self.model.forward(inputs.input_ids, inputs.positions, attention, output_rows=rows)
