@@ -51,7 +51,9 @@ MODELS = {"target": ROOT / "models" / "minillm-target", "draft": ROOT / "models"
 def install(venv: Path) -> None:
     print(f"building llama-cpp-python from source into {venv} (minutes on 2 cores)", flush=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
+    # LLAVA_BUILD=OFF: no multimodal library (a third of the compile); llama_cpp imports it only for image chats
+    env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2),
+           "CMAKE_ARGS": f"{os.environ.get('CMAKE_ARGS', '')} -DLLAVA_BUILD=OFF".strip()}
     subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", *PEER_PACKAGES], check=True, env=env)
     print(f"done: python bench/llamacpp.py  (uses {venv / 'bin' / 'python'})")
 
