@@ -20,7 +20,9 @@ PREFIX_CACHES = ("hash", "radix")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 CHUNK_POLICIES = ("sarathi", "splitfuse")  # minillm.scheduler.chunk_policy
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # minillm.kv.quant (chapter 14)
-EXECUTOR_BACKENDS = ("uni", "mp")  # minillm.executor: in this process, or one spawned process per rank
+# minillm.executor: in this process, one spawned process per rank, or this process as one rank of a world that
+# torchrun started (every process an engine; vLLM's name)
+EXECUTOR_BACKENDS = ("uni", "mp", "external_launcher")
 
 
 @dataclass
@@ -56,7 +58,8 @@ class EngineConfig:
     # Speculative decoding (chapter 09), vLLM's dict: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
     speculative_config: Any = None
     # Several processes, one model (chapter 12; minillm.distributed): TP ranks per stage × PP stages, each rank a
-    # spawned process ("mp"); None picks "uni" for one rank, "mp" for more. A step that takes longer than
+    # spawned process ("mp"), or each process one rank under torchrun ("external_launcher", docs/multinode.md);
+    # None picks "uni" for one rank, "mp" for more. A step that takes longer than
     # execute_model_timeout_s on the workers fails with an error naming the rank (a hung or dead worker).
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -166,10 +169,16 @@ class EngineConfig:
         _require_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend={backend!r}; choose one of {EXECUTOR_BACKENDS} (or None)")
+            raise ValueError(f"distributed_executor_backend={backend!r}; choose one of {EXECUTOR_BACKENDS} (or None: "
+                             "'uni' for one rank, 'mp' for more)")
         if backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one process, but tensor_parallel_size × "
-                             f"pipeline_parallel_size = {self.world_size}: use 'mp'")
+                             f"pipeline_parallel_size = {self.world_size}: use 'mp' (or 'external_launcher' under "
+                             "torchrun)")
+        if backend == "external_launcher" and self.kv_transfer_config is not None:
+            raise ValueError("kv_transfer_config makes a server one half of a prefill/decode pair; "
+                             "distributed_executor_backend='external_launcher' is for offline LLM.generate under "
+                             "torchrun: run the pair with 'mp' (or one process each)")
         if isinstance(self.execute_model_timeout_s, bool) or not isinstance(self.execute_model_timeout_s, (int, float)) \
                 or not self.execute_model_timeout_s > 0:
             raise ValueError(f"execute_model_timeout_s must be a number of seconds > 0, got {self.execute_model_timeout_s!r}")
@@ -185,7 +194,7 @@ class EngineConfig:
 
     @property
     def executor_backend(self) -> str:
-        """"uni" or "mp": the backend asked for, or the one the world size implies."""
+        """"uni", "mp" or "external_launcher": the backend asked for, or the one the world size implies."""
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
         return "mp" if self.world_size > 1 else "uni"

@@ -96,11 +96,16 @@ class LLM:
         device = device or default_device()
         if device == "cpu" and torch_dtype is torch.float16:
             raise ValueError("dtype=float16 matmuls run at ~1-3 GFLOP/s on this CPU; use float32 or bfloat16 on CPU")
-        if config.executor_backend == "mp":  # the weights live in the ranks' processes (chapter 12)
+        backend = config.executor_backend
+        if backend in ("mp", "external_launcher"):  # the weights live in the ranks (chapter 12)
             if model is not None and not isinstance(model, (str, Path)):
-                raise ValueError("distributed_executor_backend='mp' loads each rank's shard from a model directory: "
-                                 "pass a path, not an in-memory model")
-            from minillm.distributed.launch_engine import build_distributed_engine, read_model_config
+                raise ValueError(f"distributed_executor_backend={backend!r} loads each rank's shard from a model "
+                                 "directory: pass a path, not an in-memory model")
+            from minillm.distributed.launch_engine import (
+                build_distributed_engine,
+                build_external_launcher_engine,
+                read_model_config,
+            )
 
             model_dir = Path(model) if model is not None else BUNDLED_TARGET
             if not model_dir.is_dir():
@@ -109,8 +114,9 @@ class LLM:
             self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
             self._model_config = read_model_config(model_dir)
             proposer = self._draft_proposer(config, torch_dtype, device)  # the draft runs in this process
-            self.engine = build_distributed_engine(config, model_dir, self._model_config, torch_dtype, device,
-                                                   self.tokenizer, scheduler_factory, proposer)
+            build = build_distributed_engine if backend == "mp" else build_external_launcher_engine
+            self.engine = build(config, model_dir, self._model_config, torch_dtype, device, self.tokenizer,
+                                scheduler_factory, proposer)
             self.prometheus = PrometheusMetrics(self.engine, "minillm")
             return
         if model is None or isinstance(model, (str, Path)):

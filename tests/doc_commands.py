@@ -121,6 +121,17 @@ DECISIONS: list[tuple[str, str, object]] = [
     ("make lab", SKIP, "JupyterLab runs until stopped; tests/test_lab.py and tests/test_browser.py start it"),
     ("make test", SKIP, "this is the test suite that runs this test"),
     ("source .venv/bin/activate", RUN, None),
+    # docs/multinode.md: one host under torchrun runs; the commands for other hosts (10.0.0.x are the page's
+    # example addresses) are run on this host's address by the tests named
+    ("torchrun --standalone --nproc-per-node 2 -m minillm generate", RUN, None),
+    ("torchrun --nnodes 2", SKIP, "one command per host (10.0.0.x: example addresses); "
+                                  "tests/test_external_launcher.py runs two such nodes on this host's address"),
+    ("minillm serve --host 0.0.0.0", SKIP, "a server for other hosts to reach (10.0.0.x: example addresses); "
+                                           "tests/test_cross_host.py starts the same commands on this host's address"),
+    ("minillm router --worker http://10.0.0.", SKIP, "replicas on other hosts (example addresses); tests/test_cross_host.py "
+                                                     "runs the router so in front of two servers on this host's address"),
+    ("minillm router --pd --prefill http://10.0.0.", SKIP, "a PD pair on other hosts (example addresses); "
+                                                           "tests/test_cross_host.py runs it on this host's address"),
     ("minillm generate", RUN, None),
     ("minillm simulate", RUN, None),
     ("make serve", SERVE, None),

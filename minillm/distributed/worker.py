@@ -142,8 +142,9 @@ def build_rank(spec: WorkerSpec, rank: int) -> ParallelWorker:
     device = f"cuda:{rank % max(1, torch.cuda.device_count())}" if on_cuda else "cpu"
     if on_cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if on_cuda else "gloo", init_method=f"file://{spec.init_file}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=spec.timeout_s))
+    if not dist.is_initialized():  # (under torchrun the executor has joined torchrun's world already)
+        dist.init_process_group("nccl" if on_cuda else "gloo", init_method=f"file://{spec.init_file}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=spec.timeout_s))
     layout = RankLayout(rank, spec.tp, spec.pp)
     groups = [dist.new_group(layout.tp_group_ranks(s)) if 1 < spec.tp < world else None for s in range(spec.pp)]
     tp_state = ParallelState(layout.tp_rank, spec.tp, groups[layout.stage])

@@ -255,7 +255,8 @@ class TorchDistConnectorScheduler(KVConnectorBase):
         try:
             self._store = connect_store(self.config.kv_ip, self.config.kv_port, self.is_producer,
                                         self.config.extra["connect_timeout_s"])
-            self.link = KVLink(self._store, "control", self.config.kv_rank, "cpu")
+            self.link = KVLink(self._store, "control", self.config.kv_rank, "cpu",
+                              rendezvous=(self.config.kv_ip, self.config.kv_port))
             self.link_up.set()
             logger.info("KV link up: %s rank %d (%s) at %s:%d", self.role, self.link.rank, self.link.backend,
                         self.config.kv_ip, self.config.kv_port)

@@ -124,6 +124,10 @@ def build_app(args: argparse.Namespace):
         kv_transfer = parse_kv_transfer_config(args.kv_transfer_config)  # a bad config fails before the model loads
     model = args.model or args.model_tag
     knobs = engine_knobs(args)
+    if knobs.get("distributed_executor_backend") == "external_launcher":
+        raise ValueError("--distributed-executor-backend external_launcher makes every process that torchrun starts "
+                         "an engine of its own, for offline LLM.generate scripts (docs/multinode.md); a server is "
+                         "one engine: use mp (the default for several ranks)")
     if kv_transfer is not None:
         knobs["kv_transfer_config"] = kv_transfer
     llm = LLM(model, dtype=args.dtype, device=args.device, **knobs)
