@@ -151,6 +151,9 @@ DECISIONS: list[tuple[str, str, object]] = [
                                               "never installed by CI"),
     ("env -u HF_HUB_OFFLINE /work/aux-venv/bin/aiperf", SKIP, "aiperf is not installed by CI (see above)"),
     ("python -c", RUN, None),
+    ("curl -sS --fail-with-body http://127.0.0.1:8000/v1/", RUN, None),  # after a server the block keeps up (&)
+    ("python bench/llamacpp.py", SKIP, "builds llama-cpp-python from source into its own venv (minutes) and "
+                                       "times it: a peer never installed by CI"),
 ]
 
 # Python blocks: the start of the block -> what it needs first (a server command), or None.

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
 # Engine flags: (flag, EngineConfig name, type, help). The names are vLLM's engine arguments.
 ENGINE_FLAGS = [
@@ -53,7 +54,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="same as the positional model")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: minillm)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the name(s) a request's `model` may give; answers and /v1/models report the first "
+                        "(default: the model argument as typed, its directory's name and 'minillm'; "
+                        "with no model argument 'minillm' and 'minillm-target')")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (or MINILLM_API_KEY)")
     p.add_argument("--max-num-queued-reqs", type=int, default=None,
                    help="most requests held (waiting + running); beyond it 503 + Retry-After")
@@ -89,6 +93,26 @@ def engine_knobs(args: argparse.Namespace) -> dict:
     return {k: v for k, v in knobs.items() if v is not None}
 
 
+def served_model_names(args: argparse.Namespace) -> list[str]:
+    """The names the API accepts for the model, the reported one first.
+
+    Given `--served-model-name`, exactly those (vLLM). Otherwise vLLM's default, the model argument as
+    typed, comes first, so a client may send what started the server; its directory's name (what a
+    reader sees in models/) and `minillm` (the name every chapter, exercise and page uses) stay
+    accepted. With no model argument nothing was typed: `minillm` comes first, as it always did, and
+    the bundled model's directory name `minillm-target` is accepted too.
+    """
+    if args.served_model_name:
+        return list(dict.fromkeys(args.served_model_name))
+    model = args.model or args.model_tag
+    if model is None:
+        from minillm.llm import BUNDLED_TARGET
+
+        return ["minillm", BUNDLED_TARGET.name]
+    directory_name = Path(model).name or Path(model).resolve().name
+    return list(dict.fromkeys([model, directory_name, "minillm"]))
+
+
 def build_app(args: argparse.Namespace):
     from minillm import LLM
     from minillm.server.app import create_app
@@ -112,16 +136,18 @@ def build_app(args: argparse.Namespace):
     if llm.engine.warm_up_report is not None:
         print(f"minillm serve: {llm.engine.warm_up_report}", flush=True)
     api_key = args.api_key or os.environ.get("MINILLM_API_KEY") or None
-    name = args.served_model_name or "minillm"
-    return create_app(llm, served_model_name=name, api_key=api_key, max_num_queued_reqs=args.max_num_queued_reqs)
+    return create_app(llm, served_model_name=served_model_names(args), api_key=api_key,
+                      max_num_queued_reqs=args.max_num_queued_reqs)
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     app = build_app(args)
-    print(f"minillm serve: http://{args.host}:{args.port}/v1 (model {app.state.server.model_name}, "
-          f"max_model_len={app.state.server.max_model_len})", flush=True)
+    server = app.state.server
+    aliases = f"; also answers to {', '.join(server.model_names[1:])}" if len(server.model_names) > 1 else ""
+    print(f"minillm serve: http://{args.host}:{args.port}/v1 (model {server.model_name}{aliases}, "
+          f"max_model_len={server.max_model_len})", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     finally:
