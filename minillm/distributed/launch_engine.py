@@ -58,9 +58,10 @@ def build_distributed_engine(config: EngineConfig, model_dir: Path, model_config
         elif model_config.intermediate_size % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide the experts' intermediate_size="
                              f"{model_config.intermediate_size} (or use enable_expert_parallel=True)")
-    if device.startswith("cuda") and torch.cuda.device_count() < tp * pp:
-        raise ValueError(f"tensor_parallel_size × pipeline_parallel_size = {tp * pp} ranks, but this machine has "
-                         f"{torch.cuda.device_count()} CUDA device(s)")
+    local_ranks = tp * pp // config.nnodes  # a world across nodes: this node runs its share (minillm.distributed.nodes)
+    if device.startswith("cuda") and torch.cuda.device_count() < local_ranks:
+        raise ValueError(f"{local_ranks} ranks on this node (tensor_parallel_size × pipeline_parallel_size = {tp * pp} "
+                         f"over nnodes={config.nnodes}), but this machine has {torch.cuda.device_count()} CUDA device(s)")
     resolved = config.resolve(model_config.max_position_embeddings)
     kv = make_kv_manager(resolved, model_config, dtype, "cpu", allocate_pool=False)
     spec = dict(model_dir=str(model_dir), model_config=model_config, dtype=dtype, device=device,
@@ -68,7 +69,12 @@ def build_distributed_engine(config: EngineConfig, model_dir: Path, model_config
                 cache_spec=kv.cache_spec, attention_backend=resolved.attention_backend,
                 micro_batches=resolved.pipeline_micro_batches, expert_parallel=resolved.enable_expert_parallel,
                 kv_transfer_config=resolved.kv_transfer_config, max_num_seqs=resolved.max_num_seqs)
-    executor = MultiprocExecutor(kv, spec, tp, pp, resolved.execute_model_timeout_s)
+    rendezvous = None
+    if config.nnodes > 1:
+        from minillm.distributed.nodes import NodeRendezvous
+
+        rendezvous = NodeRendezvous(config.nnodes, config.master_addr, config.master_port, config.node_join_timeout_s)
+    executor = MultiprocExecutor(kv, spec, tp, pp, resolved.execute_model_timeout_s, rendezvous)
     try:
         return build_engine(config, model_config, tokenizer=tokenizer, kv=kv, executor=executor,
                             scheduler_factory=scheduler_factory, proposer=proposer)
