@@ -239,9 +239,10 @@ class MultiprocExecutor(WorkerExecutor):
                     except (EOFError, OSError):
                         closed.add(rank)  # its end closed: the sentinel says how it ended
                         continue
-                    if payload[0] == "error":
-                        self._fail(f"rank {rank} (pid {self.processes[rank].pid}) failed in {what}: {payload[1]}\n"
-                                   f"{payload[2]}")
+                    if payload[0] == "error":  # a collective's error on one rank is most often another's death:
+                        dead = self._exited_rank(wait_s=1.0)  # name that first (its sentinel may lag the answer)
+                        self._fail(f"{dead + '; ' if dead else ''}rank {rank} (pid {self.processes[rank].pid}) failed "
+                                   f"in {what}: {payload[1]}\n{payload[2]}")
                     answers[rank] = payload[1]
                     if payload[0] == "relayed":  # rank 0 of a multi-node world: the other nodes' answers too
                         for remote, reply in payload[2].items():
@@ -297,9 +298,9 @@ class MultiprocExecutor(WorkerExecutor):
         if exited is not None:
             raise EngineDeadError(f"a distributed worker failed: {exited}")
 
-    def _exited_rank(self) -> str | None:
-        """The first rank whose process has ended, said in words; None while all run."""
-        exited = wait([p.sentinel for p in self.processes], timeout=0)  # a sentinel is ready once its process ended
+    def _exited_rank(self, wait_s: float = 0.0) -> str | None:
+        """The first rank whose process has ended (within `wait_s`), said in words; None while all run."""
+        exited = wait([p.sentinel for p in self.processes], timeout=wait_s)  # ready once its process ended
         for rank, process in enumerate(self.processes):
             if process.sentinel in exited:
                 return f"rank {rank} (pid {process.pid}) is no longer running (exit code {process.exitcode})"
