@@ -19,7 +19,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREFIX_CACHES = ("hash", "radix")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 CHUNK_POLICIES = ("sarathi", "splitfuse")  # minillm.scheduler.chunk_policy
-EXECUTOR_BACKENDS = ("uni", "mp")  # minillm.executor: in this process, or one spawned process per rank
+EXECUTOR_BACKENDS = ("uni", "mp")  # minillm.executor: in this process, or one process per rank (forked where safe)
 
 
 @dataclass
@@ -55,8 +55,9 @@ class EngineConfig:
     # Speculative decoding (chapter 09), vLLM's dict: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
     speculative_config: Any = None
     # Several processes, one model (chapter 12; minillm.distributed): TP ranks per stage × PP stages, each rank a
-    # spawned process ("mp"); None picks "uni" for one rank, "mp" for more. A step that takes longer than
-    # execute_model_timeout_s on the workers fails with an error naming the rank (a hung or dead worker).
+    # process ("mp", forked where safe: minillm.executor.start_method); None picks "uni" for one rank, "mp" for
+    # more. A step that takes longer than execute_model_timeout_s on the workers fails with an error naming the
+    # rank (a hung or dead worker).
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None

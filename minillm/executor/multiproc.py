@@ -1,4 +1,4 @@
-"""One spawned process per rank, joined by torch.distributed (vLLM's `MultiprocExecutor`; chapter 12).
+"""One process per rank (forked where safe), joined by torch.distributed (vLLM's `MultiprocExecutor`; chapter 12).
 
     LLM(tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="mp")
 
@@ -106,6 +106,7 @@ class MultiprocExecutor(WorkerExecutor):
         self.dead: str | None = None  # why, once a rank failed
         self.num_steps = 0
         self.rendezvous = rendezvous
+        self.placement: dict[int, dict] = {}  # a multi-node world: rank -> {"node", "host", "pid"} as it joined
         nnodes = rendezvous.nnodes if rendezvous is not None else 1
         self.num_local = self.world_size // nnodes  # ranks 0 .. num_local-1 run here, the rest on other nodes
         self.start_method = choose_start_method()
@@ -152,7 +153,7 @@ class MultiprocExecutor(WorkerExecutor):
         deadline = time.monotonic() + rendezvous.join_timeout_s
         while True:
             joined = nodes.joined_ranks(store, self.world_size)
-            self.placement = joined  # rank -> {"node", "host", "pid"}: who joined from where
+            self.placement = joined
             missing = [r for r in range(self.world_size) if r not in joined]
             if not missing:
                 return
