@@ -9,13 +9,17 @@ from pathlib import Path
 import torch
 
 
-def describe_machine() -> str:
-    cpu = platform.processor() or platform.machine()
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (elsewhere: what `platform` knows)."""
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
-        pass
+        return platform.processor() or platform.machine()
+
+
+def describe_machine() -> str:
+    cpu = cpu_model()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return (f"{cpu}; {os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads; "

@@ -115,5 +115,15 @@ def from_hf_config(config: dict[str, Any] | str | Path, name: str | None = None)
         intermediate_size=config["intermediate_size"],
         vocab_size=config["vocab_size"],
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias", False)),
+        qkv_bias=_has_qkv_bias(config),
     )
+
+
+def _has_qkv_bias(config: dict[str, Any]) -> bool:
+    """What the registered family reads from its config (Qwen2: always); an unregistered one: `attention_bias`."""
+    from minillm.model.registry import model_class, supported_model_types
+
+    if config.get("model_type") in supported_model_types():
+        family = model_class(config["model_type"])
+        return bool(family.hf_config_fields(config, config["num_hidden_layers"]).get("qkv_bias", False))
+    return bool(config.get("attention_bias", False))
