@@ -190,6 +190,10 @@ def test_a_killed_rank_on_the_other_node_is_named_by_the_head():
         assert "rank 1 on node 1" in health.json()["error"]["message"]
         body = {"model": "minillm", "prompt": "In the beginning", "max_tokens": 3, "temperature": 0}
         assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120).status_code == 500
+        deadline = time.monotonic() + 60  # the head stopped its own rank on that failed step; it keeps serving errors
+        while descendants(head) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert descendants(head) == [] and head.poll() is None
     finally:
         head_out, node1_out = stop(head), stop(node1)
     assert gone(pids), (head_out, node1_out)
