@@ -160,7 +160,7 @@ def test_two_nodes_on_loopback_answer_the_openai_client_as_one_process():
         texts = [client.completions.create(model="minillm", prompt=p, max_tokens=10, temperature=0).choices[0].text
                  for p in PROMPTS]
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
-        head.send_signal(signal.SIGINT)  # the head stops the world: node 1's rank leaves, its command exits 0
+        head.send_signal(signal.SIGTERM)  # the head stops the world: node 1's rank leaves, its command exits 0
         node1_out = node1.communicate(timeout=COMMAND_TIMEOUT_S)[0]
         assert node1.returncode == 0, node1_out
         assert "the head stopped the world" in node1_out

@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import sys
 
 # Engine flags: (flag, EngineConfig name, type, help). The names are vLLM's engine arguments.
 ENGINE_FLAGS = [
@@ -152,6 +154,10 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(args)
     print(f"minillm serve: http://{args.host}:{args.port}/v1 (model {app.state.server.model_name}, "
           f"max_model_len={app.state.server.max_model_len})", flush=True)
+    # uvicorn shuts down gracefully on SIGTERM and then raises the signal again under the handler it found: with
+    # Python's default that kills the process before `finally` could stop the ranks (on several nodes the others'
+    # ranks would see a broken world instead of "stop"). With this handler the re-raised signal exits through it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     finally:
