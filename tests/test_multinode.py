@@ -222,3 +222,20 @@ def test_a_headless_node_whose_head_never_comes_says_so_and_starts_no_rank():
     assert node1.returncode == 1
     assert f"the head's rendezvous at 127.0.0.1:{master_port} did not answer within node_join_timeout_s=3 s" in out
     assert "start node 0 first" in out
+
+
+def test_a_master_port_in_use_fails_the_head_at_once_and_leaves_no_rank():
+    from minillm import LLM
+    from minillm.distributed.nodes import NodeJoinError
+
+    def ranks() -> set[int]:
+        return {c.pid for c in psutil.Process().children() if "resource_tracker" not in " ".join(c.cmdline())}
+
+    before = ranks()
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(NodeJoinError, match=f"the head cannot host the world's rendezvous at 127.0.0.1:{port}"):
+            LLM(pipeline_parallel_size=2, nnodes=2, master_port=port, max_num_seqs=2, max_model_len=64)
+    assert ranks() <= before
