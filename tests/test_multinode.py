@@ -6,8 +6,9 @@ pipeline crosses the nodes, meeting at the head's TCPStore. The head answers the
 client token for token as one process does; when it stops, the headless node's rank leaves and its
 command exits 0; a rank of the headless node that is killed makes the head's /health name it; a node
 that never joins fails the head's start-up within `--node-join-timeout-s`, naming the node and its
-ranks; a headless node whose head never comes says so. Every process each command started is
-counted while it runs and checked gone after.
+ranks; a headless node whose head never comes says so; a master port in use fails the head at once;
+a headless node refuses other sizes or another model than the head's. Every process each command
+started is counted while it runs and checked gone after.
 
 CI cost: the two-node test loads the bundled model in 2 ranks + 1 reference engine (~1 min on 2 free
 cores); the failure tests start no world (one rank at most). Marked slow, in the "distributed" xdist
@@ -239,3 +240,31 @@ def test_a_master_port_in_use_fails_the_head_at_once_and_leaves_no_rank():
         with pytest.raises(NodeJoinError, match=f"the head cannot host the world's rendezvous at 127.0.0.1:{port}"):
             LLM(pipeline_parallel_size=2, nnodes=2, master_port=port, max_num_seqs=2, max_model_len=64)
     assert ranks() <= before
+
+
+def test_a_headless_node_refuses_other_sizes_or_another_model_naming_both(tmp_path):
+    """The head's spec, published in a store hosted here (no process): node 1's checks read it."""
+    import pickle
+    import shutil
+
+    import torch
+
+    from minillm.distributed.headless import fetch_spec
+    from minillm.distributed.launch_engine import read_model_config
+    from minillm.distributed.nodes import SPEC_KEY, open_store
+    from minillm.distributed.worker import WorkerSpec
+    from minillm.llm import BUNDLED_DRAFT, BUNDLED_TARGET
+
+    rendezvous = NodeRendezvous(2, "127.0.0.1", free_port(), 5.0)
+    spec = WorkerSpec(model_dir=str(BUNDLED_TARGET), model_config=read_model_config(BUNDLED_TARGET),
+                      dtype=torch.float32, device="cpu", max_positions=64, cache_spec=None, attention_backend="torch",
+                      tp=1, pp=2, init_file="", timeout_s=5.0, rendezvous=rendezvous)
+    store = open_store(rendezvous, is_master=True)
+    store.set(SPEC_KEY, pickle.dumps(spec))
+    copy = shutil.copytree(BUNDLED_TARGET, tmp_path / "same-model-elsewhere")
+    assert fetch_spec(rendezvous, 1, 2, copy).model_dir == str(copy)  # the same model at another path is fine
+    with pytest.raises(ValueError, match="the head runs --tensor-parallel-size 1 --pipeline-parallel-size 2 --nnodes 2, "
+                                         "this node was started with 2, 2, 2"):
+        fetch_spec(rendezvous, 2, 2, BUNDLED_TARGET)
+    with pytest.raises(ValueError, match="is not the head's .*every node needs the same model files"):
+        fetch_spec(rendezvous, 1, 2, BUNDLED_DRAFT)

@@ -41,7 +41,7 @@ class WorkerSpec:
     model_dir: str
     model_config: ModelConfig
     dtype: torch.dtype
-    device: str  # "cpu" or "cuda" (rank r uses cuda:r)
+    device: str  # "cpu" or "cuda" (rank r uses cuda:r, or its rank within its node on several nodes)
     max_positions: int
     cache_spec: KVCacheSpec  # the whole model's pool; each rank allocates its layers and heads of it
     attention_backend: str
