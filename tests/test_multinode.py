@@ -10,9 +10,9 @@ ranks; a headless node whose head never comes says so; a master port in use fail
 a headless node refuses other sizes or another model than the head's. Every process each command
 started is counted while it runs and checked gone after.
 
-CI cost: the two-node test loads the bundled model in 2 ranks + 1 reference engine (~1 min on 2 free
-cores); the failure tests start no world (one rank at most). Marked slow, in the "distributed" xdist
-group with the other multi-process tests, so they never run beside each other.
+CI cost, in counts: two worlds of 2 ranks (the two-node test, the killed-rank test), one reference
+engine, and failure tests that start one rank at most; the unit tests start none. Marked slow, in the
+"distributed" xdist group with the other multi-process tests, so they never run beside each other.
 """
 
 from __future__ import annotations
