@@ -8,7 +8,9 @@ On the bundled model (float32):
    then swap);
 2. sampling with temperature / top-k / top-p runs on the device, and a seeded request reproduces
    itself whatever else is in the batch;
-3. static batching (padded) greedy == CPU.
+3. static batching (padded) greedy == CPU;
+4. a quantized KV cache (kv_cache_dtype int8 / fp8_e4m3, chapter 14): greedy on the device with the
+   torch backend (and the numba kernels on CUDA) == the CPU's with the same dtype.
 Prints one line per check and exits non-zero if any fails. With `--device cpu` it checks the
 script itself (CPU against CPU).
 """
@@ -70,6 +72,14 @@ def main() -> int:
         on_kernels = tokens(LLM(device=args.device, attention_backend="numba", **knobs), greedy)
         check("greedy == CPU: attention_backend='numba' (kernels)", on_kernels == reference,
               f"{sum(a == b for a, b in zip(on_kernels, reference))}/{len(on_kernels)} equal")
+    for kv_cache_dtype in ("int8", "fp8_e4m3"):  # the same bytes written and read on every backend
+        want = tokens(LLM(device="cpu", kv_cache_dtype=kv_cache_dtype, max_num_seqs=8, max_model_len=256), greedy)
+        for backend in ("torch", "numba") if args.device.startswith("cuda") else ("torch",):
+            got = tokens(LLM(device=args.device, attention_backend=backend, kv_cache_dtype=kv_cache_dtype, **knobs),
+                         greedy)
+            same = sum(a == b for a, b in zip(got, want))
+            check(f"greedy == CPU: kv_cache_dtype={kv_cache_dtype!r}, attention_backend={backend!r}", same >= 7,
+                  f"{same}/{len(got)} equal (float32 sums in another order may flip a near-tie)")
     sampling = SamplingParams(max_tokens=32, temperature=0.8, top_k=50, top_p=0.9, seed=7)
     llm = LLM(device=args.device, **knobs)
     alone = llm.generate([PROMPTS[0]], sampling, use_tqdm=False)[0].outputs[0].token_ids

@@ -3,6 +3,8 @@
     python bench/router.py dp         # 2 replicas x 1 thread vs 1 replica x 2 threads, equal offered load
     python bench/router.py policies   # cache_aware vs round_robin vs least_load on a multi-tenant trace
     python bench/router.py policies --policies cache_aware --router-flags "--balance-abs-threshold 8"
+    python bench/router.py hops --rate 2 --num-prompts 60 --output-len 64   # what each router hop adds to TTFT
+    python bench/router.py stub --num-prompts 300   # the hop alone: a stub worker, direct vs through the router
 
 Every server is a real `python -m minillm serve` process on a loopback port, every router a real
 `python -m minillm router`, and every load the `python -m minillm bench serve` command line (its
@@ -12,7 +14,17 @@ router. `policies` replays a seeded `minillm.traces.tenant` (Zipf-popular tenant
 own system prompt) against 2 replicas with prefix caching and a KV pool too small to keep every
 tenant's prompt, behind each policy in turn (fresh replicas each time), and reads the replicas'
 own prefix-cache counters (vllm:prefix_cache_hits / queries, tokens) and the router's per-worker
-request counts. Printed: ratios against the named peer (1 replica; round_robin).
+request counts. Printed: ratios against the named peer (1 replica; round_robin). `hops` measures
+what a hop adds to TTFT: `minillm serve --data-parallel-size 2` and `--pd-disaggregation` (the real
+launchers), each benched through its router and then on its instances directly at the load each saw
+(the two replicas at once; the PD prefill instance alone, its decode partner idle). The client's TTFT less the instances' own (their `vllm:time_to_first_token_seconds`
+over the same run) is HTTP, tokenization and, through the router, the hop(s); the difference between
+the two runs is what the router adds. The router's own histograms (TTFT as its client sees it, the
+worker's as the router sees it) are printed beside it. `stub` isolates the hop: a stub worker (no
+model, `minillm.benchmark.stub_server`, 0 ms to its first chunk) and a `minillm router` in front of it,
+sequential streamed requests sent alternately to each, so that a change in the machine's load hits
+both of a pair alike; printed: the paired difference in time to the first chunk (quartiles) and
+the CPU time per request of the router and of the stub.
 """
 
 from __future__ import annotations
@@ -20,8 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -44,14 +58,25 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def bench(url: str, extra: list[str]) -> dict:
-    out = str(results_path(f"bench-serve-{os.getpid()}.json"))
-    cmd = [sys.executable, "-m", "minillm", "bench", "serve", "--base-url", url, "--model", "minillm",
-           "--disable-tqdm", "--ignore-eos", "--metric-percentiles", "50,99", "--save-result", out, *extra]
-    print("  $", " ".join(cmd[1:]), flush=True)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    result = json.loads(Path(out).read_text())
-    os.unlink(out)
-    return result
+    return bench_all([(url, extra)])[0]
+
+
+def bench_all(runs: list[tuple[str, list[str]]]) -> list[dict]:
+    """`minillm bench serve` against each (URL, flags) at the same time; their result JSONs."""
+    outs, procs = [], []
+    for i, (url, extra) in enumerate(runs):
+        outs.append(str(results_path(f"bench-serve-{os.getpid()}-{i}.json")))
+        cmd = [sys.executable, "-m", "minillm", "bench", "serve", "--base-url", url, "--model", "minillm",
+               "--disable-tqdm", "--ignore-eos", "--metric-percentiles", "50,99", "--save-result", outs[-1], *extra]
+        print("  $", " ".join(cmd[1:]), flush=True)
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
+    for proc in procs:
+        if proc.wait() != 0:
+            raise RuntimeError(f"minillm bench serve exited with code {proc.returncode}")
+    results = [json.loads(Path(out).read_text()) for out in outs]
+    for out in outs:
+        os.unlink(out)
+    return results
 
 
 def start_router(workers: list[str], policy: str, flags: list[str] = ()) -> tuple[subprocess.Popen, str]:
@@ -167,9 +192,154 @@ def run_policies(args) -> None:
           f"router's own match rate {results['cache_aware'][2]:.1%}")
 
 
+def hist(metrics: dict[str, float], name: str, labels: str) -> tuple[float, float]:
+    """(sum, count) of one histogram series in a scrape."""
+    return metrics.get(f"{name}_sum{{{labels}}}", 0.0), metrics.get(f"{name}_count{{{labels}}}", 0.0)
+
+
+def mean_ms(before: dict, after: dict, name: str, labels: list[str]) -> float:
+    """The mean of a histogram over a run, from scrapes before and after, summed over the label sets."""
+    total = count = 0.0
+    for label in labels:
+        (s0, n0), (s1, n1) = hist(before, name, label), hist(after, name, label)
+        total, count = total + s1 - s0, count + n1 - n0
+    return total / count * 1e3 if count else float("nan")
+
+
+SERVER_TTFT = ("vllm:time_to_first_token_seconds", ['model_name="minillm"'])
+
+
+def launch(argv: list[str]) -> tuple[subprocess.Popen, list[str]]:
+    """`python -m minillm serve ARGV` (a launcher: replicas or a PD pair behind its router), once its router
+    printed its URL; (the process, its output lines so far)."""
+    proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("minillm router:"):
+            threading.Thread(target=lambda: proc.stdout.read(), daemon=True).start()  # drained: a full pipe blocks
+            return proc, lines
+    raise RuntimeError("the launcher exited:\n" + "".join(lines))
+
+
+def hop_run(runs: list[tuple[str, list[str]]], instances: list[str], first_token_from: list[str]) -> dict:
+    """Benches at the same time (`bench_all`): the clients' mean TTFT, the instances' own, and the router's
+    histograms for the workers that sent the first token (nan where `runs` go to no router)."""
+    before = {u: scrape(u) for u in {*(url for url, _ in runs), *instances}}
+    results = bench_all(runs)
+    after = {u: scrape(u) for u in before}
+    done = sum(r["completed"] for r in results)
+    router = runs[0][0]
+    labels = [f'worker="{w}"' for w in first_token_from]
+    return {"client": sum(r["mean_ttft_ms"] * r["completed"] for r in results) / done, "completed": done,
+            "own": {u: mean_ms(before[u], after[u], *SERVER_TTFT) for u in instances},
+            "router_ttft": mean_ms(before[router], after[router], "minillm_router_time_to_first_token_seconds", labels),
+            "router_worker_ttft": mean_ms(before[router], after[router],
+                                          "minillm_router_worker_time_to_first_token_seconds", labels)}
+
+
+def run_hops(args) -> None:
+    flags = ["--max-model-len", "512", "--max-num-seqs", "16"]
+
+    def load(rate: float) -> list[str]:
+        return ["--num-prompts", str(args.num_prompts), "--request-rate", str(rate), "--random-input-len",
+                str(args.input_len), "--random-output-len", str(args.output_len), "--seed", "0"]
+
+    print(f"load: random dataset, {args.num_prompts} prompts of {args.input_len} tokens -> {args.output_len} tokens, "
+          f"Poisson {args.rate} req/s through each router, then on its instances directly at the load each saw; "
+          f"{describe_machine()}")
+    rows = []
+    port = free_port()
+    proc, lines = launch(["--data-parallel-size", "2", "--port", str(port), "--policy", "round_robin", *flags])
+    try:
+        workers = [m.group(1) for line in lines if (m := re.match(r"minillm serve: (http://[\d.:]+)/v1", line))]
+        routed = hop_run([(f"http://127.0.0.1:{port}", load(args.rate))], workers, workers)
+        # the baseline: each replica benched directly at the load it saw, both at once (the same busy machine)
+        direct = hop_run([(w, load(args.rate / len(workers))) for w in workers], workers, workers)
+        rows.append(("--data-parallel-size 2", routed, direct))
+    finally:
+        stop_replicas([(proc, "launcher")], 60)
+    import psutil
+
+    port = free_port()
+    proc, _ = launch(["--pd-disaggregation", "--port", str(port), *flags])
+    try:
+        pair = {}
+        for child in psutil.Process(proc.pid).children():
+            cmd = child.cmdline()
+            role = "prefill" if "kv_producer" in cmd[cmd.index("--kv-transfer-config") + 1] else "decode"
+            pair[role] = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
+        routed = hop_run([(f"http://127.0.0.1:{port}", load(args.rate))], [pair["prefill"], pair["decode"]],
+                         [pair["prefill"]])
+        routed["own"] = {pair["prefill"]: routed["own"][pair["prefill"]], "decode": routed["own"][pair["decode"]]}
+        # the baseline: the prefill instance benched directly (it serves plain requests too); the decode idles
+        direct = hop_run([(pair["prefill"], load(args.rate))], [pair["prefill"]], [pair["prefill"]])
+        rows.append(("--pd-disaggregation", routed, direct))
+        print(f"PD instances' own mean TTFT: prefill {routed['own'][pair['prefill']]:.1f} ms (its first token is "
+              f"the client's), decode {routed['own'].pop('decode'):.1f} ms (arrival to token 1, the K/V pulled)")
+    finally:
+        stop_replicas([(proc, "launcher")], 60)
+    print(f"{'mean TTFT, ms':<24} {'client':>8} {'own':>8} {'client-own':>10} {'direct c-o':>10} {'router adds':>11} "
+          f"{'router TTFT':>11} {'worker TTFT':>11} {'in router':>9}")
+    for name, r, d in rows:
+        own = sum(r["own"].values()) / len(r["own"])  # (the instances that sent the first token)
+        base = d["client"] - sum(d["own"].values()) / len(d["own"])
+        print(f"{name:<24} {r['client']:>8.1f} {own:>8.1f} {r['client'] - own:>10.1f} {base:>10.1f} "
+              f"{r['client'] - own - base:>11.1f} {r['router_ttft']:>11.1f} {r['router_worker_ttft']:>11.1f} "
+              f"{r['router_ttft'] - r['router_worker_ttft']:>9.1f}")
+    print("client-own: the client's TTFT less the instances' own (HTTP, tokenization, the hop); direct c-o: the same "
+          "on the instances directly, at the same load; router adds: the difference. in router: the router's TTFT histogram "
+          "less its worker-TTFT histogram (both its own clock).")
+
+
+def run_stub(args) -> None:
+    import statistics
+
+    import psutil
+
+    stub_port = free_port()
+    stub = subprocess.Popen([sys.executable, "-m", "minillm.benchmark.stub_server", "--port", str(stub_port),
+                             "--ttft-ms", "0", "--tpot-ms", "1"])
+    worker = f"http://127.0.0.1:{stub_port}"
+    router = None
+    try:
+        router, url = start_router([worker], "round_robin")
+        body = {"model": "stub", "prompt": "hello " * 100, "max_tokens": 4, "stream": True}
+        first_chunk = {worker: [], url: []}
+        cpu = [psutil.Process(p.pid) for p in (router, stub)]
+        with httpx.Client(timeout=30) as client:
+            for i in range(args.num_prompts + 20):  # the first 20 pairs warm up (connections, imports)
+                if i == 20:
+                    cpu_before = [sum(p.cpu_times()[:2]) for p in cpu]
+                for target in (worker, url):
+                    t0 = time.perf_counter()
+                    with client.stream("POST", target + "/v1/completions", json=body) as r:
+                        seen = False
+                        for chunk in r.iter_raw():
+                            if not seen and b"word" in chunk:
+                                seen = True
+                                if i >= 20:
+                                    first_chunk[target].append(time.perf_counter() - t0)
+        cpu_ms = [(sum(p.cpu_times()[:2]) - b) / args.num_prompts * 1e3 for p, b in zip(cpu, cpu_before)]
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(30)
+        stub.terminate()
+        stub.wait(30)
+    diffs = sorted(b - a for a, b in zip(first_chunk[worker], first_chunk[url]))
+    q = statistics.quantiles(diffs, n=4)
+    print(f"{args.num_prompts} pairs of streamed requests, stub worker (0 ms to its first chunk); {describe_machine()}")
+    print(f"time to first chunk, median: direct {statistics.median(first_chunk[worker]) * 1e3:.2f} ms, through the "
+          f"router {statistics.median(first_chunk[url]) * 1e3:.2f} ms; router - direct, pair by pair: "
+          f"p25 / median / p75 {q[0] * 1e3:.2f} / {q[1] * 1e3:.2f} / {q[2] * 1e3:.2f} ms")
+    print(f"CPU per request: router {cpu_ms[0]:.2f} ms (it serves one request and sends one), stub {cpu_ms[1] / 2:.2f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["dp", "policies"])
+    parser.add_argument("what", choices=["dp", "policies", "hops", "stub"])
     parser.add_argument("--num-prompts", type=int, default=120)
     parser.add_argument("--rate", type=float, default=8.0)
     parser.add_argument("--input-len", type=int, default=128)
@@ -180,7 +350,7 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=["round_robin", "least_load", "cache_aware"])
     parser.add_argument("--router-flags", default="", help="more `minillm router` flags, e.g. '--balance-abs-threshold 8'")
     args = parser.parse_args()
-    run_dp(args) if args.what == "dp" else run_policies(args)
+    {"dp": run_dp, "policies": run_policies, "hops": run_hops, "stub": run_stub}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
     minillm generate "Once upon a time" --max-tokens 32
     minillm generate "What is a KV cache?" --chat --temperature 0.8 --seed 1
+    torchrun --nproc-per-node 2 -m minillm generate "Once upon a time" --tensor-parallel-size 2 \
+        --distributed-executor-backend external_launcher     # every rank prints the same text
     minillm serve --port 8000 --max-num-seqs 16          # also: python -m minillm serve
     minillm serve --data-parallel-size 2 --port 8000     # 2 engine processes behind a router
     minillm serve --pd-disaggregation --port 8000        # a prefill and a decode instance behind a PD router
@@ -19,6 +21,8 @@ def _generate(args: argparse.Namespace) -> int:
     from minillm import LLM, SamplingParams
 
     knobs = {"max_num_seqs": 1} if args.max_model_len is None else {"max_num_seqs": 1, "max_model_len": args.max_model_len}
+    knobs.update(tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+                 distributed_executor_backend=args.distributed_executor_backend)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, **knobs)
     prompt = args.prompt
     if args.chat:
@@ -108,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None)
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--show-ids", action="store_true", help="also print prompt and output token ids")
+    gen.add_argument("--tensor-parallel-size", type=int, default=1)
+    gen.add_argument("--pipeline-parallel-size", type=int, default=1)
+    gen.add_argument("--distributed-executor-backend", default=None,
+                     help="uni, mp (one process per rank, the default for several) or external_launcher (under "
+                          "torchrun: every process one rank, each prints the same text; docs/multinode.md)")
     gen.set_defaults(func=_generate)
 
     from minillm.server.serve import __doc__ as serve_doc

@@ -19,7 +19,10 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREFIX_CACHES = ("hash", "radix")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 CHUNK_POLICIES = ("sarathi", "splitfuse")  # minillm.scheduler.chunk_policy
-EXECUTOR_BACKENDS = ("uni", "mp")  # minillm.executor: in this process, or one process per rank (forked where safe)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # minillm.kv.quant (chapter 14)
+# minillm.executor: in this process, one process per rank (forked where safe), or this process as one rank of a
+# world that torchrun started (every process an engine; vLLM's name)
+EXECUTOR_BACKENDS = ("uni", "mp", "external_launcher")
 
 
 @dataclass
@@ -55,9 +58,9 @@ class EngineConfig:
     # Speculative decoding (chapter 09), vLLM's dict: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
     speculative_config: Any = None
     # Several processes, one model (chapter 12; minillm.distributed): TP ranks per stage × PP stages, each rank a
-    # process ("mp", forked where safe: minillm.executor.start_method); None picks "uni" for one rank, "mp" for
-    # more. A step that takes longer than execute_model_timeout_s on the workers fails with an error naming the
-    # rank (a hung or dead worker).
+    # process ("mp", forked where safe: minillm.executor.start_method), or each process one rank under torchrun
+    # ("external_launcher", docs/multinode.md); None picks "uni" for one rank, "mp" for more. A step that takes
+    # longer than execute_model_timeout_s on the workers fails with an error naming the rank (a hung or dead worker).
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
@@ -82,8 +85,16 @@ class EngineConfig:
     # KVTransferConfig, its dict or its JSON. The engine builds the connector's scheduler side, every worker its
     # worker side.
     kv_transfer_config: Any = None
+    # How the KV pool stores K and V (chapter 14; vLLM's name): "auto" (the model's dtype), "int8" (a scale per
+    # token and head) or "fp8_e4m3" (one static scale); minillm.kv.quant
+    kv_cache_dtype: str = "auto"
+    # torch threads per step: None follows the step's size and dtype (minillm/worker/threads.py: one
+    # thread for every step by default, never more than torch had at start); an integer fixes the count.
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}; choose one of {KV_CACHE_DTYPES}")
         if self.kv_transfer_config is not None:
             from minillm.kv_transfer.config import KVTransferConfig, parse_kv_transfer_config
 
@@ -121,6 +132,8 @@ class EngineConfig:
         if self.preemption_mode == "swap" and self.kv_layout != "paged":
             raise ValueError("preemption_mode='swap' needs kv_layout='paged'")
         _require_int("max_num_seqs", self.max_num_seqs, 1)
+        if self.num_threads is not None:
+            _require_int("num_threads", self.num_threads, 1)
         _require_int("block_size", self.block_size, 1)
         if self.num_kv_blocks is not None:
             _require_int("num_kv_blocks", self.num_kv_blocks, 1)
@@ -170,10 +183,16 @@ class EngineConfig:
         _require_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend={backend!r}; choose one of {EXECUTOR_BACKENDS} (or None)")
+            raise ValueError(f"distributed_executor_backend={backend!r}; choose one of {EXECUTOR_BACKENDS} (or None: "
+                             "'uni' for one rank, 'mp' for more)")
         if backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one process, but tensor_parallel_size × "
-                             f"pipeline_parallel_size = {self.world_size}: use 'mp'")
+                             f"pipeline_parallel_size = {self.world_size}: use 'mp' (or 'external_launcher' under "
+                             "torchrun)")
+        if backend == "external_launcher" and self.kv_transfer_config is not None:
+            raise ValueError("kv_transfer_config makes a server one half of a prefill/decode pair; "
+                             "distributed_executor_backend='external_launcher' is for offline LLM.generate under "
+                             "torchrun: run the pair with 'mp' (or one process each)")
         if isinstance(self.execute_model_timeout_s, bool) or not isinstance(self.execute_model_timeout_s, (int, float)) \
                 or not self.execute_model_timeout_s > 0:
             raise ValueError(f"execute_model_timeout_s must be a number of seconds > 0, got {self.execute_model_timeout_s!r}")
@@ -205,10 +224,13 @@ class EngineConfig:
         if self.node_rank != 0:
             raise ValueError(f"node_rank={self.node_rank}: the engine runs on node 0; the other nodes run only ranks "
                              "(`minillm serve ... --node-rank N --headless`)")
+        if self.executor_backend == "external_launcher":
+            raise ValueError(f"nnodes={self.nnodes} is for the 'mp' backend's own nodes; under torchrun "
+                             "(external_launcher) torchrun's --nnodes places the ranks: leave nnodes=1")
 
     @property
     def executor_backend(self) -> str:
-        """"uni" or "mp": the backend asked for, or the one the world size implies."""
+        """"uni", "mp" or "external_launcher": the backend asked for, or the one the world size implies."""
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
         return "mp" if self.world_size > 1 else "uni"

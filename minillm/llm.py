@@ -96,11 +96,16 @@ class LLM:
         device = device or default_device()
         if device == "cpu" and torch_dtype is torch.float16:
             raise ValueError("dtype=float16 matmuls run at ~1-3 GFLOP/s on this CPU; use float32 or bfloat16 on CPU")
-        if config.executor_backend == "mp":  # the weights live in the ranks' processes (chapter 12)
+        backend = config.executor_backend
+        if backend in ("mp", "external_launcher"):  # the weights live in the ranks (chapter 12)
             if model is not None and not isinstance(model, (str, Path)):
-                raise ValueError("distributed_executor_backend='mp' loads each rank's shard from a model directory: "
-                                 "pass a path, not an in-memory model")
-            from minillm.distributed.launch_engine import build_distributed_engine, read_model_config
+                raise ValueError(f"distributed_executor_backend={backend!r} loads each rank's shard from a model "
+                                 "directory: pass a path, not an in-memory model")
+            from minillm.distributed.launch_engine import (
+                build_distributed_engine,
+                build_external_launcher_engine,
+                read_model_config,
+            )
 
             model_dir = Path(model) if model is not None else BUNDLED_TARGET
             if not model_dir.is_dir():
@@ -109,8 +114,9 @@ class LLM:
             self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
             self._model_config = read_model_config(model_dir)
             proposer = self._draft_proposer(config, torch_dtype, device)  # the draft runs in this process
-            self.engine = build_distributed_engine(config, model_dir, self._model_config, torch_dtype, device,
-                                                   self.tokenizer, scheduler_factory, proposer)
+            build = build_distributed_engine if backend == "mp" else build_external_launcher_engine
+            self.engine = build(config, model_dir, self._model_config, torch_dtype, device, self.tokenizer,
+                                scheduler_factory, proposer)
             self.prometheus = PrometheusMetrics(self.engine, "minillm")
             return
         if model is None or isinstance(model, (str, Path)):
@@ -147,10 +153,13 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _draft_proposer(self, config: EngineConfig, dtype: torch.dtype, device: str):
-        """The draft model of `speculative_config={"method": "draft_model", ...}`, with its own KV cache."""
+        """The draft model of `speculative_config={"method": "draft_model", ...}`, with its own KV cache:
+        run by one compiled loop where the draft qualifies (minillm.spec.draft_compiled), else by the
+        engine's own worker (minillm.spec.draft)."""
         spec = config.speculative_config
         if spec is None or spec.method != "draft_model":
             return None
+        from minillm.attention.select import numba_installed
         from minillm.spec.draft import DraftModelProposer
 
         draft_dir = Path(spec.model) if spec.model is not None else BUNDLED_DRAFT
@@ -161,6 +170,12 @@ class LLM:
         if draft.config.vocab_size != self._model_config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) differs from the "
                              f"target's ({self._model_config.vocab_size}): they must share a tokenizer")
+        if numba_installed():
+            from minillm.spec.draft_compiled import CompiledDraftProposer
+            from minillm.spec.draft_kernel import supports
+
+            if supports(draft):
+                return CompiledDraftProposer(draft, spec.num_speculative_tokens, resolved.max_model_len)
         return DraftModelProposer(draft, spec.num_speculative_tokens, resolved.num_kv_blocks, resolved.block_size,
                                   resolved.max_model_len)
 

@@ -123,12 +123,23 @@ DECISIONS: list[tuple[str, str, object]] = [
     # docs/multinode.md and README: a world across nodes (issue 28)
     ("minillm serve models/minillm-target --tensor-parallel-size 2 --pipeline-parallel-size 2 --nnodes 2", SKIP,
      "two machines (10.0.0.1 is the head's address); the page's loopback block runs the same world on one"),
-    ("minillm serve --pipeline-parallel-size 2 --nnodes 2 --node-rank 0 --master-addr HEAD_IP", SKIP,
-     "HEAD_IP is the head machine's address; docs/multinode.md's loopback block runs the same world on one"),
+    ("minillm serve --pipeline-parallel-size 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1", SKIP,
+     "two hosts (10.0.0.1 is the head's address); docs/multinode.md's loopback block runs the same world on one"),
     ("minillm serve --tensor-parallel-size 1 --pipeline-parallel-size 2 --nnodes 2 --node-rank 1", START, None),
     ("make lab", SKIP, "JupyterLab runs until stopped; tests/test_lab.py and tests/test_browser.py start it"),
     ("make test", SKIP, "this is the test suite that runs this test"),
     ("source .venv/bin/activate", RUN, None),
+    # docs/multinode.md: one host under torchrun runs; the commands for other hosts (10.0.0.x are the page's
+    # example addresses) are run on this host's address by the tests named
+    ("torchrun --standalone --nproc-per-node 2 -m minillm generate", RUN, None),
+    ("torchrun --nnodes 2", SKIP, "one command per host (10.0.0.x: example addresses); "
+                                  "tests/test_external_launcher.py runs two such nodes on this host's address"),
+    ("minillm serve --host 0.0.0.0", SKIP, "a server for other hosts to reach (10.0.0.x: example addresses); "
+                                           "tests/test_cross_host.py starts the same commands on this host's address"),
+    ("minillm router --worker http://10.0.0.", SKIP, "replicas on other hosts (example addresses); tests/test_cross_host.py "
+                                                     "runs the router so in front of two servers on this host's address"),
+    ("minillm router --pd --prefill http://10.0.0.", SKIP, "a PD pair on other hosts (example addresses); "
+                                                           "tests/test_cross_host.py runs it on this host's address"),
     ("minillm generate", RUN, None),
     ("minillm simulate", RUN, None),
     ("make serve", SERVE, None),

@@ -294,7 +294,7 @@ def test_a_shard_that_cannot_load_fails_at_construction(tmp_path):
     (dict(tensor_parallel_size=0), r"tensor_parallel_size must be an integer >= 1, got 0"),
     (dict(pipeline_micro_batches=2), r"pipeline_micro_batches=2 .* needs pipeline_parallel_size >= 2"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), r"'uni' runs one process"),
-    (dict(distributed_executor_backend="ray"), r"distributed_executor_backend='ray'; choose one of \('uni', 'mp'\)"),
+    (dict(distributed_executor_backend="ray"), r"distributed_executor_backend='ray'; choose one of \('uni', 'mp', 'external_launcher'\)"),
     (dict(enable_expert_parallel=True), r"enable_expert_parallel=True .* needs tensor_parallel_size >= 2 \(got 1\)"),
     (dict(tensor_parallel_size=2, enable_expert_parallel=True), r"model_type 'llama' has no experts"),
     (dict(model=MOE, tensor_parallel_size=8, enable_expert_parallel=True), r"tensor_parallel_size=8 does not divide .* 4 attention heads"),

@@ -273,6 +273,23 @@ def test_raw_sse_framing_ends_with_done_and_usage_matches_the_non_streamed_answe
     assert texts == expected  # seeded samples: streamed equals non-streamed for sampling too
 
 
+def test_x_request_id_names_the_answer_as_vllm_does(server):
+    """The PD router sends one X-Request-Id to its prefill and decode instance: both answers carry its id."""
+    import httpx
+
+    url = server[0]
+    body = {"model": "minillm", "prompt": PROMPT, "max_tokens": 2}
+    r = httpx.post(url + "/v1/completions", json=body, headers={"X-Request-Id": "pair-7"}, timeout=60)
+    assert r.json()["id"] == "cmpl-pair-7"
+    chat = {"model": "minillm", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=chat, headers={"X-Request-Id": "pair-8"},
+                      timeout=60) as r:
+        ids = {json.loads(line[6:])["id"] for line in r.iter_lines() if line.startswith("data: {")}
+    assert ids == {"chatcmpl-pair-8"}
+    unnamed = [httpx.post(url + "/v1/completions", json=body, timeout=60).json()["id"] for _ in range(2)]
+    assert unnamed[0] != unnamed[1] and all(i.startswith("cmpl-") for i in unnamed)
+
+
 def test_prometheus_types_are_vllms(server):
     """Counters are exposed as counters named *_total, gauges as gauges, histograms with buckets."""
     import httpx

@@ -18,6 +18,11 @@ that keys read ÷ keys that exist stays near 1). Rows that bring several new tok
 context — a prefill chunk, a speculative row of 1+k, a recompute — run batched too, with an offset
 causal mask.
 Everything else in the layer ran on the flattened batch: Orca's "selective batching".
+
+A quantized pool (`kv_cache_dtype="int8" | "fp8_e4m3"`, `minillm.kv.quant`, chapter 14) holds each
+(token, head) row as bytes: the write quantizes, each gather dequantizes the blocks it read, and a
+fresh prompt attends to its own K/V as the pool holds them (quantized and read back), so every row
+sees the same keys whichever path serves it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from minillm.attention.metadata import AttentionMetadata, RowGroup, StepLayout
+from minillm.kv.quant import decode, encode, kv_format
 
 # Rows share one attention call while the keys it reads stay within this factor of the keys
 # they have (in blocks); beyond it a new group starts. Grouping trades padded reads for calls.
@@ -158,14 +164,17 @@ class FlatPoolAttention:
         return build_row_groups(layout)
 
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
-                 sliding_windows: tuple[int | None, ...] = ()) -> None:
-        self.k_pool, self.v_pool = k_pool, v_pool  # [L, num_slots, H_kv, D]
+                 sliding_windows: tuple[int | None, ...] = (), kv_cache_dtype: str = "auto") -> None:
+        self.k_pool, self.v_pool = k_pool, v_pool  # [L, num_slots, H_kv, D] (quantized: uint8 rows of W bytes)
         self.meta = meta
         self.windows = sliding_windows or (None,) * k_pool.shape[0]
+        self.kv_format = kv_format(kv_cache_dtype)  # None: the pool holds the model's dtype
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta, window = self.meta, self.windows[layer]
         k_blocks, v_blocks = self.write(layer, k, v)
+        if meta.prefill_groups:
+            k, v = self.as_stored(k), self.as_stored(v)
         if len(meta.decode_groups) == 1 and not meta.prefill_groups:  # pure decode, one group
             return self._decode(meta.decode_groups[0], q, k_blocks, v_blocks, window)
         out = torch.empty_like(q)
@@ -179,10 +188,17 @@ class FlatPoolAttention:
         """Store this step's K/V through `slot_mapping`; the layer's pools seen as blocks
         [num_blocks, block_size, H_kv, D]."""
         k_pool, v_pool = self.k_pool[layer], self.v_pool[layer]
+        if self.kv_format is not None:  # quantized: each (token, head) row becomes its codes (+ scale)
+            k, v = encode(k, self.kv_format), encode(v, self.kv_format)
         k_pool.index_copy_(0, self.meta.slot_mapping, k)  # every new K/V is written before anyone reads
         v_pool.index_copy_(0, self.meta.slot_mapping, v)
         bs = self.meta.block_size
         return k_pool.view(-1, bs, *k_pool.shape[1:]), v_pool.view(-1, bs, *v_pool.shape[1:])
+
+    def as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        """This step's K (or V) as the pool holds it: quantized and read back (a fresh prompt attends
+        to its own keys without reading the pool, and must see the same numbers a later step will)."""
+        return x if self.kv_format is None else decode(encode(x, self.kv_format), self.kv_format, x.dtype)
 
     def multi_token(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_blocks: torch.Tensor, v_blocks: torch.Tensor, window: int | None) -> None:
@@ -196,26 +212,28 @@ class FlatPoolAttention:
                                                    v[rows].transpose(0, 1)[None], is_causal=True, enable_gqa=True)
                 out[rows] = o[0].transpose(0, 1)
                 continue
-            keys, values = self._gather(g, k_blocks, v_blocks)
+            keys, values = self._gather(g, k_blocks, v_blocks, q.dtype)
             queries = q.index_select(0, g.query_index).view(g.num_rows, g.q_max, *q.shape[1:]).transpose(1, 2)
             o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=multi_token_mask(g, window),
                                                enable_gqa=True)
             o = o.transpose(1, 2).reshape(g.num_rows * g.q_max, *q.shape[1:])
             out.index_copy_(0, g.out_index, o[g.valid] if g.valid is not None else o)
 
-    @staticmethod
-    def _gather(g: RowGroup, k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[b, H_kv, K, D] keys and values of the group's rows, read block by block."""
+    def _gather(self, g: RowGroup, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[b, H_kv, K, D] keys and values of the group's rows, read block by block (and dequantized
+        to `dtype` when the pool is quantized)."""
         if g.key_len < k_blocks.shape[1]:  # one partial block (a slab): read only its start
             k_blocks, v_blocks = k_blocks[:, : g.key_len], v_blocks[:, : g.key_len]
-        shape = (g.num_rows, g.key_len, *k_blocks.shape[2:])
-        keys = k_blocks.index_select(0, g.block_ids).view(shape).transpose(1, 2)
-        values = v_blocks.index_select(0, g.block_ids).view(shape).transpose(1, 2)
-        return keys, values
+        keys, values = k_blocks.index_select(0, g.block_ids), v_blocks.index_select(0, g.block_ids)
+        if self.kv_format is not None:
+            keys, values = decode(keys, self.kv_format, dtype), decode(values, self.kv_format, dtype)
+        shape = (g.num_rows, g.key_len, *keys.shape[2:])
+        return keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
 
     def _decode(self, g: RowGroup, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
                 window: int | None) -> torch.Tensor:
-        keys, values = self._gather(g, k_blocks, v_blocks)
+        keys, values = self._gather(g, k_blocks, v_blocks, q.dtype)
         # GQA folded into the query axis: the G query heads that share KV head j (heads j·G … j·G+G-1,
         # as HF's repeat_kv pairs them) become G queries of one head, so each key is read once, not G times.
         b, h_q, d = q.shape

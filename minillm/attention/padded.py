@@ -4,7 +4,8 @@ Every row of a batch-synchronous batch is left-padded to the longest prompt, and
 one decode step together, even after it finished. The model still sees a flattened `[B·S]`
 batch; this backend reshapes it to `[B, S]`, keeps a per-batch cache `[L, B, S_max, H_kv, D]`
 (like HF's cache), and masks the pads so real tokens never attend to them. The pads are still
-computed — that is the waste these chapters measure.
+computed — that is the waste these chapters measure. With a quantized `kv_cache_dtype`
+(`minillm.kv.quant`, chapter 14) the rectangle holds each row's bytes and attention reads them back.
 """
 
 from __future__ import annotations
@@ -12,15 +13,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from minillm.kv.quant import decode, encode, kv_format
+
 
 class PaddedBatchCache:
     """K/V of one padded batch, plus which key slots hold real tokens."""
 
     def __init__(self, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
-        shape = (num_layers, batch_size, max_len, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+                 dtype: torch.dtype, device: torch.device | str, kv_cache_dtype: str = "auto") -> None:
+        self.kv_format = kv_format(kv_cache_dtype)  # None: K/V kept in the model's dtype
+        width = head_dim if self.kv_format is None else self.kv_format.row_bytes(head_dim)
+        shape = (num_layers, batch_size, max_len, num_kv_heads, width)
+        storage = dtype if self.kv_format is None else torch.uint8
+        self.k = torch.zeros(shape, dtype=storage, device=device)
+        self.v = torch.zeros(shape, dtype=storage, device=device)
         self.is_real = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
         self.length = 0  # slots filled in every row (pads included)
 
@@ -63,11 +69,15 @@ class PaddedAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache, s, end = self.cache, self.num_new, self.start + self.num_new
-        batch = cache.k.shape[1]
+        batch, fmt = cache.k.shape[1], cache.kv_format
+        if fmt is not None:
+            k, v = encode(k, fmt), encode(v, fmt)
         cache.k[layer, :, self.start:end] = k.view(batch, s, *k.shape[1:])
         cache.v[layer, :, self.start:end] = v.view(batch, s, *v.shape[1:])
-        keys = cache.k[layer, :, :end].transpose(1, 2)  # [B, H_kv, ctx, D]
-        values = cache.v[layer, :, :end].transpose(1, 2)
+        keys, values = cache.k[layer, :, :end], cache.v[layer, :, :end]
+        if fmt is not None:
+            keys, values = decode(keys, fmt, q.dtype), decode(values, fmt, q.dtype)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, H_kv, ctx, D]
         queries = q.view(batch, s, *q.shape[1:]).transpose(1, 2)  # [B, H_q, S_new, D]
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask(self.windows[layer]),
                                              enable_gqa=True)

@@ -8,7 +8,8 @@
 A backend is a class (vLLM's AttentionBackend and AttentionMetadataBuilder in one) with
 `check(device, dtype)` (raise ValueError naming what it cannot do), `build_metadata(layout)` (the
 step's `StepLayout` → what its attention reads, `minillm.attention.metadata`) and a constructor
-`(k_pool, v_pool, metadata, sliding_windows)` giving the callable the model calls once per layer.
+`(k_pool, v_pool, metadata, sliding_windows)` giving the callable the model calls once per layer
+(and, for a quantized pool, `kv_cache_dtype=`: "torch", "numba_cpu" and "numba" take it, chapter 14).
 This module imports no backend (nor torch): `EngineConfig` checks names against it, and a backend
 is imported when a worker uses it. "auto" is resolved in `minillm.attention.select`.
 """

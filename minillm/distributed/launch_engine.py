@@ -43,11 +43,11 @@ def read_model_config(model_dir: Path) -> ModelConfig:
     return model_config
 
 
-def build_distributed_engine(config: EngineConfig, model_dir: Path, model_config: ModelConfig, dtype: torch.dtype,
-                             device: str, tokenizer: Any, scheduler_factory=None, proposer=None):
-    """`proposer`: a draft model's proposer (speculative decoding), run in the driver like the scheduler."""
-    from minillm.executor.multiproc import MultiprocExecutor
-
+def plan_ranks(config: EngineConfig, model_dir: Path, model_config: ModelConfig, dtype: torch.dtype,
+               device: str) -> tuple[Any, dict]:
+    """What every layout of ranks needs: the world checked against the model (naming the number that does
+    not split), the driver's KV manager (accounting only) and the `WorkerSpec` fields but tp, pp,
+    init_file and timeout_s."""
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     check_parallel_config(model_config, tp, pp)
     if config.enable_expert_parallel or model_config.is_moe:
@@ -58,10 +58,6 @@ def build_distributed_engine(config: EngineConfig, model_dir: Path, model_config
         elif model_config.intermediate_size % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide the experts' intermediate_size="
                              f"{model_config.intermediate_size} (or use enable_expert_parallel=True)")
-    local_ranks = tp * pp // config.nnodes  # a world across nodes: this node runs its share (minillm.distributed.nodes)
-    if device.startswith("cuda") and torch.cuda.device_count() < local_ranks:
-        raise ValueError(f"{local_ranks} ranks on this node (tensor_parallel_size × pipeline_parallel_size = {tp * pp} "
-                         f"over nnodes={config.nnodes}), but this machine has {torch.cuda.device_count()} CUDA device(s)")
     resolved = config.resolve(model_config.max_position_embeddings)
     kv = make_kv_manager(resolved, model_config, dtype, "cpu", allocate_pool=False)
     spec = dict(model_dir=str(model_dir), model_config=model_config, dtype=dtype, device=device,
@@ -69,15 +65,52 @@ def build_distributed_engine(config: EngineConfig, model_dir: Path, model_config
                 cache_spec=kv.cache_spec, attention_backend=resolved.attention_backend,
                 micro_batches=resolved.pipeline_micro_batches, expert_parallel=resolved.enable_expert_parallel,
                 kv_transfer_config=resolved.kv_transfer_config, max_num_seqs=resolved.max_num_seqs)
+    return kv, spec
+
+
+def build_distributed_engine(config: EngineConfig, model_dir: Path, model_config: ModelConfig, dtype: torch.dtype,
+                             device: str, tokenizer: Any, scheduler_factory=None, proposer=None):
+    """`proposer`: a draft model's proposer (speculative decoding), run in the driver like the scheduler."""
+    from minillm.executor.multiproc import MultiprocExecutor
+
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    local_ranks = tp * pp // config.nnodes  # a world across nodes: this node runs its share (minillm.distributed.nodes)
+    if device.startswith("cuda") and torch.cuda.device_count() < local_ranks:
+        raise ValueError(f"{local_ranks} ranks on this node (tensor_parallel_size × pipeline_parallel_size = {tp * pp} "
+                         f"over nnodes={config.nnodes}), but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    kv, spec = plan_ranks(config, model_dir, model_config, dtype, device)
     rendezvous = None
     if config.nnodes > 1:
         from minillm.distributed.nodes import NodeRendezvous
 
         rendezvous = NodeRendezvous(config.nnodes, config.master_addr, config.master_port, config.node_join_timeout_s)
-    executor = MultiprocExecutor(kv, spec, tp, pp, resolved.execute_model_timeout_s, rendezvous)
+    executor = MultiprocExecutor(kv, spec, tp, pp, config.execute_model_timeout_s, rendezvous)
     try:
         return build_engine(config, model_config, tokenizer=tokenizer, kv=kv, executor=executor,
                             scheduler_factory=scheduler_factory, proposer=proposer)
     except BaseException:
         executor.shutdown()
         raise
+
+
+def build_external_launcher_engine(config: EngineConfig, model_dir: Path, model_config: ModelConfig,
+                                   dtype: torch.dtype, device: str, tokenizer: Any, scheduler_factory=None,
+                                   proposer=None):
+    """This process's engine in a world torchrun started (`distributed_executor_backend="external_launcher"`):
+    its own scheduler over the same plans as every other rank's, and one worker, its rank's shard
+    (minillm.executor.external_launcher)."""
+    from minillm.distributed.worker import WorkerSpec
+    from minillm.executor.external_launcher import ExternalLauncherExecutor
+
+    kv, spec = plan_ranks(config, model_dir, model_config, dtype, device)
+    executor = ExternalLauncherExecutor(kv, WorkerSpec(tp=config.tensor_parallel_size,
+                                                       pp=config.pipeline_parallel_size, init_file="",
+                                                       timeout_s=config.execute_model_timeout_s, **spec))
+    try:
+        engine = build_engine(config, model_config, tokenizer=tokenizer, kv=kv, executor=executor,
+                              scheduler_factory=scheduler_factory, proposer=proposer)
+    except BaseException:
+        executor.shutdown()
+        raise
+    engine.warm_up_report = executor.warm_up_report
+    return engine

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from minillm.distributed.layout import RankLayout
+from minillm.distributed.nodes import announce_joined, node_of_rank, open_store
 from minillm.kv.base import KVCacheSpec
 from minillm.model.config import ModelConfig
 from minillm.scheduler.base import ModelRunnerOutput
@@ -150,12 +151,16 @@ def build_rank(spec: WorkerSpec, rank: int) -> ParallelWorker:
     if on_cuda:
         torch.cuda.set_device(device)
     backend, timeout = "nccl" if on_cuda else "gloo", datetime.timedelta(seconds=spec.timeout_s)
-    if spec.rendezvous is None:  # one machine: a FileStore in the driver's temporary folder
+    if dist.is_initialized():  # (under torchrun the executor has joined torchrun's world already)
+        pass
+    elif spec.rendezvous is None:  # one machine: a FileStore in the driver's temporary folder
         dist.init_process_group(backend, init_method=f"file://{spec.init_file}", rank=rank, world_size=world,
                                 timeout=timeout)
-    else:  # several: the head's TCPStore (minillm.distributed.nodes)
-        from minillm.distributed.nodes import announce_joined, node_of_rank, open_store
+    else:  # several nodes: the head's TCPStore (minillm.distributed.nodes)
+        from minillm.distributed.host_address import gloo_interface_towards
 
+        # gloo's sockets on the interface that reaches the head, not on the address the host's name resolves to
+        gloo_interface_towards(spec.rendezvous.master_addr, spec.rendezvous.master_port)
         store = open_store(spec.rendezvous, is_master=False)
         announce_joined(store, rank, node_of_rank(rank, world, nnodes))
         dist.init_process_group(backend, store=dist.PrefixStore("world", store), rank=rank, world_size=world,

@@ -43,7 +43,7 @@ def build_engine(config: EngineConfig, model_config: ModelConfig, *, model: Any 
 
         transfer = resolved.kv_transfer_config
         worker = ModelRunner(model, kv.cache_spec, resolved.attention_backend,
-                             None if transfer is None else make_worker_connector(transfer))
+                             None if transfer is None else make_worker_connector(transfer), resolved.num_threads)
         executor = UniProcExecutor(worker, kv)
         report = warm_up(worker, resolved.max_num_seqs)  # compile and warm now, not in the first generate
     engine = LLMEngine(model_config, config, model=model, tokenizer=tokenizer, kv=kv, scheduler=scheduler,

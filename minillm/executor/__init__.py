@@ -8,6 +8,8 @@
   safe, see `start_method`),
   built by `LLM(tensor_parallel_size=..., pipeline_parallel_size=...)`; a failed rank raises
   `abstract.EngineDeadError`.
+- `external_launcher.ExternalLauncherExecutor` — under torchrun, this process's one rank; every process
+  is an engine with its own scheduler, planning the same steps (`distributed_executor_backend="external_launcher"`).
 
 A driver-side stand-in (the simulator's `SimExecutor`, tests' and graders' fakes) implements the
 same protocol and reads the scheduler's plan directly; an executor with workers turns it into the

@@ -13,9 +13,13 @@ before numba is imported); the CPU kernel is plain numba @njit.
     paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale) -> out
     paged_attention_decode_warp(...same...) -> out    # one warp per (sequence, head), shuffles: GPU only
     prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale) -> out
+    reshape_and_cache_quantized(key, value, k_codes, v_codes, slot_mapping, kv_cache_dtype)    # chapter 14:
+    paged_attention_decode_quantized(query, k_codes, v_codes, ..., kv_cache_dtype) -> out     # a pool of bytes
+    prefill_attention_quantized(query, k_codes, v_codes, ..., kv_cache_dtype) -> out         # (minillm.kv.quant)
     rms_norm(x, weight, eps) -> out
     rotary_embedding(positions, query, key, cos_sin_cache, is_neox=True)          # in place
     paged_attention_decode_cpu(query, key_cache, value_cache, block_tables, seq_lens, scale, window=None)
+    paged_attention_decode_cpu_quantized(query, k_codes, v_codes, block_tables, seq_lens, scale, kv_cache_dtype)
 """
 
 import importlib
@@ -30,8 +34,10 @@ if not (_HERE / "decode_attention.py").is_file() and (_CHECKOUT_KERNELS / "decod
 KERNELS = {"reshape_and_cache": "cache_write", "paged_attention_decode": "decode_attention",
            "paged_attention_decode_warp": "decode_attention_warp",
            "prefill_attention": "varlen_attention", "rms_norm": "rmsnorm", "rotary_embedding": "rope",
-           "flash_attention": "tiled_attention"}
-CPU_KERNELS = {"paged_attention_decode_cpu": "cpu_decode_attention"}  # @njit, not CUDA: no PTX
+           "flash_attention": "tiled_attention", "reshape_and_cache_quantized": "quantized_kv",
+           "paged_attention_decode_quantized": "quantized_kv", "prefill_attention_quantized": "quantized_kv"}
+CPU_KERNELS = {"paged_attention_decode_cpu": "cpu_decode_attention",  # @njit, not CUDA: no PTX
+               "paged_attention_decode_cpu_quantized": "cpu_quantized_decode"}
 __all__ = [*KERNELS, *CPU_KERNELS]
 
 

@@ -26,6 +26,9 @@ def signatures(dtype: str = "float32") -> dict[str, tuple]:
     i64_1 = types.Array(types.int64, 1, "C")
     f32_2 = types.Array(types.float32, 2, "C")
     decode = (x_3, x_4, x_4, i32_2, i32_1, types.float32, x_3)
+    # a quantized pool (chapter 14): bytes, the same bytes seen as float32 (the scales), the 256-entry table
+    u8_4, f32_4, f32_1 = types.Array(types.uint8, 4, "C"), types.Array(types.float32, 4, "C"), types.Array(types.float32, 1, "C")
+    codes = (u8_4, u8_4, f32_4, f32_4)
     return {
         "reshape_and_cache": (x_3, x_3, x_4, x_4, i64_1),
         "paged_attention_decode": decode,
@@ -34,6 +37,9 @@ def signatures(dtype: str = "float32") -> dict[str, tuple]:
         "rms_norm": (x_2, x_1, types.float32, x_2),
         "rotary_embedding": (i64_1, x_3, x_3, f32_2, types.boolean),
         "flash_attention": (x_3, x_4, x_4, i32_2, i32_1, i32_1, types.float32, x_3),
+        "reshape_and_cache_quantized": (x_3, x_3, u8_4, u8_4, f32_2, f32_2, i64_1, types.boolean, types.boolean),
+        "paged_attention_decode_quantized": (x_3, *codes, f32_1, types.boolean, i32_2, i32_1, types.float32, x_3),
+        "prefill_attention_quantized": (x_3, *codes, f32_1, types.boolean, i32_2, i32_1, i32_1, types.float32, x_3),
     }
 
 
@@ -61,7 +67,9 @@ def main() -> int:
         if args.only and name not in args.only:
             continue
         module = importlib.import_module(f"minillm.kernels.{KERNELS[name]}")
-        ptx, _ = cuda.compile_ptx(module.python_function, sig, cc=cc)
+        # (a module with several kernels names them in `python_functions`)
+        function = getattr(module, "python_functions", {}).get(name) or module.python_function
+        ptx, _ = cuda.compile_ptx(function, sig, cc=cc)
         entries = ptx.count(".entry")
         shuffles = ptx.count("shfl.sync")
         print(f"{name:<28} sm_{args.cc} {args.dtype}: {len(ptx.splitlines()):5d} lines of PTX, {entries} entry, "

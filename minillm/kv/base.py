@@ -44,6 +44,8 @@ class KVLayoutSnapshot:
     usage: KVUsage
     ref_counts: tuple[int, ...] = ()  # per block: readers (paged)
     cached_unused: tuple[int, ...] = ()  # blocks kept for the prefix cache that nobody reads (paged)
+    bytes_per_token: int = 0  # K and V of one token in the pool's storage (follows kv_cache_dtype; 0: unknown)
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -71,10 +73,45 @@ class KVCacheSpec:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     allocate: bool = True  # False: accounting only (the simulator's 7B pools need no memory)
+    # "auto" (the model's dtype) or a quantized one: then the pool holds bytes, each (token, head) row
+    # its codes and (int8) its scale (minillm.kv.quant, chapter 14)
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        from minillm.kv.quant import check_head_dim
+
+        check_head_dim(self.head_dim, self.kv_cache_dtype)
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_cache_dtype != "auto"
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """What the pool tensors hold: the model's dtype, or bytes (uint8) when quantized."""
+        return torch.uint8 if self.quantized else self.dtype
+
+    @property
+    def row_width(self) -> int:
+        """Elements of `storage_dtype` per (token, KV head) row: D, or the quantized row's bytes."""
+        from minillm.kv.quant import kv_row_bytes
+
+        return kv_row_bytes(self.kv_cache_dtype, self.head_dim, 1) if self.quantized else self.head_dim
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        return (self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim)
+        """Of the K pool and of the V pool: `[num_layers, num_slots, H_kv, row_width]`."""
+        return (self.num_layers, self.num_slots, self.num_kv_heads, self.row_width)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token over every layer (and KV head) of this pool, scales included."""
+        element = torch.empty((), dtype=self.storage_dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.row_width * element
+
+    @property
+    def block_bytes(self) -> int:
+        return self.bytes_per_token * self.block_size
 
 
 @dataclass(frozen=True)

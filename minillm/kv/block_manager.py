@@ -158,7 +158,9 @@ class BlockManager:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: str = "cpu", enable_prefix_caching: bool = False,
                  allocate_pool: bool = True, watermark: float = 0.01, prefix_cache: str = "hash",
-                 max_model_len: int | None = None, swap_space_gib: float = 4.0) -> None:
+                 max_model_len: int | None = None, swap_space_gib: float = 4.0, kv_cache_dtype: str = "auto") -> None:
+        """`kv_cache_dtype`: how the worker's pool stores K/V (minillm.kv.quant): the bytes per block, and so
+        how many blocks the swap space holds, follow it."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if prefix_cache not in PREFIX_CACHES:
@@ -175,7 +177,8 @@ class BlockManager:
         self.max_blocks_per_seq = max(1, min(max_blocks, num_blocks))
         # The pool itself is the worker's (minillm.worker): this manager only says which blocks are whose.
         self.cache_spec = KVCacheSpec(num_layers, num_kv_heads, head_dim, (num_blocks + 1) * block_size, block_size,
-                                      self.null_block, self.max_blocks_per_seq, dtype, device, allocate_pool)
+                                      self.null_block, self.max_blocks_per_seq, dtype, device, allocate_pool,
+                                      kv_cache_dtype)
         self.block_tables: dict[str, list[int]] = {}  # the same tables as Python lists
         self._tokens_of: dict[str, int] = {}  # tokens whose K/V are (or are about to be) in the table
         self._offered: dict[str, tuple[int, object]] = {}  # full blocks offered to the cache, and the cursor
@@ -189,7 +192,7 @@ class BlockManager:
         self._step_swapped_in: list[str] = []
         self.fresh_blocks: list[int] = []  # handed out since the last plan: the worker zeroes them
         # Swap space: host memory for preempted requests' K/V (vLLM's swap_space, GiB).
-        bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        bytes_per_block = self.cache_spec.block_bytes  # K and V, every layer, scales included
         self.swap_capacity_blocks = int(swap_space_gib * 2**30 // bytes_per_block)
         self.bytes_per_block = bytes_per_block
         self.swap_used_blocks = 0
@@ -558,7 +561,8 @@ class BlockManager:
         allocator = self.allocator
         return KVLayoutSnapshot("blocks", allocator.num_blocks, self.block_size,
                                 {rid: tuple(t) for rid, t in self.block_tables.items()}, dict(self._tokens_of),
-                                self.usage(), tuple(allocator.ref_counts), tuple(allocator.evictable))
+                                self.usage(), tuple(allocator.ref_counts), tuple(allocator.evictable),
+                                self.cache_spec.bytes_per_token, self.cache_spec.kv_cache_dtype)
 
     @property
     def num_free_blocks(self) -> int:

@@ -18,12 +18,14 @@ class PaddedKVManager:
     """The `PaddedKV` protocol: start_batch / end_batch / free / commit_step / rollback_step / usage."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_num_seqs: int, max_model_len: int,
-                 dtype: torch.dtype = torch.float32, device: str = "cpu", allocate_pool: bool = True) -> None:
+                 dtype: torch.dtype = torch.float32, device: str = "cpu", allocate_pool: bool = True,
+                 kv_cache_dtype: str = "auto") -> None:
         self.shape = (num_layers, num_kv_heads, head_dim)
         self.dtype, self.device, self.allocate_pool = dtype, device, allocate_pool
         self.capacity_tokens = max_num_seqs * max_model_len
         # No shared pool (num_slots=0): the worker makes one rectangle per batch, of these dimensions.
-        self.cache_spec = KVCacheSpec(num_layers, num_kv_heads, head_dim, 0, 1, 0, 1, dtype, device, allocate_pool)
+        self.cache_spec = KVCacheSpec(num_layers, num_kv_heads, head_dim, 0, 1, 0, 1, dtype, device, allocate_pool,
+                                      kv_cache_dtype)
         self.rows: list[Request] = []
         self.max_len = 0
         self.num_query_tokens = self.num_hit_tokens = 0  # no prefix cache

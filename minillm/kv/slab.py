@@ -18,15 +18,17 @@ class SlabKVManager:
     request's block table is a single entry and the attention code is the same as for pages."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slabs: int, slab_len: int,
-                 dtype: torch.dtype = torch.float32, device: str = "cpu", allocate_pool: bool = True) -> None:
-        """`allocate_pool=False` keeps only the accounting (the simulator's 7B pools need no memory)."""
+                 dtype: torch.dtype = torch.float32, device: str = "cpu", allocate_pool: bool = True,
+                 kv_cache_dtype: str = "auto") -> None:
+        """`allocate_pool=False` keeps only the accounting (the simulator's 7B pools need no memory);
+        `kv_cache_dtype`: how the pool stores K/V (minillm.kv.quant)."""
         if num_slabs < 1:
             raise ValueError(f"the KV pool must hold at least one slab of {slab_len} tokens, got {num_slabs}")
         self.num_slabs, self.slab_len = num_slabs, slab_len
         self.block_size = slab_len
         self.null_block = 0  # never read: a slab table has no padding entries
         self.cache_spec = KVCacheSpec(num_layers, num_kv_heads, head_dim, num_slabs * slab_len, slab_len,
-                                      self.null_block, 1, dtype, device, allocate_pool)
+                                      self.null_block, 1, dtype, device, allocate_pool, kv_cache_dtype)
         self.free_slabs = list(range(num_slabs - 1, -1, -1))  # pop() hands out slab 0 first
         self.slab_of: dict[str, int] = {}
         self._tokens_of: dict[str, int] = {}  # tokens of each request that have (or will have) K/V here
@@ -117,4 +119,5 @@ class SlabKVManager:
     def layout_snapshot(self) -> KVLayoutSnapshot:
         return KVLayoutSnapshot("slabs", self.num_slabs, self.slab_len,
                                 {rid: (slab,) for rid, slab in self.slab_of.items()}, dict(self._tokens_of),
-                                self.usage())
+                                self.usage(), bytes_per_token=self.cache_spec.bytes_per_token,
+                                kv_cache_dtype=self.cache_spec.kv_cache_dtype)

@@ -40,8 +40,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from minillm.kv.base import KVCacheSpec
 from minillm.kv_transfer.base import (
     ConnectorEvents,
@@ -52,7 +50,7 @@ from minillm.kv_transfer.base import (
     kv_transfer_params,
 )
 from minillm.kv_transfer.config import KVTransferConfig
-from minillm.kv_transfer.transport import DTYPES, KVLink, connect_store
+from minillm.kv_transfer.transport import BLOCK_KINDS, KVLink, connect_store
 from minillm.request import Request, RequestStatus
 
 logger = logging.getLogger("minillm.kv_transfer")
@@ -115,9 +113,9 @@ class TorchDistConnectorScheduler(KVConnectorBase):
         self.world_size = world_size
         self.block_size = cache_spec.block_size
         self.block_shape = (2, cache_spec.num_layers, cache_spec.block_size, cache_spec.num_kv_heads,
-                            cache_spec.head_dim)
-        self.dtype = cache_spec.dtype
-        self.block_bytes = torch.Size(self.block_shape).numel() * (torch.finfo(self.dtype).bits // 8)
+                            cache_spec.row_width)  # (a quantized pool's rows are bytes: codes, then the scale)
+        self.kind = cache_spec.kv_cache_dtype if cache_spec.quantized else cache_spec.dtype  # one of BLOCK_KINDS
+        self.block_bytes = cache_spec.block_bytes
         self.abort_timeout_s = config.extra["abort_timeout_s"]
         self.lock = threading.Lock()
         self.events = ConnectorEvents()  # (under the lock)
@@ -257,7 +255,8 @@ class TorchDistConnectorScheduler(KVConnectorBase):
         try:
             self._store = connect_store(self.config.kv_ip, self.config.kv_port, self.is_producer,
                                         self.config.extra["connect_timeout_s"])
-            self.link = KVLink(self._store, "control", self.config.kv_rank, "cpu")
+            self.link = KVLink(self._store, "control", self.config.kv_rank, "cpu",
+                              rendezvous=(self.config.kv_ip, self.config.kv_port))
             self.link_up.set()
             logger.info("KV link up: %s rank %d (%s) at %s:%d", self.role, self.link.rank, self.link.backend,
                         self.config.kv_ip, self.config.kv_port)
@@ -305,7 +304,7 @@ class TorchDistConnectorScheduler(KVConnectorBase):
                 continue
             req, blocks = entry.request, entry.block_ids[min(skip, len(entry.block_ids)):]
             link.send_header(STATUS_OK, req.num_prompt_tokens, len(blocks), entry.first_token,
-                             DTYPES.index(self.dtype), *self.block_shape[1:], self.world_size)
+                             BLOCK_KINDS.index(self.kind), *self.block_shape[1:], self.world_size)
             link.send_ids(req.prompt_token_ids)
             link.send_ids(blocks)
             self.stats.blocks += len(blocks)  # handed to the pull: the decode ranks read them now
@@ -336,9 +335,10 @@ class TorchDistConnectorScheduler(KVConnectorBase):
             self.stats.seconds += time.perf_counter() - start
             *shape, ranks = shape
             why = None
-            if (2, *shape) != self.block_shape or DTYPES[dtype_code] != self.dtype:
-                why = (f"the prefill instance's KV blocks are {(2, *shape)} {DTYPES[dtype_code]}, this instance's "
-                       f"{self.block_shape} {self.dtype}: start both with the same model, dtype and --block-size")
+            if (2, *shape) != self.block_shape or BLOCK_KINDS[dtype_code] != self.kind:
+                why = (f"the prefill instance's KV blocks are {(2, *shape)} {BLOCK_KINDS[dtype_code]}, this instance's "
+                       f"{self.block_shape} {self.kind}: start both with the same model, dtype, --kv-cache-dtype "
+                       "and --block-size")
             elif ranks != self.world_size:
                 why = (f"the prefill instance runs on {ranks} worker rank(s), this one on {self.world_size}: "
                        "start both with the same --tensor-parallel-size and --pipeline-parallel-size")

@@ -58,7 +58,8 @@ class TorchDistConnectorWorker(KVConnectorBase):
             store = connect_store(self.config.kv_ip, self.config.kv_port, False,
                                   self.config.extra["connect_timeout_s"])
             rank = PRODUCER_RANK if self.config.is_producer else CONSUMER_RANK
-            self.link = KVLink(store, data_link_name(self.rank, self.world_size), rank, str(self.k_pool.device))
+            self.link = KVLink(store, data_link_name(self.rank, self.world_size), rank, str(self.k_pool.device),
+                               rendezvous=(self.config.kv_ip, self.config.kv_port))
             self.link_up.set()
             if self.config.is_producer:
                 self._serve_reads()

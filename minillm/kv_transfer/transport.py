@@ -10,7 +10,10 @@ several private groups, each under its own prefix (`PrefixStore`):
                        instance (n ranks each): the blocks of rank r's KV heads and layers
 
 Each group is gloo on CPU; with the KV pool on CUDA the same calls build NCCL (which needs the
-two ranks on different GPUs). The groups are private (`ProcessGroupGloo(store, rank, 2)`, not
+two ranks on different GPUs). A gloo end listens on, and advertises to its peer, the address of
+this host that reaches `kv_ip` (`minillm.distributed.host_address`): left to itself, gloo would
+take the address the host's name resolves to, often a loopback one, which a peer on another
+host cannot dial. The groups are private (`ProcessGroupGloo(store, rank, 2)`, not
 `init_process_group`), so they do not take the process's default group that tensor or pipeline
 parallelism use.
 
@@ -27,9 +30,14 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from minillm.distributed.host_address import gloo_group_towards
+
 PRODUCER_RANK, CONSUMER_RANK = 0, 1
 # The dtypes a block may have, as a number in the header.
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# What a block holds, as that number: one of DTYPES, or a quantized kv_cache_dtype (its bytes, scales included:
+# a PD pair with a quantized pool moves those bytes, not the model's dtype; minillm.kv.quant, chapter 14)
+BLOCK_KINDS = (*DTYPES, "int8", "fp8_e4m3")
 HEADER_LEN = 12
 
 
@@ -48,9 +56,10 @@ class KVLink:
     """One end of a pair: `send`/`recv` of tensors to the other rank, over a private group."""
 
     def __init__(self, store: dist.Store, name: str, rank: int, device: str = "cpu",
-                 op_timeout_s: float = 86400.0) -> None:
+                 op_timeout_s: float = 86400.0, rendezvous: tuple[str, int] | None = None) -> None:
         """Blocks until the other end has joined group `name` of `store`. `op_timeout_s` bounds one
-        send or recv; the producer waits that long for the next message."""
+        send or recv; the producer waits that long for the next message. `rendezvous`: the store's
+        (host, port); a gloo end then uses the local address that reaches that host."""
         if rank not in (PRODUCER_RANK, CONSUMER_RANK):
             raise ValueError(f"kv rank must be {PRODUCER_RANK} (producer) or {CONSUMER_RANK} (consumer), got {rank}")
         self.rank, self.peer, self.name = rank, 1 - rank, name
@@ -64,7 +73,10 @@ class KVLink:
             self.group = dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
         else:
             self.backend = "gloo"
-            self.group = dist.ProcessGroupGloo(prefixed, rank, 2, op_timeout)
+            if rendezvous is None:
+                self.group = dist.ProcessGroupGloo(prefixed, rank, 2, op_timeout)
+            else:
+                self.group = gloo_group_towards(prefixed, rank, 2, *rendezvous, op_timeout)
 
     def send(self, tensor: torch.Tensor, tag: int = 0) -> None:
         self.group.send([tensor.contiguous()], self.peer, tag).wait()

@@ -50,9 +50,14 @@ class ModelConfig:
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V for one token across all layers: 2 · L · H_kv · D · bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:
+        """K and V for one token across all layers: 2 · L · H_kv · D · bytes (a quantized `kv_cache_dtype`,
+        chapter 14: 2 · L · H_kv · its bytes per (token, head) row, scales included)."""
+        if kv_cache_dtype == "auto":
+            return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        from minillm.kv.quant import kv_row_bytes
+
+        return 2 * self.num_layers * self.num_kv_heads * kv_row_bytes(kv_cache_dtype, self.head_dim, dtype_bytes)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:

@@ -3,6 +3,9 @@
 - `radix` — the approximate radix tree over request text: which worker saw which prefix
 - `policies` — round_robin, least_load, cache_aware (SGLang's match-or-balance)
 - `app` — the FastAPI proxy: routing, SSE passed through, health checks, /metrics
+- `metrics` — the router's own Prometheus series: counts, and what each hop cost (histograms)
+- `pd`, `pd_first_token`, `pd_launch` — prefill/decode mode: the two hops, the first token sent from
+  the prefill's answer, the pair's launcher
 - `launch` — flags, replica processes, uvicorn
 
 Importing this package loads neither FastAPI nor httpx.

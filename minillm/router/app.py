@@ -31,8 +31,10 @@ import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
 
+from minillm.router.metrics import RouterMetrics
 from minillm.router.policies import Policy
 from minillm.server.errors import error_body, error_response, unexpected_error_handler
 
@@ -56,36 +58,9 @@ class Worker:
         self.failures = self.successes = 0
 
 
-class RouterMetrics:
-    """The router's Prometheus series, in its own registry (several routers can share a process)."""
-
-    def __init__(self, workers: list[Worker], policy: Policy) -> None:
-        self.registry = r = CollectorRegistry()
-        self.routed = Counter("minillm_router_requests", "Requests routed, per worker.", ["worker"], registry=r)
-        self.errors = Counter("minillm_router_request_errors", "Requests that failed at the worker (died, "
-                              "refused, timed out), per worker.", ["worker"], registry=r)
-        self.healthy = Gauge("minillm_router_worker_healthy", "1 if the worker is healthy.", ["worker"], registry=r)
-        self.in_flight = Gauge("minillm_router_worker_in_flight_requests", "Requests in flight per worker "
-                               "(the router's queue depth, the load its policy sees).", ["worker"], registry=r)
-        self.match_rate = Gauge("minillm_router_prefix_match_rate", "Matched over routed characters "
-                                "(cache_aware's tree; 0 for the other policies).", registry=r)
-        self.decisions = Counter("minillm_router_decisions", "Routing decisions by rule.", ["policy", "decision"],
-                                 registry=r)
-        self._workers, self._policy, self._decisions_seen = workers, policy, {}
-        for w in workers:
-            self.routed.labels(w.url)
-            self.errors.labels(w.url)
-
-    def exposition(self) -> bytes:
-        for w in self._workers:
-            self.healthy.labels(w.url).set(1 if w.healthy else 0)
-            self.in_flight.labels(w.url).set(w.in_flight)
-        self.match_rate.set(self._policy.prefix_match_rate)
-        for decision, n in self._policy.decisions.items():
-            seen = self._decisions_seen.get(decision, 0)
-            self.decisions.labels(self._policy.name, decision).inc(n - seen)
-            self._decisions_seen[decision] = n
-        return generate_latest(self.registry)
+def stream_error(status: int, message: str) -> bytes:
+    """The end of a stream that failed after its start: an error event, then `[DONE]`, so no client hangs."""
+    return f"data: {json.dumps(error_body(status, message))}\n\ndata: [DONE]\n\n".encode()
 
 
 def routing_text(body: bytes, chat: bool) -> str:
@@ -121,6 +96,10 @@ class Router:
         self.health = health or HealthConfig()
         self.metrics = RouterMetrics(self.workers, policy)
         self.client: httpx.AsyncClient | None = None
+
+    def describe(self) -> str:
+        """What the start-up line says the router does."""
+        return f"{len(self.workers)} workers ({', '.join(w.url for w in self.workers)}), policy {self.policy.name}"
 
     # ---- health --------------------------------------------------------------------------------
     def healthy_workers(self) -> list[Worker]:
@@ -161,8 +140,10 @@ class Router:
 
     # ---- proxy ---------------------------------------------------------------------------------
     async def forward(self, request: Request, path: str, chat: bool) -> Response:
+        arrival = time.perf_counter()
         body = await request.body()
-        text = routing_text(body, chat)
+        # no JSON parse where the policy reads no text (a policy that does not say is given the text)
+        text = routing_text(body, chat) if getattr(self.policy, "uses_text", True) else ""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         tried: set[str] = set()
         while True:
@@ -178,6 +159,8 @@ class Router:
             upstream = self.client.build_request("POST", worker.url + path, content=body, headers=headers,
                                                  timeout=self.health.request_timeout_secs)
             worker.in_flight += 1
+            sent = time.perf_counter()
+            self.metrics.routing.labels(worker.url).observe(sent - arrival)
             try:
                 response = await self.client.send(upstream, stream=True)
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
@@ -194,9 +177,15 @@ class Router:
                 return error_response(504 if isinstance(err, httpx.TimeoutException) else 502,
                                       f"worker {worker.url} failed before answering: {type(err).__name__}: {err}")
             self.metrics.routed.labels(worker.url).inc()
-            return await self._relay(worker, response)
+            return await self._relay(worker, response, arrival, sent)
 
-    async def _relay(self, worker: Worker, response: httpx.Response) -> Response:
+    def _finished(self, worker: Worker, arrival: float) -> BackgroundTask:
+        """Observes the end-to-end latency once the answer has been written (Starlette runs it after the body)."""
+        return BackgroundTask(lambda: self.metrics.e2e.labels(worker.url).observe(time.perf_counter() - arrival))
+
+    async def _relay(self, worker: Worker, response: httpx.Response, arrival: float, sent: float) -> Response:
+        """The worker's answer as the client's: read whole if plain, else passed through chunk by chunk as
+        it arrives (`aiter_raw`: the bytes as the worker wrote them, no decoding, no re-framing)."""
         out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS}
         if not response.headers.get("content-type", "").startswith("text/event-stream"):
             try:
@@ -207,7 +196,9 @@ class Router:
             finally:
                 await response.aclose()
                 worker.in_flight -= 1
-            return Response(content, status_code=response.status_code, headers=out_headers)
+            self.metrics.worker_ttft.labels(worker.url).observe(time.perf_counter() - sent)
+            return Response(content, status_code=response.status_code, headers=out_headers,
+                            background=self._finished(worker, arrival))
 
         counted = True
 
@@ -220,17 +211,23 @@ class Router:
                 await response.aclose()  # closing the worker's connection makes the worker abort
 
         async def relay():
+            first = True
             try:
                 async for chunk in response.aiter_raw():
-                    yield chunk
+                    if first:
+                        self.metrics.worker_ttft.labels(worker.url).observe(time.perf_counter() - sent)
+                    yield chunk  # (returns once the chunk is handed to the client's transport)
+                    if first:
+                        first = False
+                        self.metrics.ttft.labels(worker.url).observe(time.perf_counter() - arrival)
             except httpx.HTTPError as err:
                 self.metrics.errors.labels(worker.url).inc()
-                message = f"worker {worker.url} died while streaming: {type(err).__name__}: {err}"
-                yield f"data: {json.dumps(error_body(502, message))}\n\ndata: [DONE]\n\n".encode()
+                yield stream_error(502, f"worker {worker.url} died while streaming: {type(err).__name__}: {err}")
             finally:
+                self.metrics.e2e.labels(worker.url).observe(time.perf_counter() - arrival)
                 await release()
 
-        return _RelayResponse(relay(), release, status_code=response.status_code, headers=out_headers)
+        return RelayResponse(relay(), release, status_code=response.status_code, headers=out_headers)
 
     async def models(self) -> Response:
         for worker in self.healthy_workers():
@@ -242,7 +239,7 @@ class Router:
         return error_response(503, "no healthy worker to list the models")
 
 
-class _RelayResponse(StreamingResponse):
+class RelayResponse(StreamingResponse):
     """A stream that also releases the worker's response when the client leaves before the first
     chunk (the generator's own `finally` never runs if it never started)."""
 

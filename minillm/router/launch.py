@@ -104,8 +104,7 @@ def serve_router(router: Router, host: str, port: int, log_level: str = "warning
     import uvicorn
 
     sock = listening_socket(host, port)
-    print(f"minillm router: http://{host}:{sock.getsockname()[1]}/v1 -> {len(router.workers)} workers "
-          f"({', '.join(w.url for w in router.workers)}), policy {router.policy.name}", flush=True)
+    print(f"minillm router: http://{host}:{sock.getsockname()[1]}/v1 -> {router.describe()}", flush=True)
     server = uvicorn.Server(uvicorn.Config(create_router_app(router), log_level=log_level, lifespan="on"))
     server.run(sockets=[sock])
 

@@ -62,6 +62,7 @@ class Policy:
 
     name = "policy"
     eviction_interval_secs: float | None = None  # how often the router calls `evict` (None: never)
+    uses_text = False  # whether `choose` reads the request's text (else the router does not parse the body)
 
     def __init__(self) -> None:
         self.matched_chars = 0  # cache_aware's prefix matches, in characters (0 for the others)
@@ -124,6 +125,7 @@ class LeastLoad(Policy):
 
 class CacheAware(Policy):
     name = "cache_aware"
+    uses_text = True
 
     def __init__(self, config: CacheAwareConfig | None = None) -> None:
         super().__init__()

@@ -121,6 +121,12 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+def _request_id(request: Request) -> str:
+    """The answer's id: the client's `X-Request-Id` header if it sent one (vLLM's; the PD router sends the same
+    one to its prefill and decode instance, so both answers carry one id), else a fresh one."""
+    return request.headers.get("x-request-id") or uuid.uuid4().hex
+
+
 def _error_status(error: str) -> int:
     """A failed engine step (or add) is the server's fault (500); a prompt the engine refused is the client's (400)."""
     return 500 if error.startswith(SERVER_FAULTS) else 400
@@ -218,7 +224,7 @@ class _Server:
         max_tokens = self._max_tokens(body.max_tokens, [len(p) for p in prompts], "prompt")
         params = self._params(body, max_tokens, body.logprobs)
         stream = self._submit(prompts, params)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = f"cmpl-{_request_id(request)}", int(time.time())
         lens = [len(p) for p in prompts]  # usage counts each prompt once, not once per sample (OpenAI's)
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
 
@@ -257,7 +263,7 @@ class _Server:
         top = body.top_logprobs or 0
         params = self._params(body, max_tokens, top if body.logprobs else None)
         stream = self._submit([ids], params)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = f"chatcmpl-{_request_id(request)}", int(time.time())
         streaming = body.stream
 
         def choice(index: int, text: str, out: RequestOutput, _offset: int) -> dict:

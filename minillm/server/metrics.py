@@ -12,6 +12,10 @@
     vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
     vllm:e2e_request_latency_seconds, vllm:request_queue_time_seconds,
     vllm:iteration_tokens_total                 histograms
+    vllm:cache_config_info{block_size, cache_dtype, num_gpu_blocks}   1, the pool's settings as labels (vLLM's)
+    minillm:kv_cache_bytes_per_token, minillm:kv_cache_used_bytes      gauges: K and V of one token over every
+                                                layer, and of the tokens held now, in the pool's storage
+                                                (they follow kv_cache_dtype, chapter 14)
 
 Each exporter has its own `CollectorRegistry` (not prometheus_client's global one), so one
 process can run several servers or `LLM`s. The engine thread updates plain Python numbers (a
@@ -20,8 +24,9 @@ costs ~10 µs, a millisecond per step at batch 64 on this CPU); a scrape turns t
 families (`collect`). A scrape may see a step half-counted, never a broken value. Everything here has a fixed number of series (labels
 are the model name, three finish reasons, k speculative positions), and the engine's own
 per-request records are dropped once folded in (`MetricsCollector.retain`), so nothing grows
-with uptime. Histogram buckets reach down to 1 ms because this CPU toy's steps take milliseconds
-(vLLM's TTFT buckets start at 1 ms too, its ITL ones at 10 ms).
+with uptime. Latency buckets are vLLM's TTFT bounds with finer ones between them down to 0.5 ms
+(`LATENCY_BUCKETS`): this CPU toy's steps take milliseconds, and a percentile is only as sharp as
+its bucket (vLLM's ITL buckets start at 10 ms).
 
 `LLM.get_metrics()` reads the same registry back as vLLM's `Counter`/`Gauge`/`Histogram`/`Vector`.
 """
@@ -37,8 +42,14 @@ from prometheus_client.registry import Collector
 from minillm.metrics import RequestMetrics, StepRecord
 from minillm.server.metrics_reader import read_metrics
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                   7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+# vLLM's TTFT bounds (1, 5, 10, 20, 40, 60, 80, 100, 250 ms, ...) with finer ones between them: a step here
+# takes milliseconds, and Prometheus interpolates a quantile linearly inside one bucket, so a 20 ms wide
+# bucket would smear every percentile between 20 and 40 ms. Steps of 0.5 ms to 3 ms, 1 ms to 10 ms, 2.5 ms
+# to 20 ms, 5 ms to 50 ms, 10 ms to 100 ms, 25 ms to 200 ms, then 250, 300, 400 ms and vLLM's own.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.0025, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009,
+                   0.01, 0.0125, 0.015, 0.0175, 0.02, 0.025, 0.03, 0.035, 0.04, 0.045, 0.05, 0.06, 0.07,
+                   0.08, 0.09, 0.1, 0.125, 0.15, 0.175, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -100,6 +111,11 @@ class PrometheusMetrics(Collector):
         self.histograms = {name: _Histogram(bounds) for name, (_, bounds) in HISTOGRAMS.items()}
         self._ttft, self._itl = self.histograms["time_to_first_token_seconds"], \
             self.histograms["inter_token_latency_seconds"]
+        spec = engine.kv.cache_spec  # the pool's shape and storage (minillm.kv.base.KVCacheSpec)
+        self.cache_config = {"block_size": str(spec.block_size), "cache_dtype": spec.kv_cache_dtype,
+                             "num_gpu_blocks": str(spec.num_slots // spec.block_size)}
+        self.kv_bytes_per_token = spec.bytes_per_token
+        self.kv_used_bytes = 0
         self.registry = CollectorRegistry()
         self.registry.register(self)
         if engine.kv_connector is not None:  # one half of a prefill/decode pair: its minillm:kv_transfer_* series
@@ -123,6 +139,7 @@ class PrometheusMetrics(Collector):
         g["num_requests_waiting"] = load.num_waiting + load.num_not_arrived
         usage = load.kv_usage
         g["kv_cache_usage_perc"] = usage.reserved_tokens / usage.total_tokens if usage.total_tokens else 0.0
+        self.kv_used_bytes = usage.used_tokens * self.kv_bytes_per_token
 
     def on_step(self, step: StepRecord) -> None:
         self.refresh()
@@ -176,6 +193,16 @@ class PrometheusMetrics(Collector):
         yield fam
         for name, (doc, _) in HISTOGRAMS.items():
             yield self.histograms[name].family(f"vllm:{name}", doc, labels)
+        fam = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's settings.",
+                                labels=["model_name", *self.cache_config])
+        fam.add_metric([self.model_name, *self.cache_config.values()], 1)
+        yield fam
+        for name, value, doc in (("kv_cache_bytes_per_token", self.kv_bytes_per_token,
+                                  "K and V of one token over every layer, as the pool stores them (bytes)."),
+                                 ("kv_cache_used_bytes", self.kv_used_bytes, "Bytes of the tokens the pool holds.")):
+            fam = GaugeMetricFamily(f"minillm:{name}", doc, labels=["model_name"])
+            fam.add_metric([self.model_name], value)
+            yield fam
 
     def _gauge(self, name: str, doc: str) -> GaugeMetricFamily:
         fam = GaugeMetricFamily(f"vllm:{name}", doc, labels=["model_name"])

@@ -42,6 +42,8 @@ ENGINE_FLAGS = [
     ("--seed", "seed", int, "seed of requests that give none"),
     ("--batching", "batching", str, "continuous (default), dynamic or static (minillm's teaching knob)"),
     ("--kv-layout", "kv_layout", str, "paged (default) or slab"),
+    ("--kv-cache-dtype", "kv_cache_dtype", str, "how the KV pool stores K/V: auto (the model's dtype), int8 (a scale "
+     "per token and head) or fp8_e4m3 (vLLM's knob; minillm.kv.quant)"),
     ("--prefix-cache", "prefix_cache", str, "hash (vLLM) or radix (SGLang), with --enable-prefix-caching"),
     ("--tensor-parallel-size", "tensor_parallel_size", int, "ranks that split each layer (Megatron TP), one process each"),
     ("--pipeline-parallel-size", "pipeline_parallel_size", int, "stages that split the layers (PP), tp processes each"),
@@ -52,6 +54,8 @@ ENGINE_FLAGS = [
     ("--master-addr", "master_addr", str, "the head node's address, where the world's TCPStore listens"),
     ("--master-port", "master_port", int, "the TCPStore's port on the head (default 29500)"),
     ("--node-join-timeout-s", "node_join_timeout_s", float, "seconds start-up waits for every node (default 60)"),
+    ("--num-threads", "num_threads", int, "torch threads per step (default: by the step's size and dtype, "
+     "minillm/worker/threads.py)"),
 ]
 
 
@@ -111,6 +115,10 @@ def build_app(args: argparse.Namespace):
         kv_transfer = parse_kv_transfer_config(args.kv_transfer_config)  # a bad config fails before the model loads
     model = args.model or args.model_tag
     knobs = engine_knobs(args)
+    if knobs.get("distributed_executor_backend") == "external_launcher":
+        raise ValueError("--distributed-executor-backend external_launcher makes every process that torchrun starts "
+                         "an engine of its own, for offline LLM.generate scripts (docs/multinode.md); a server is "
+                         "one engine: use mp (the default for several ranks)")
     if kv_transfer is not None:
         knobs["kv_transfer_config"] = kv_transfer
     llm = LLM(model, dtype=args.dtype, device=args.device, **knobs)

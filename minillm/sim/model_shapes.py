@@ -32,6 +32,9 @@ class ModelShape:
     vocab_size: int
     tied_embeddings: bool = False  # lm_head reuses the embedding matrix (small models often do)
     qkv_bias: bool = False  # Qwen2 adds a bias to the q, k and v projections
+    # how the KV pool stores K/V (chapter 14, minillm.kv.quant): "auto" (dtype_bytes per number), "int8" (1 byte
+    # per number + a 4-byte scale per token and head) or "fp8_e4m3" (1 byte)
+    kv_cache_dtype: str = "auto"
 
     @property
     def params_per_layer(self) -> int:
@@ -66,8 +69,13 @@ class ModelShape:
         return self.num_params * dtype_bytes
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """2 (K and V) * layers * KV heads * head_dim * dtype_bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        """2 (K and V) * layers * KV heads * head_dim * dtype_bytes (a quantized `kv_cache_dtype`: * its
+        bytes per (token, head) row instead of head_dim * dtype_bytes)."""
+        if self.kv_cache_dtype == "auto":
+            return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        from minillm.kv.quant import kv_row_bytes
+
+        return 2 * self.num_layers * self.num_kv_heads * kv_row_bytes(self.kv_cache_dtype, self.head_dim, dtype_bytes)
 
     def kv_bytes(self, seq_len: int, batch: int, dtype_bytes: int) -> int:
         """KV-cache bytes of `batch` sequences of `seq_len` tokens each."""

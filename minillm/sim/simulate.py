@@ -92,6 +92,8 @@ def simulate(
     else:
         config = engine_config if engine_config is not None else EngineConfig()
     shape, model_config = _model(model, trace, config)
+    # the pool's bytes per token follow kv_cache_dtype: capacity, KV reads and writes, swap and transfer time
+    shape = dataclasses.replace(shape, kv_cache_dtype=config.kv_cache_dtype)
     config = config.resolve(model_config.max_position_embeddings)  # a filled-in copy
 
     if layout is None:

@@ -11,7 +11,8 @@ order. `block_states` reads a `BlockManager` and classifies every physical block
 
 `plot_kv_blocks` draws the pool as a grid of cells in block-id order, row by row. The empty tail
 of each request's last block is shaded: it is the only waste paging leaves (*internal*
-fragmentation, less than one block per request), and the title counts it. Given a
+fragmentation, less than one block per request), and the title counts it, with the bytes the
+tokens take in the pool's storage (they follow `kv_cache_dtype`, chapter 14). Given a
 `SlabKVManager` (chapter 04) it draws one row per slab instead: the filled prefix in the owner's
 tint, the reserved-but-empty rest in the reservation color — the waste paging removes.
 
@@ -207,10 +208,19 @@ def plot_kv_blocks(kv: KVSource, ax: Axes | None = None, ncols: int | None = Non
     frag = empty / usage.reserved_tokens if usage.reserved_tokens else 0.0
     ax.set_title(f"KV blocks: {in_use}/{num_blocks} in use ({counts[SHARED]} shared), {counts[CACHED]} cached, "
                  f"{counts[FREE]} free\n{usage.used_tokens} tokens / {usage.reserved_tokens} reserved slots: "
-                 f"{frag:.1%} internal fragmentation ({empty} empty)", fontsize="medium")
+                 f"{frag:.1%} internal fragmentation ({empty} empty){kv_bytes_line(layout)}", fontsize="medium")
     ax.legend(handles=_legend_handles(legend, (FREE, CACHED, SHARED, RESERVED)), loc="upper center",
               bbox_to_anchor=(0.5, -0.06), ncols=4, fontsize="small", frameon=False)
     return ax
+
+
+def kv_bytes_line(layout: KVLayoutSnapshot) -> str:
+    """A title's last line: the tokens' K/V bytes in the pool's storage (empty if the snapshot has no bytes)."""
+    if not layout.bytes_per_token:
+        return ""
+    used = layout.usage.used_tokens * layout.bytes_per_token
+    return (f"\n{used / 2**10:,.1f} KiB of K/V at {layout.bytes_per_token:,} B per token "
+            f"(kv_cache_dtype={layout.kv_cache_dtype!r})")
 
 
 def plot_kv_slabs(kv: SlabKVManager | KVLayoutSnapshot, ax: Axes | None = None) -> Axes:
@@ -232,8 +242,8 @@ def plot_kv_slabs(kv: SlabKVManager | KVLayoutSnapshot, ax: Axes | None = None) 
     empty = usage.reserved_tokens - usage.used_tokens
     waste = empty / usage.reserved_tokens if usage.reserved_tokens else 0.0
     ax.set_title(f"KV slabs: {len(layout.tables)}/{num_slabs} in use\n{usage.used_tokens} tokens / "
-                 f"{usage.reserved_tokens} reserved slots: {waste:.1%} reserved but empty ({empty})",
-                 fontsize="medium")
+                 f"{usage.reserved_tokens} reserved slots: {waste:.1%} reserved but empty ({empty})"
+                 f"{kv_bytes_line(layout)}", fontsize="medium")
     ax.legend(handles=_legend_handles(legend, (FREE, RESERVED)), loc="upper center", bbox_to_anchor=(0.5, -0.12),
               ncols=4, fontsize="small", frameon=False)
     return ax

@@ -29,12 +29,14 @@ from minillm.attention.registry import backend_class
 from minillm.attention.select import resolve_backend
 from minillm.kv.base import KVCacheSpec
 from minillm.kv_transfer.base import KVConnectorBase, KVConnectorOutput
+from minillm.model.decode_step import CompiledDecode
 from minillm.model.llama import LlamaModel
 from minillm.sampling import sample, sampled_logprobs
 from minillm.scheduler.base import ModelRunnerOutput
 from minillm.scheduler.output import SchedulerOutput
 from minillm.spec.rejection import rejection_sample
 from minillm.worker.input_batch import InputBatch
+from minillm.worker.threads import StepThreads
 
 
 @dataclass(frozen=True)
@@ -68,19 +70,25 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, cache_spec: KVCacheSpec, attention_backend: str = "auto",
-                 kv_connector: KVConnectorBase | None = None) -> None:
+                 kv_connector: KVConnectorBase | None = None, num_threads: int | None = None) -> None:
         """`kv_connector`: a KV connector's worker side (minillm.kv_transfer), which loads remote K/V into
-        this worker's blocks when the plan's `kv_connector_metadata` says so."""
+        this worker's blocks when the plan's `kv_connector_metadata` says so. `num_threads`: torch
+        threads for every step, or None for the step's rule (minillm/worker/threads.py)."""
         self.model = model
         self.cache_spec = cache_spec
+        self.threads = StepThreads(model.dtype, num_threads)  # torch threads per step, by its size
         self.attention_backend = resolve_backend(attention_backend, model.device, cache_spec.dtype)
         self.backend = backend_class(self.attention_backend)  # builds its metadata, then runs each layer
+        # a quantized pool (chapter 14): the backend is told how to read it (a backend without the keyword refuses)
+        self.quantized_kv = {"kv_cache_dtype": cache_spec.kv_cache_dtype} if cache_spec.quantized else {}
         self.block_size = cache_spec.block_size
         self.null_block = cache_spec.null_block
         self.k_pool = self.v_pool = None
         if cache_spec.allocate and cache_spec.num_slots:
-            self.k_pool = torch.zeros(cache_spec.shape, dtype=cache_spec.dtype, device=model.device)
-            self.v_pool = torch.zeros(cache_spec.shape, dtype=cache_spec.dtype, device=model.device)
+            # (a quantized kv_cache_dtype stores bytes: each (token, head) row its codes and scale)
+            self.k_pool = torch.zeros(cache_spec.shape, dtype=cache_spec.storage_dtype, device=model.device)
+            self.v_pool = torch.zeros(cache_spec.shape, dtype=cache_spec.storage_dtype, device=model.device)
+        self._pools_by_block: list | None = None  # the pools seen as [L, blocks, block] (`_zero_blocks`)
         self.padded_cache: PaddedBatchCache | None = None  # static/dynamic batching's rectangle
         self.swapped: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}  # host K, V, number of blocks
         self.input_batch = InputBatch(cache_spec.max_blocks_per_seq, model.device)
@@ -90,6 +98,12 @@ class ModelRunner:
         self.kv_connector = kv_connector
         if kv_connector is not None:
             kv_connector.register_kv_caches(self.k_pool, self.v_pool, self.block_size)
+        # Small decode steps as one compiled call over reused buffers, where that is exact
+        # (minillm/model/decode_step.py); why not, when it is not.
+        self.compiled_decode: CompiledDecode | None = None
+        self.compiled_decode_off = CompiledDecode.supported(model, self.k_pool, self.attention_backend)
+        if self.compiled_decode_off is None:
+            self.compiled_decode = CompiledDecode(model, self.k_pool, self.v_pool, self.block_size)
 
     def stats(self, reset: bool = False) -> WorkerStats:
         """The counters since start (or the last reset); `reset` zeroes them after reading."""
@@ -122,14 +136,19 @@ class ModelRunner:
         return None
 
     def _zero_blocks(self, blocks: list[int]) -> None:
-        """Zero the K and V of `blocks` in every layer (on a CPU through numpy views: a few µs,
-        where torch's index_fill_ cost ~50 µs a step at batch 64)."""
-        for pool in (self.k_pool, self.v_pool):
-            by_block = (pool.shape[0], -1, self.block_size * pool.shape[2] * pool.shape[3])  # [L, blocks, block]
-            if pool.device.type == "cpu" and pool.dtype in (torch.float32, torch.float64):  # (numpy has no bf16)
-                pool.numpy().reshape(by_block)[:, blocks] = 0
+        """Zero the K and V of `blocks` in every layer (on a CPU through numpy views of the pools,
+        made once: a few µs and no torch op, where torch's index_fill_ cost ~50 µs a step at batch 64)."""
+        if self._pools_by_block is None:
+            numpy_ok = self.k_pool.device.type == "cpu" and self.k_pool.dtype in (
+                torch.float32, torch.float64, torch.uint8)  # (numpy has no bf16)
+            self._pools_by_block = [(pool.numpy() if numpy_ok else pool).reshape(
+                pool.shape[0], -1, self.block_size * pool.shape[2] * pool.shape[3])  # [L, blocks, block]
+                for pool in (self.k_pool, self.v_pool)]
+        for pool in self._pools_by_block:
+            if isinstance(pool, np.ndarray):
+                pool[:, blocks] = 0
             else:
-                pool.view(by_block).index_fill_(1, torch.tensor(blocks, dtype=torch.long, device=pool.device), 0)
+                pool.index_fill_(1, torch.tensor(blocks, dtype=torch.long, device=pool.device), 0)
 
     def _block_slots(self, blocks: list[int]) -> torch.Tensor:
         bs, device = self.block_size, self.k_pool.device
@@ -203,11 +222,24 @@ class ModelRunner:
         """Run one step; per plan row, the token ids it sampled (and their logprobs)."""
         loaded = self.update_state(plan)
         batch = self.input_batch
-        if plan.padded is not None:
+        compiled = self.compiled_decode
+        rows = None if compiled is None or len(plan.req_ids) > compiled.max_rows else compiled.rows_of(plan, batch)
+        if rows is not None:  # a small decode step: one compiled call, every row samples
+            logits, logits_np = self._run_compiled(plan, rows)
+            if not (batch.num_random or batch.num_penalized or batch.num_min_tokens or batch.num_logprobs):
+                # every known request greedy and plain: `sample` would be this argmax (the first
+                # largest logit), here without a tensor op
+                return ModelRunnerOutput([[t] for t in logits_np.argmax(axis=-1).tolist()], None, None, loaded)
+            sampled, expert_load = range(len(rows)), None
+        elif plan.padded is not None:
+            if self.threads.per_step:
+                self.threads.apply(len(plan.padded.row_req_ids) * plan.padded.width)
             logits, expert_load = self.compute_padded_logits(plan)
             sampled = [i for i in range(len(plan.req_ids))]
             rows = batch.rows_of(plan.req_ids)
         else:
+            if self.threads.per_step:
+                self.threads.apply(plan.num_tokens)
             logits, inputs = self.compute_logits(plan)
             sampled, rows = inputs.sampled, inputs.sampled_rows  # (prepare looked the rows up)
             expert_load = inputs.expert_load
@@ -266,7 +298,7 @@ class ModelRunner:
         step, device, c = plan.padded, self.model.device, self.cache_spec
         if step.is_prefill:
             self.padded_cache = PaddedBatchCache(c.num_layers, len(step.row_req_ids), step.max_len, c.num_kv_heads,
-                                                 c.head_dim, c.dtype, device)
+                                                 c.head_dim, c.dtype, device, c.kv_cache_dtype)
         cache, width = self.padded_cache, step.width
         ids = torch.zeros(len(step.row_req_ids), width, dtype=torch.long)
         is_real = torch.zeros(len(step.row_req_ids), width, dtype=torch.bool)
@@ -289,11 +321,34 @@ class ModelRunner:
         self.model_time_s += time.perf_counter() - start
         return logits, forward.expert_load
 
+    def _run_compiled(self, plan: SchedulerOutput, rows: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        """The compiled decode step (minillm/model/decode_step.py) on `rows`: its logits buffer, as a
+        tensor and as numpy; the runner's counters kept as the op-by-op step keeps them."""
+        starts = np.asarray(plan.num_computed_tokens, dtype=np.int64)
+        start = time.perf_counter()
+        logits, logits_np = self.compiled_decode.run(rows, starts, self.input_batch)
+        self.model_time_s += time.perf_counter() - start
+        keys = int(starts.sum()) + len(rows)
+        self.keys_read += keys
+        self.keys_exist += keys
+        return logits, logits_np
+
     def compute_logits(self, plan: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
         """Run the model on a step whose diffs were applied; logits [N, vocab] of the sampled rows
-        (plan order, 1+k per speculative row) and the step's inputs."""
+        (plan order, 1+k per speculative row) and the step's inputs. A step the compiled decode
+        can run (the draft model's one-token passes, chapter 09) runs compiled: its logits are a
+        copy of the buffer, and its inputs hold no tensors (none were built)."""
+        compiled = self.compiled_decode
+        if compiled is not None and len(plan.req_ids) <= compiled.max_rows:
+            rows = compiled.rows_of(plan, self.input_batch)
+            if rows is not None:
+                n = len(rows)
+                every = list(range(n))
+                return self._run_compiled(plan, rows)[0].clone(), StepInputs(
+                    None, None, None, every, every, every, [(j, 1) for j in every], rows)
         inputs = self.prepare(plan)
-        attention = self.backend(self.k_pool, self.v_pool, inputs.meta, self.model.config.sliding_windows)
+        attention = self.backend(self.k_pool, self.v_pool, inputs.meta, self.model.config.sliding_windows,
+                                 **self.quantized_kv)
         rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=inputs.input_ids.device)
         start = time.perf_counter()
         forward = self.model.forward(inputs.input_ids, inputs.positions, attention, output_rows=rows)

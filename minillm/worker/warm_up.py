@@ -81,7 +81,7 @@ def warm_up(runner, max_num_seqs: int) -> WarmUpReport:
     if batch < 1:
         return WarmUpReport(0, 0, 0.0, f"a pool of {len(free)} blocks is too small")
     key = (repr(runner.model.config), str(runner.model.dtype), str(runner.model.device), runner.attention_backend,
-           block_size, batch)
+           block_size, batch, spec.kv_cache_dtype)
     if key in _WARMED:  # this process compiled and primed the same shapes already
         return WarmUpReport(batch, 0, 0.0, "this process warmed the same model and shapes already")
     start = time.perf_counter()
