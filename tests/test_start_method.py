@@ -9,9 +9,9 @@ the guard, without multiprocessing's bootstrapping traceback, and the guarded sc
 Every command's processes are found by a marker in their environment and counted: the ranks exist
 while the engine runs, none is left after.
 
-CI cost, in counts: five engines of 4 ranks (forked: no interpreter start per rank) and one reference
-engine, four of the five in a subprocess or kernel of their own; the rest is a few subprocesses that
-start no rank. Marked slow, in the "distributed" xdist group with the other multi-process tests.
+CI cost, in counts: four engines of 4 ranks, each in a subprocess or kernel of its own (three forked:
+no interpreter start per rank), and one reference engine; the rest is a few subprocesses that start
+no rank. Marked slow, in the "distributed" xdist group with the other multi-process tests.
 """
 
 from __future__ import annotations
