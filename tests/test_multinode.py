@@ -1,6 +1,7 @@
 """A world across nodes: `minillm serve --nnodes 2 --node-rank R --master-addr A --master-port M` (issue 28, item 3).
 
-Two "nodes" on loopback, each started by its own `python -m minillm serve` command: the head (node 0,
+Two "nodes" on this host (its non-loopback address where it has one), each started by its own
+`python -m minillm serve` command: the head (node 0,
 the engine, the API server, rank 0) and a `--headless` node (rank 1), one world of TP 1 × PP 2 whose
 pipeline crosses the nodes, meeting at the head's TCPStore. The head answers the official `openai`
 client token for token as one process does; when it stops, the headless node's rank leaves and its
@@ -143,15 +144,19 @@ def test_the_missing_node_is_named_with_its_ranks_and_the_command_that_joins_it(
 
 
 # ---- two "nodes" on loopback -----------------------------------------------------------------------------
-def test_two_nodes_on_loopback_answer_the_openai_client_as_one_process():
+def test_two_nodes_on_this_hosts_address_answer_the_openai_client_as_one_process():
+    """The world meets at a non-loopback address of this host where it has one (as two machines would:
+    each rank's gloo then listens on the interface that reaches the head, not on the host name's address)."""
     import httpx
     import openai
+    from test_external_launcher import host_address
 
     from minillm import LLM, SamplingParams
 
-    port, master_port = free_port(), free_port()
-    head = serve(*WORLD, "--node-rank", "0", "--master-port", str(master_port), "--port", str(port), *SMALL)
-    node1 = serve(*WORLD, "--node-rank", "1", "--master-port", str(master_port), "--headless", *SMALL)
+    port, master_port, host = free_port(), free_port(), host_address()
+    world = [*WORLD[:-1], host]  # --master-addr HOST
+    head = serve(*world, "--node-rank", "0", "--master-port", str(master_port), "--port", str(port), *SMALL)
+    node1 = serve(*world, "--node-rank", "1", "--master-port", str(master_port), "--headless", *SMALL)
     head_ranks, node1_ranks = [], []
     try:
         wait_until_healthy(head, port, COMMAND_TIMEOUT_S)
