@@ -91,10 +91,16 @@ class EngineConfig:
     # torch threads per step: None follows the step's size and dtype (minillm/worker/threads.py: one
     # thread for every step by default, never more than torch had at start); an integer fixes the count.
     num_threads: int | None = None
+    # KV eviction (chapter 14; minillm.kv.eviction): None keeps every token (exact); a dict such as
+    # {"policy": "streaming" | "h2o", "budget_tokens": 64} keeps at most that many per sequence for decode
+    # attention. minillm's knob (vLLM has none); the torch attention path only.
+    kv_eviction: Any = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}; choose one of {KV_CACHE_DTYPES}")
+        if self.kv_eviction is not None:
+            self._check_eviction()
         if self.kv_transfer_config is not None:
             from minillm.kv_transfer.config import KVTransferConfig, parse_kv_transfer_config
 
@@ -171,6 +177,24 @@ class EngineConfig:
         if self.static_hold_finished and self.batching == "continuous":
             raise ValueError("static_hold_finished=True holds results until a batch ends: it needs batching='static' "
                              "or 'dynamic' (continuous batching has no batch end)")
+
+    def _check_eviction(self) -> None:
+        from minillm.kv.eviction import KVEvictionConfig
+
+        self.kv_eviction = KVEvictionConfig.parse(self.kv_eviction)
+        if self.batching != "continuous" or self.kv_layout != "paged":
+            raise ValueError("kv_eviction needs continuous batching over the paged KV cache "
+                             "(batching='continuous', kv_layout='paged', the defaults)")
+        if self.attention_backend not in ("auto", "torch"):
+            raise ValueError(f"kv_eviction masks evicted tokens in the torch attention path; got attention_backend="
+                             f"{self.attention_backend!r}: use 'torch' or 'auto'")
+        others = {"speculative_config": self.speculative_config, "kv_transfer_config": self.kv_transfer_config,
+                  "tensor_parallel_size > 1": self.tensor_parallel_size > 1,
+                  "pipeline_parallel_size > 1": self.pipeline_parallel_size > 1}
+        clash = [name for name, value in others.items() if value not in (None, False)]
+        if clash:
+            raise ValueError(f"kv_eviction runs in one in-process worker without speculation or KV transfer; "
+                             f"it cannot be combined with {clash}")
 
     @property
     def world_size(self) -> int:

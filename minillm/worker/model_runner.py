@@ -23,11 +23,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from minillm.attention.evicting import EvictingAttention
 from minillm.attention.metadata import AttentionMetadata, StepLayout
 from minillm.attention.padded import PaddedAttention, PaddedBatchCache
 from minillm.attention.registry import backend_class
 from minillm.attention.select import resolve_backend
 from minillm.kv.base import KVCacheSpec
+from minillm.kv.eviction import EvictionTracker, KVEvictionConfig
 from minillm.kv_transfer.base import KVConnectorBase, KVConnectorOutput
 from minillm.model.decode_step import CompiledDecode
 from minillm.model.llama import LlamaModel
@@ -70,10 +72,12 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, cache_spec: KVCacheSpec, attention_backend: str = "auto",
-                 kv_connector: KVConnectorBase | None = None, num_threads: int | None = None) -> None:
+                 kv_connector: KVConnectorBase | None = None, num_threads: int | None = None,
+                 kv_eviction: KVEvictionConfig | None = None) -> None:
         """`kv_connector`: a KV connector's worker side (minillm.kv_transfer), which loads remote K/V into
         this worker's blocks when the plan's `kv_connector_metadata` says so. `num_threads`: torch
-        threads for every step, or None for the step's rule (minillm/worker/threads.py)."""
+        threads for every step, or None for the step's rule (minillm/worker/threads.py). `kv_eviction`:
+        decode attends to a per-sequence budget of tokens (chapter 14; the torch backend, `EvictingAttention`)."""
         self.model = model
         self.cache_spec = cache_spec
         self.threads = StepThreads(model.dtype, num_threads)  # torch threads per step, by its size
@@ -104,6 +108,9 @@ class ModelRunner:
         self.compiled_decode_off = CompiledDecode.supported(model, self.k_pool, self.attention_backend)
         if self.compiled_decode_off is None:
             self.compiled_decode = CompiledDecode(model, self.k_pool, self.v_pool, self.block_size)
+        self.eviction = None if kv_eviction is None else EvictionTracker(kv_eviction)
+        if self.eviction is not None and self.attention_backend != "torch":
+            raise ValueError(f"kv_eviction needs the torch attention backend, not {self.attention_backend!r}")
 
     def stats(self, reset: bool = False) -> WorkerStats:
         """The counters since start (or the last reset); `reset` zeroes them after reading."""
@@ -119,6 +126,8 @@ class ModelRunner:
         then load remote K/V (a KV connector's); returns what the connector loaded, if anything."""
         for rid in plan.finished_req_ids:
             self.swapped.pop(rid, None)
+            if self.eviction is not None:
+                self.eviction.forget(rid)
         if self.swapped:  # a host copy is dropped once its request runs without needing it
             swapping_in = {rid for rid, _ in plan.blocks_to_swap_in}
             for rid in plan.req_ids:
@@ -347,8 +356,12 @@ class ModelRunner:
                 return self._run_compiled(plan, rows)[0].clone(), StepInputs(
                     None, None, None, every, every, every, [(j, 1) for j in every], rows)
         inputs = self.prepare(plan)
-        attention = self.backend(self.k_pool, self.v_pool, inputs.meta, self.model.config.sliding_windows,
-                                 **self.quantized_kv)
+        if self.eviction is None:
+            attention = self.backend(self.k_pool, self.v_pool, inputs.meta, self.model.config.sliding_windows,
+                                     **self.quantized_kv)
+        else:
+            attention = EvictingAttention(self.k_pool, self.v_pool, inputs.meta, self.model.config.sliding_windows,
+                                          self.eviction, [plan.req_ids[i] for i in inputs.order], **self.quantized_kv)
         rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=inputs.input_ids.device)
         start = time.perf_counter()
         forward = self.model.forward(inputs.input_ids, inputs.positions, attention, output_rows=rows)
