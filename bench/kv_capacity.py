@@ -17,11 +17,11 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/kv_capacity.py` from the root
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _machine import describe_machine  # noqa: E402
 
-from bench._machine import describe_machine
-from minillm import LLM, SamplingParams
-from minillm.kv.capacity import (
+from minillm import LLM, SamplingParams  # noqa: E402
+from minillm.kv.capacity import (  # noqa: E402
     KV_CACHE_DTYPES,
     SIM_BUDGET_BYTES,
     capacity_traces,
@@ -29,8 +29,8 @@ from minillm.kv.capacity import (
     peak_kv_tokens_unbounded,
     simulate_capacity,
 )
-from minillm.kv.quant import num_blocks_in_budget
-from minillm.traces.course import cpu_trace
+from minillm.kv.quant import num_blocks_in_budget  # noqa: E402
+from minillm.traces.course import cpu_trace  # noqa: E402
 
 # 2 MiB: 512 float32 tokens of the bundled model (4 layers x 4 KV heads x head_dim 32), one 512-token
 # context. The 48 requests together need 3,264 tokens (the longest 210), more than any dtype's pool
