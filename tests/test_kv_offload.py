@@ -173,3 +173,11 @@ def test_config_refuses_offload_without_the_hash_prefix_cache():
         EngineConfig(kv_offloading_size=1.0, enable_prefix_caching=True, prefix_cache="radix")
     with pytest.raises(ValueError, match="GiB >= 0"):
         EngineConfig(kv_offloading_size=-1)
+
+
+def test_serve_flag_uses_vllm_name():
+    from minillm.cli import build_parser
+    from minillm.server.serve import engine_knobs
+
+    args = build_parser().parse_args(["serve", "--enable-prefix-caching", "--kv-offloading-size", "2.5"])
+    assert engine_knobs(args) == {"enable_prefix_caching": True, "kv_offloading_size": 2.5}
