@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hardware", default="A100-80GB")
     parser.add_argument("--model", default="llama-7b")
     parser.add_argument("--host-gib", type=float, default=64.0, help="the host tier (kv_offloading_size)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, int8 or fp8_e4m3: fewer bytes per copy")
     args = parser.parse_args(argv)
     print("$ python bench/offload.py " + shlex.join(sys.argv[1:] if argv is None else argv))
     trace = make_tenant_trace(args.requests, num_tenants=args.tenants, system_prompt_len=args.system_prompt_len,
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"trace: {args.requests} requests, {args.tenants} tenants (zipf {args.zipf:g}), system prompt "
           f"{args.system_prompt_len} + question {args.question_len} tokens, {args.output_len} out, {args.rate:g} req/s")
     print(format_offload_economics(offload_economics(trace, hardware=args.hardware, model=args.model,
-                                                     host_gib=args.host_gib)))
+                                                     host_gib=args.host_gib,
+                                                     engine_config={"kv_cache_dtype": args.kv_cache_dtype})))
 
 
 if __name__ == "__main__":

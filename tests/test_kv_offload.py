@@ -58,7 +58,7 @@ def block_bytes(hf, kv_cache_dtype: str = "auto") -> int:
     return llm.engine.kv.cache_spec.block_bytes
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3"])
 def test_offload_hits_replace_recompute_with_identical_outputs(hf, tenants, kv_cache_dtype):
     """Exact (no prefix cache) vs prefix cache vs prefix cache + host tier, on a pool of 20 blocks:
     same tokens; the tier is hit and saves prompt tokens the device-only cache recomputes."""
@@ -82,7 +82,7 @@ def test_offload_hits_replace_recompute_with_identical_outputs(hf, tenants, kv_c
     worker = llm.engine.executor.worker
     assert sorted(worker.swapped) == sorted(host_block_id(slot) for slot in tier.slot_of.values())
     assert {k.dtype for k, _, _ in worker.swapped.values()} == {worker.k_pool.dtype}
-    assert worker.k_pool.dtype == (torch.uint8 if kv_cache_dtype == "int8" else torch.float64)
+    assert worker.k_pool.dtype == (torch.float64 if kv_cache_dtype == "auto" else torch.uint8)
 
 
 def test_a_full_host_tier_evicts_least_recently_used(hf, tenants):

@@ -24,6 +24,7 @@ Everything is simulated, so the numbers are the same on every machine.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,7 @@ class OffloadEconomics:
     device_kv_tokens: int  # the device pool, in tokens
     recompute_s_per_token: float  # the cost model's prefill compute per token of a shared prefix
     transfer_s_per_token: float  # one token's K/V over the host link, one way
+    kv_cache_dtype: str = "auto"
 
     @property
     def recompute_saved_s(self) -> float:
@@ -99,19 +101,21 @@ def offload_economics(trace: Trace, *, hardware: str = "A100-80GB", model: str =
             label, sum(len(r.prompt_token_ids) for r in trace), sum(s.num_prefill_tokens for s in result.steps),
             kv.num_hit_tokens, kv.num_host_hit_tokens, kv.num_offloaded_blocks, kv.num_onloaded_blocks,
             sum(c.swap_s for c in result.costs), sum(c.time_s for c in result.costs), sum(ttfts) / len(ttfts)))
-    hw, shape = get_hardware(hardware), get_model_shape(model)
+    hw = get_hardware(hardware)
+    shape = dataclasses.replace(get_model_shape(model), kv_cache_dtype=result.engine.config.kv_cache_dtype)
     block_size = result.engine.config.block_size
     prefix_len = max(1, int(trace.meta.get("system_prompt_len", block_size)) if trace.meta else block_size)
     recompute = step_time(hw, shape, prefill_tokens=[prefix_len], prefill_context=[0]).compute_time_s / prefix_len
     transfer = shape.kv_bytes_per_token(hw.dtype_bytes) / hw.host_link_bytes_per_s
     return OffloadEconomics(runs, hw.name, shape.name, block_size, host_gib,
-                            result.engine.config.num_kv_blocks * block_size, recompute, transfer)
+                            result.engine.config.num_kv_blocks * block_size, recompute, transfer,
+                            result.engine.config.kv_cache_dtype)
 
 
 def format_offload_economics(econ: OffloadEconomics) -> str:
     """The three runs as a table, then both sides of the trade and what they say."""
     lines = [f"{econ.model} on {econ.hardware}: device pool {econ.device_kv_tokens} KV tokens, "
-             f"block {econ.block_size}",
+             f"block {econ.block_size}, KV {econ.kv_cache_dtype}",
              f"{'run':<26}{'hit rate':>9}{'host hits':>11}{'computed':>11}{'blocks out':>11}{'blocks in':>10}"
              f"{'link s':>9}{'busy s':>9}{'mean TTFT s':>12}"]
     for r in econ.runs:
