@@ -76,8 +76,8 @@ def test_offload_hits_replace_recompute_with_identical_outputs(hf, tenants, kv_c
     # nothing leaked: every device block free or cached again, every host block accounted for
     assert kv.allocator.num_free == kv.allocator.num_blocks and not kv.block_tables
     tier = kv.offload
-    assert len(tier.free_slots) + len(tier.slot_of) == tier.capacity_blocks and not tier.pinned
-    assert sorted(tier.free_slots + list(tier.slot_of.values())) == list(range(tier.capacity_blocks))
+    assert not tier.pinned and tier.num_slots_used <= tier.capacity_blocks
+    assert sorted(tier.free_slots + list(tier.slot_of.values())) == list(range(tier.num_slots_used))
     # the worker holds one host copy per host block in use, in the pool's storage dtype (int8: its bytes, as they are)
     worker = llm.engine.executor.worker
     assert sorted(worker.swapped) == sorted(host_block_id(slot) for slot in tier.slot_of.values())
@@ -92,7 +92,7 @@ def test_a_full_host_tier_evicts_least_recently_used(hf, tenants):
     _, exact, _ = run(hf, tenants, num_kv_blocks=20)
     tier = llm.engine.kv.offload
     assert outs == exact
-    assert tier.capacity_blocks == 8 and len(tier.slot_of) == 8 and not tier.free_slots
+    assert tier.capacity_blocks == 8 and len(tier.slot_of) == 8 and not tier.num_free and tier.num_slots_used == 8
     assert llm.engine.kv.num_offloaded_blocks > 8  # more spills than host blocks: some were evicted
 
 
@@ -111,7 +111,7 @@ def test_host_tier_books():
     slot_a = tier.slot_of[a]  # pinned before c: the older use
     assert tier.store(b, (2,)) == slot_a and a not in tier.slot_of
     tier.drop(c)
-    assert len(tier.free_slots) == 1 and len(tier) == 1
+    assert tier.free_slots == [slot_b] and len(tier) == 1 and tier.num_free == 1  # c had taken b's block
     with pytest.raises(ValueError, match="at least 1 host block"):
         HostPrefixTier(0)
 
@@ -163,7 +163,7 @@ def test_a_failed_step_forgets_its_spills():
     assert len(kv.offload) == 1
     kv.take_offload_copies()
     kv.rollback_step()
-    assert len(kv.offload) == 0 and len(kv.offload.free_slots) == kv.offload.capacity_blocks
+    assert len(kv.offload) == 0 and kv.offload.free_slots == [0] and kv.offload.num_free == kv.offload.capacity_blocks
 
 
 def test_config_refuses_offload_without_the_hash_prefix_cache():

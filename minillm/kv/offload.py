@@ -52,13 +52,18 @@ class HostPrefixTier:
         if capacity_blocks < 1:
             raise ValueError(f"the offload tier needs at least 1 host block, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
-        self.free_slots = list(range(capacity_blocks - 1, -1, -1))
+        self.num_slots_used = 0  # host blocks handed out at least once: 0 … num_slots_used - 1 (a big tier fills lazily)
+        self.free_slots: list[int] = []  # of those, the ones given back
         self.slot_of: OrderedDict[bytes, int] = OrderedDict()  # key → host block; oldest use first
         self.tokens_of: dict[bytes, tuple[int, ...]] = {}
         self.pinned: set[bytes] = set()  # read by this step's copies in: not evicted before them
 
     def __len__(self) -> int:
         return len(self.slot_of)
+
+    @property
+    def num_free(self) -> int:
+        return self.capacity_blocks - len(self.slot_of)
 
     def find(self, key: bytes, tokens: tuple[int, ...]) -> int | None:
         """The host block holding this prefix block, or None. Changes nothing."""
@@ -80,12 +85,15 @@ class HostPrefixTier:
         if key in self.slot_of:
             self.slot_of.move_to_end(key)
             return None
-        if not self.free_slots:
+        if not self.num_free:
             victim = next((k for k in self.slot_of if k not in self.pinned), None)
             if victim is None:
                 return None
             self.drop(victim)
-        slot = self.free_slots.pop()
+        if self.free_slots:
+            slot = self.free_slots.pop()
+        else:
+            slot, self.num_slots_used = self.num_slots_used, self.num_slots_used + 1
         self.slot_of[key] = slot
         self.tokens_of[key] = tokens
         return slot
