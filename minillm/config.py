@@ -20,8 +20,8 @@ PREFIX_CACHES = ("hash", "radix")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 CHUNK_POLICIES = ("sarathi", "splitfuse")  # minillm.scheduler.chunk_policy
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # minillm.kv.quant (chapter 14)
-# minillm.executor: in this process, one spawned process per rank, or this process as one rank of a world that
-# torchrun started (every process an engine; vLLM's name)
+# minillm.executor: in this process, one process per rank (forked where safe), or this process as one rank of a
+# world that torchrun started (every process an engine; vLLM's name)
 EXECUTOR_BACKENDS = ("uni", "mp", "external_launcher")
 
 
@@ -61,13 +61,22 @@ class EngineConfig:
     # Speculative decoding (chapter 09), vLLM's dict: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
     speculative_config: Any = None
     # Several processes, one model (chapter 12; minillm.distributed): TP ranks per stage × PP stages, each rank a
-    # spawned process ("mp"), or each process one rank under torchrun ("external_launcher", docs/multinode.md);
-    # None picks "uni" for one rank, "mp" for more. A step that takes longer than
-    # execute_model_timeout_s on the workers fails with an error naming the rank (a hung or dead worker).
+    # process ("mp", forked where safe: minillm.executor.start_method), or each process one rank under torchrun
+    # ("external_launcher", docs/multinode.md); None picks "uni" for one rank, "mp" for more. A step that takes
+    # longer than execute_model_timeout_s on the workers fails with an error naming the rank (a hung or dead worker).
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     execute_model_timeout_s: float = 300.0
+    # A world across nodes (issue 28; minillm.distributed.nodes, docs/multinode.md), vLLM's multi-node flags: the
+    # engine runs on node 0 with its share of the ranks, each other node runs `minillm serve --headless` with the
+    # rest; all meet at the TCPStore master_addr:master_port that the engine hosts. A node whose ranks have not all
+    # joined within node_join_timeout_s fails start-up, named. nnodes=1: this machine, a FileStore, no port.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    node_join_timeout_s: float = 60.0
     # Mixtral (chapter 12): experts whole on the tensor-parallel ranks (EP size = TP size), tokens sent to them
     # with all-to-alls (minillm.distributed.moe); attention stays tensor-parallel. vLLM's name.
     enable_expert_parallel: bool = False
@@ -82,10 +91,19 @@ class EngineConfig:
     # How the KV pool stores K and V (chapter 14; vLLM's name): "auto" (the model's dtype), "int8" (a scale per
     # token and head) or "fp8_e4m3" (one static scale); minillm.kv.quant
     kv_cache_dtype: str = "auto"
+    # torch threads per step: None follows the step's size and dtype (minillm/worker/threads.py: one
+    # thread for every step by default, never more than torch had at start); an integer fixes the count.
+    num_threads: int | None = None
+    # KV eviction (chapter 14; minillm.kv.eviction): None keeps every token (exact); a dict such as
+    # {"policy": "streaming" | "h2o", "budget_tokens": 64} keeps at most that many per sequence for decode
+    # attention. minillm's knob (vLLM has none); the torch attention path only.
+    kv_eviction: Any = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}; choose one of {KV_CACHE_DTYPES}")
+        if self.kv_eviction is not None:
+            self._check_eviction()
         if self.kv_transfer_config is not None:
             from minillm.kv_transfer.config import KVTransferConfig, parse_kv_transfer_config
 
@@ -123,6 +141,8 @@ class EngineConfig:
         if self.preemption_mode == "swap" and self.kv_layout != "paged":
             raise ValueError("preemption_mode='swap' needs kv_layout='paged'")
         _require_int("max_num_seqs", self.max_num_seqs, 1)
+        if self.num_threads is not None:
+            _require_int("num_threads", self.num_threads, 1)
         _require_int("block_size", self.block_size, 1)
         if self.num_kv_blocks is not None:
             _require_int("num_kv_blocks", self.num_kv_blocks, 1)
@@ -168,6 +188,24 @@ class EngineConfig:
             raise ValueError("static_hold_finished=True holds results until a batch ends: it needs batching='static' "
                              "or 'dynamic' (continuous batching has no batch end)")
 
+    def _check_eviction(self) -> None:
+        from minillm.kv.eviction import KVEvictionConfig
+
+        self.kv_eviction = KVEvictionConfig.parse(self.kv_eviction)
+        if self.batching != "continuous" or self.kv_layout != "paged":
+            raise ValueError("kv_eviction needs continuous batching over the paged KV cache "
+                             "(batching='continuous', kv_layout='paged', the defaults)")
+        if self.attention_backend not in ("auto", "torch"):
+            raise ValueError(f"kv_eviction masks evicted tokens in the torch attention path; got attention_backend="
+                             f"{self.attention_backend!r}: use 'torch' or 'auto'")
+        others = {"speculative_config": self.speculative_config, "kv_transfer_config": self.kv_transfer_config,
+                  "tensor_parallel_size > 1": self.tensor_parallel_size > 1,
+                  "pipeline_parallel_size > 1": self.pipeline_parallel_size > 1}
+        clash = [name for name, value in others.items() if value not in (None, False)]
+        if clash:
+            raise ValueError(f"kv_eviction runs in one in-process worker without speculation or KV transfer; "
+                             f"it cannot be combined with {clash}")
+
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
@@ -198,9 +236,31 @@ class EngineConfig:
             raise ValueError("enable_expert_parallel=True splits the experts over the tensor-parallel ranks: it needs "
                              f"tensor_parallel_size >= 2 (got {self.tensor_parallel_size})")
         _require_int("pipeline_micro_batches", self.pipeline_micro_batches, 1)
+        self._check_nodes()
         if self.pipeline_micro_batches > 1 and self.pipeline_parallel_size < 2:
             raise ValueError(f"pipeline_micro_batches={self.pipeline_micro_batches} cuts steps for pipeline stages: "
                              f"it needs pipeline_parallel_size >= 2 (got {self.pipeline_parallel_size})")
+
+    def _check_nodes(self) -> None:
+        """The multi-node knobs (issue 28): the world splits evenly with TP inside a node (so it has ranks, and 'uni'
+        is refused above); an engine is node 0."""
+        _require_int("nnodes", self.nnodes, 1)
+        _require_int("node_rank", self.node_rank, 0)
+        _require_int("master_port", self.master_port, 1)
+        if self.node_join_timeout_s is True or not isinstance(self.node_join_timeout_s, (int, float)) \
+                or not self.node_join_timeout_s > 0:
+            raise ValueError(f"node_join_timeout_s must be a number of seconds > 0, got {self.node_join_timeout_s!r}")
+        if self.nnodes == 1:
+            return
+        from minillm.distributed.nodes import check_node_layout
+
+        check_node_layout(self.tensor_parallel_size, self.pipeline_parallel_size, self.nnodes)
+        if self.node_rank != 0:
+            raise ValueError(f"node_rank={self.node_rank}: the engine runs on node 0; the other nodes run only ranks "
+                             "(`minillm serve ... --node-rank N --headless`)")
+        if self.executor_backend == "external_launcher":
+            raise ValueError(f"nnodes={self.nnodes} is for the 'mp' backend's own nodes; under torchrun "
+                             "(external_launcher) torchrun's --nnodes places the ranks: leave nnodes=1")
 
     @property
     def executor_backend(self) -> str:

@@ -153,10 +153,13 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _draft_proposer(self, config: EngineConfig, dtype: torch.dtype, device: str):
-        """The draft model of `speculative_config={"method": "draft_model", ...}`, with its own KV cache."""
+        """The draft model of `speculative_config={"method": "draft_model", ...}`, with its own KV cache:
+        run by one compiled loop where the draft qualifies (minillm.spec.draft_compiled), else by the
+        engine's own worker (minillm.spec.draft)."""
         spec = config.speculative_config
         if spec is None or spec.method != "draft_model":
             return None
+        from minillm.attention.select import numba_installed
         from minillm.spec.draft import DraftModelProposer
 
         draft_dir = Path(spec.model) if spec.model is not None else BUNDLED_DRAFT
@@ -167,6 +170,12 @@ class LLM:
         if draft.config.vocab_size != self._model_config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) differs from the "
                              f"target's ({self._model_config.vocab_size}): they must share a tokenizer")
+        if numba_installed():
+            from minillm.spec.draft_compiled import CompiledDraftProposer
+            from minillm.spec.draft_kernel import supports
+
+            if supports(draft):
+                return CompiledDraftProposer(draft, spec.num_speculative_tokens, resolved.max_model_len)
         return DraftModelProposer(draft, spec.num_speculative_tokens, resolved.num_kv_blocks, resolved.block_size,
                                   resolved.max_model_len)
 

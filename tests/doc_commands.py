@@ -12,6 +12,8 @@ what CI does with each one, keyed by how the command starts:
   or, for KEEP (and for a command the page sends to the background with `&`), keep it up until
   the block's last command has run;
 - SMALL: run with the page's options swapped for smaller ones (the same command, less load);
+- START: a process that serves nothing to wait for (a `--headless` node of a multi-node world):
+  started, not waited for, stopped with what it started when the block ends;
 - SKIP: with the reason.
 
 A fenced command that the table does not know fails the test: a new documented command needs a
@@ -113,11 +115,17 @@ def inline_commands(page: Path) -> list[str]:
 
 
 # ---- what CI does with each documented command ---------------------------------------------------
-RUN, SERVE, KEEP, SMALL, SKIP = "run", "serve", "keep", "small", "skip"
+RUN, SERVE, KEEP, SMALL, SKIP, START = "run", "serve", "keep", "small", "skip", "start"
 
 # (how the command starts, decision, detail): the first entry whose start matches wins. For SMALL
 # the detail is a list of (option as written, smaller option); for SKIP it is the reason.
 DECISIONS: list[tuple[str, str, object]] = [
+    # docs/multinode.md and README: a world across nodes (issue 28)
+    ("minillm serve models/minillm-target --tensor-parallel-size 2 --pipeline-parallel-size 2 --nnodes 2", SKIP,
+     "two machines (10.0.0.1 is the head's address); the page's loopback block runs the same world on one"),
+    ("minillm serve --pipeline-parallel-size 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1", SKIP,
+     "two hosts (10.0.0.1 is the head's address); docs/multinode.md's loopback block runs the same world on one"),
+    ("minillm serve --tensor-parallel-size 1 --pipeline-parallel-size 2 --nnodes 2 --node-rank 1", START, None),
     ("make lab", SKIP, "JupyterLab runs until stopped; tests/test_lab.py and tests/test_browser.py start it"),
     ("make test", SKIP, "this is the test suite that runs this test"),
     ("source .venv/bin/activate", RUN, None),
@@ -151,6 +159,9 @@ DECISIONS: list[tuple[str, str, object]] = [
                                               "never installed by CI"),
     ("env -u HF_HUB_OFFLINE /work/aux-venv/bin/aiperf", SKIP, "aiperf is not installed by CI (see above)"),
     ("python -c", RUN, None),
+    ("curl -sS --fail-with-body http://127.0.0.1:8000/v1/", RUN, None),  # after a server the block keeps up (&)
+    ("python bench/llamacpp.py", SKIP, "builds llama-cpp-python from source into its own venv (minutes) and "
+                                       "times it: a peer never installed by CI"),
 ]
 
 # Python blocks: the start of the block -> what it needs first (a server command), or None.

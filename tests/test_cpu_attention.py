@@ -82,12 +82,10 @@ def test_kernel_refuses_what_it_cannot_run():
         paged_attention_decode_cpu(query[:, :3], kc, vc, tables, seq_lens, 0.3)
 
 
-@pytest.mark.parametrize("window", [None, 5])
-def test_backend_equals_torch_backend_on_a_mixed_step(window):
-    """Decode rows of many lengths, fresh prompts and chunks after a cached context in one step."""
-    torch.manual_seed(0)
-    h_q, h_kv, d, block_size = 4, 2, 8, 4
-    rows = [(9, 1), (1, 1), (33, 1), (16, 1), (0, 7), (12, 5), (3, 4)]  # (cached tokens, new tokens)
+def runners_for_step(rows: list[tuple[int, int]], window: int | None, backends: tuple[str, ...]):
+    """One step of rows (cached tokens, new tokens) in a 1-layer float64 pool with random K/V: the
+    plan, and a worker per backend with its state applied (the first one's pools hold the K/V)."""
+    h_kv, d, block_size = 2, 8, 4
     kv = BlockManager(1, h_kv, d, 200, block_size, dtype=torch.float64, max_model_len=64)
     reqs, counts = [], []
     for i, (cached, n) in enumerate(rows):
@@ -103,20 +101,52 @@ def test_backend_equals_torch_backend_on_a_mixed_step(window):
         class config:  # noqa: N801 - stands in for a ModelConfig
             sliding_windows = (window,)
 
-    runner = ModelRunner(Stub(), kv.cache_spec, "numba_cpu")  # the worker holds the pools
     plan = SchedulerOutputBuilder(kv).build(SchedulerPlan(reqs, counts))
-    runner.update_state(plan)
-    runner.k_pool.normal_()
-    runner.v_pool.normal_()
+    runners = [ModelRunner(Stub(), kv.cache_spec, backend) for backend in backends]  # the worker holds the pools
+    for runner in runners:
+        runner.update_state(plan)
+    runners[0].k_pool.normal_()
+    runners[0].v_pool.normal_()
+    return plan, runners
+
+
+def random_qkv(total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(torch.randn(total, h, 8, dtype=torch.float64) for h in (4, 2, 2))
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_backend_equals_torch_backend_on_a_mixed_step(window):
+    """Decode rows of many lengths, fresh prompts and chunks after a cached context in one step."""
+    torch.manual_seed(0)
+    rows = [(9, 1), (1, 1), (33, 1), (16, 1), (0, 7), (12, 5), (3, 4)]  # (cached tokens, new tokens)
+    plan, (runner,) = runners_for_step(rows, window, ("numba_cpu",))
     meta = runner.prepare(plan).meta
     assert meta.num_decode == 4 and meta.prefill_groups
-    total = sum(counts)
-    q, k, v = (torch.randn(total, h, d, dtype=torch.float64) for h in (h_q, h_kv, h_kv))
+    q, k, v = random_qkv(sum(n for _, n in rows))
     pools = runner.k_pool.clone(), runner.v_pool.clone()
     want = FlatPoolAttention(*pools, meta, (window,))(0, q, k, v)
     got = NumbaCpuAttention(runner.k_pool, runner.v_pool, meta, (window,))(0, q, k, v)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(runner.k_pool, pools[0], rtol=0, atol=0)  # both wrote the step's K/V alike
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_verify_step_runs_as_decode_rows_in_one_kernel_call(window):
+    """A speculative step (decode rows and rows of 1 + k tokens after a cached context) is served by
+    the kernel alone, one row per query token, and equals the torch backend's offset-causal SDPA."""
+    torch.manual_seed(1)
+    rows = [(9, 1), (21, 5), (3, 3), (14, 2)]  # (cached tokens, new tokens): 1 + k after a context
+    plan, (runner, torch_runner) = runners_for_step(rows, window, ("numba_cpu", "torch"))
+    total = sum(n for _, n in rows)
+    meta = runner.prepare(plan).meta
+    assert meta.num_decode == total and not meta.prefill_groups  # every query a kernel row
+    torch_meta = torch_runner.prepare(plan).meta  # the same step as the torch backend sees it
+    assert torch_meta.prefill_groups
+    q, k, v = random_qkv(total)
+    pools = runner.k_pool.clone(), runner.v_pool.clone()
+    want = FlatPoolAttention(*pools, torch_meta, (window,))(0, q, k, v)
+    got = NumbaCpuAttention(runner.k_pool, runner.v_pool, meta, (window,))(0, q, k, v)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_auto_rule_and_errors():

@@ -119,7 +119,8 @@ def run(command: str) -> str:
     return done.stdout
 
 
-DOCUMENTED_PORTS = (8000, 8001, 8002, 14579)  # the pages' ports (14579: the PD pair's KV port)
+DOCUMENTED_PORTS = (8000, 8001, 8002, 14579, 29500)  # the pages' ports (14579: the PD pair's KV port; 29500: a
+# multi-node world's TCPStore, docs/multinode.md)
 SERVER_STARTS = ("minillm serve", "python -m minillm serve", ".venv/bin/minillm serve")
 
 
@@ -156,6 +157,12 @@ def run_block(block: docs.Block) -> None:
             what, detail = docs.decide(command.text)
             command = docs.Command(local(command.text), command.background)
             if what == docs.SKIP:
+                continue
+            if what == docs.START:  # nothing to wait for: started now, stopped (with what it started) at the end
+                proc = subprocess.Popen(["bash", "-c", as_run_here(command.text)], cwd=docs.ROOT, env=environment(),
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        start_new_session=True)
+                stack.callback(stop, proc)
                 continue
             if what == docs.SMALL:
                 for written, smaller in detail:

@@ -19,7 +19,8 @@ from minillm import LLM, SamplingParams
 
 
 @contextlib.contextmanager
-def running_server(api_key: str | None = None, max_num_queued_reqs: int | None = None, **knobs):
+def running_server(api_key: str | None = None, max_num_queued_reqs: int | None = None,
+                   served_model_name: str | list[str] = "minillm", **knobs):
     """uvicorn serving the bundled model on 127.0.0.1:<free port>, in a thread; yields
     (base_url, app). The socket is bound before uvicorn starts, so the port cannot be taken."""
     import uvicorn
@@ -28,7 +29,7 @@ def running_server(api_key: str | None = None, max_num_queued_reqs: int | None =
 
     knobs = {"max_num_seqs": 16, "max_model_len": 256, **knobs}
     llm = LLM(**knobs)
-    app = create_app(llm, served_model_name="minillm", api_key=api_key, max_num_queued_reqs=max_num_queued_reqs)
+    app = create_app(llm, served_model_name=served_model_name, api_key=api_key, max_num_queued_reqs=max_num_queued_reqs)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     # Accepted connections inherit this; without it a keep-alive response written as headers + body

@@ -47,17 +47,58 @@ def test_ngram_greedy_equals_hf(models, k):
     assert llm.engine.kv.allocator.num_in_use == 0
 
 
+@pytest.mark.parametrize("runner", ["compiled", "worker"])
 @pytest.mark.parametrize("draft, k", [("same", 3), ("same", 5), ("other", 1), ("other", 4)])
-def test_draft_model_greedy_equals_hf(models, draft, k):
+def test_draft_model_greedy_equals_hf(models, draft, k, runner, monkeypatch):
+    """Both ways of running the draft: the compiled loop (what LLM picks for a plain Llama draft on a
+    CPU) and the engine's own worker (any other draft)."""
     target, dirs, prompts, expected = models
+    if runner == "worker":
+        monkeypatch.setattr("minillm.spec.draft_kernel.supports", lambda model: False)
     llm = LLM(target, dtype="float64", max_num_seqs=4, max_model_len=128, block_size=4,
               speculative_config={"method": "draft_model", "model": dirs[draft], "num_speculative_tokens": k})
+    proposer = llm.engine.proposer
+    assert type(proposer).__name__ == {"compiled": "CompiledDraftProposer", "worker": "DraftModelProposer"}[runner]
     assert run(llm, prompts) == expected
     stats = llm.engine.metrics.spec_decode
     if draft == "same":  # the draft is the target: every guess is accepted
         assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
         assert stats.num_accepted_tokens_per_pos[0] == stats.num_drafts
-    assert llm.engine.kv.allocator.num_in_use == 0 and llm.engine.proposer.kv.allocator.num_in_use == 0
+    assert llm.engine.kv.allocator.num_in_use == 0
+    assert not proposer.states if runner == "compiled" else proposer.kv.allocator.num_in_use == 0
+
+
+def test_compiled_draft_loop_computes_the_models_logits(models):
+    """`draft_decode` against HF transformers in float64: the logits after a prompt, and a greedy
+    continuation fed back token by token, in one call and over several calls (catch-up, then guesses)."""
+    import numpy as np
+
+    from minillm.model.loader import load_model_dir
+    from minillm.spec.draft_kernel import DraftWeights
+
+    _, dirs, prompts, _ = models
+    hf = make_tiny_hf_model("llama-gqa", seed=1)
+    weights = DraftWeights.from_model(load_model_dir(dirs["other"], torch.float64, "cpu", 128))
+    prompt = prompts[1]
+    with torch.no_grad():
+        want = hf.double()(torch.tensor([prompt])).logits[0, -1]
+    k_cache, v_cache = weights.new_cache(64)
+    guesses, logits = np.zeros(5, np.int64), np.zeros(want.shape[0])
+    weights.decode(k_cache, v_cache, np.array(prompt), 0, 1, guesses, logits)
+    torch.testing.assert_close(torch.from_numpy(logits), want, rtol=1e-6, atol=1e-6)
+    weights.decode(k_cache, v_cache, np.array(prompt[-1:]), len(prompt) - 1, 5, guesses, logits)  # re-feed the last
+    assert guesses.tolist() == hf_greedy(hf, prompt, 5)
+    # The proposer: a long prompt's K/V from the batched forward, the last token and the guesses from the loop.
+    from minillm.spec.draft_compiled import BATCHED_CATCH_UP, CompiledDraftProposer
+
+    proposer = CompiledDraftProposer(load_model_dir(dirs["other"], torch.float64, "cpu", 128), 4, 128)
+    long_prompt = (prompt * 4)[: BATCHED_CATCH_UP + 9]
+    req = Request("long", long_prompt, SamplingParams(temperature=0.0), 0.0)
+    assert proposer.propose([req], [4])[0] == [hf_greedy(hf, long_prompt, 4)]
+    for token in prompt[: BATCHED_CATCH_UP + 2]:  # the target "accepted" a long run: a batched catch-up after a context
+        req.append_token(token)
+    proposer.after_verify(req)
+    assert proposer.propose([req], [4])[0] == [hf_greedy(hf, req.all_token_ids, 4)]
 
 
 def test_speculation_with_prefix_caching_and_preemption_stays_exact(models):
@@ -98,6 +139,29 @@ def test_ngram_lookup_prefers_the_longest_and_latest_match():
     assert proposer.propose_one([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3]) == [7, 8, 1]  # latest match of (1, 2, 3)
     assert proposer.propose_one([5, 6, 4, 4, 6]) == [4, 4, 6]  # suffix (6,) seen at index 1
     assert proposer.propose_one([1, 2, 3]) == []
+
+
+@pytest.mark.parametrize("min_n,max_n", [(1, 4), (2, 3), (1, 1)])
+def test_ngram_index_proposes_what_the_search_proposes(min_n, max_n):
+    """The engine's incremental index (grown a few tokens at a time, as decoding grows a sequence)
+    gives the guesses of `propose_one`'s backward search at every length."""
+    import random
+
+    from minillm.spec.ngram import NgramIndex
+
+    proposer = NgramProposer(4, prompt_lookup_max=max_n, prompt_lookup_min=min_n)
+    rng = random.Random(min_n * 10 + max_n)
+    found = 0
+    for _ in range(20):
+        tokens = [rng.randrange(5) for _ in range(rng.randint(1, 6))]  # a small alphabet: many repeats
+        index = NgramIndex(min_n, max_n)
+        while len(tokens) < 120:
+            index.extend(tokens)
+            expected = proposer.propose_one(tokens)
+            assert index.lookup(tokens, 4) == expected, tokens
+            found += bool(expected)
+            tokens += [rng.randrange(5) for _ in range(rng.randint(1, 5))]
+    assert found > 100  # the comparison covered sequences where a match exists
 
 
 def test_speculative_config_errors_name_what_is_accepted():

@@ -89,6 +89,10 @@ _OPENAI_RETRIES = "openai-python's client: retries 408, 409, 429 and >= 500 (DEF
 _ORCA = ("Yu et al., OSDI 2022 (Orca): GPT-3 175B at 190 ms median normalized latency, Orca 6.81 req/s "
          "vs FasterTransformer 0.185 req/s, 36.9x (as seeds 004 quote it)")
 CHAPTER_ALLOW: dict[str, dict[str, str]] = {
+    "14": {
+        "80": "seeds 000: A100 80GB serving a 7B model in FP16",
+        "14": "seeds 000: a 7B model's FP16 weights are about 14 GB",
+    },
     "00": {
         "312": "NVIDIA A100 datasheet: 312 TFLOP/s dense fp16/bf16 (minillm.sim.A100_80GB)",
         "6.74": "Llama-2-7B parameter count (its HF config; the next cell prints it)",

@@ -5,9 +5,13 @@ the decode rows — the first `num_decode` sequences, one query each — go to
 `kernels/cpu_decode_attention.py`, which reads every key and value once straight from the pool
 through the block table (online softmax, the G query heads of a KV head sharing each read). The
 torch backend instead gathers each length group's blocks into a padded run and calls SDPA on it:
-two extra passes over the keys and values, and one call per group. Rows with several new tokens
-(prefill chunks, speculative rows, recomputes) stay on the torch backend's batched SDPA, which
-measures faster for them here. Everything else (the K/V write, the prefill groups) is shared with
+two extra passes over the keys and values, and one call per group. A speculative row (1 + k new
+tokens after a cached context, chapter 09) is k + 1 decode rows in disguise: query i sits at
+position ctx + i and sees keys 0 … ctx + i, all written before any layer reads. When every
+multi-token row of a step is that short (`MAX_QUERIES_AS_DECODE`), the metadata builder splits
+each into one kernel row per query token (`as_decode_rows`), and the whole verify step is one
+kernel call per layer: no gather, no mask, no SDPA. Other multi-token rows (prefill chunks,
+recomputes) stay on the torch backend's batched SDPA, which measures faster for them here. Everything else (the K/V write, the prefill groups) is shared with
 `FlatPoolAttention`; its metadata builder puts every decode row in one group (the kernel's one
 call; a torch backend handed this metadata would still compute the same result, padded) and counts
 each key read once. A quantized pool (`kv_cache_dtype`, chapter 14) goes to
@@ -16,8 +20,10 @@ each key read once. A quantized pool (`kv_cache_dtype`, chapter 14) goes to
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import numpy as np
 import torch
 
 from minillm.attention.flat_pool import FlatPoolAttention, build_row_groups
@@ -25,6 +31,27 @@ from minillm.attention.metadata import AttentionMetadata, StepLayout
 from minillm.kv.quant import head_dim_of
 
 KERNEL_DTYPES = (torch.float32, torch.float64)
+# Multi-token rows after a cached context up to this many new tokens run as one decode row per
+# token (a speculative row has 1 + k; k is rarely above 8): each query re-reads the row's keys.
+MAX_QUERIES_AS_DECODE = 16
+
+
+def as_decode_rows(layout: StepLayout) -> StepLayout | None:
+    """The same step with every query token its own decode row (its own length, its row's block
+    table), when every multi-token row is short and follows a cached context; else None."""
+    nd, q_lens, seq_lens = layout.num_decode, layout.query_lens, layout.seq_lens
+    if nd == len(seq_lens):
+        return None  # already all decode
+    rest_q, rest_len = q_lens[nd:], seq_lens[nd:]
+    if rest_q.max() > MAX_QUERIES_AS_DECODE or (rest_len <= rest_q).any():  # long, or nothing cached yet
+        return None
+    row_of_token = np.repeat(np.arange(len(seq_lens)), q_lens)
+    token = np.arange(len(row_of_token))
+    offset = token - layout.query_start_loc[row_of_token]  # the token's place in its row
+    lens = (seq_lens[row_of_token] - q_lens[row_of_token] + offset + 1).astype(np.int32)
+    return dataclasses.replace(layout, seq_lens=lens, query_lens=np.ones(len(token), dtype=q_lens.dtype),
+                               query_start_loc=np.arange(len(token) + 1, dtype=np.int32),
+                               block_tables=layout.block_tables[row_of_token], num_decode=len(token))
 
 
 class NumbaCpuAttention(FlatPoolAttention):
@@ -36,6 +63,7 @@ class NumbaCpuAttention(FlatPoolAttention):
 
     @staticmethod
     def build_metadata(layout: StepLayout) -> AttentionMetadata:
+        layout = as_decode_rows(layout) or layout
         meta = build_row_groups(layout, decode_slack=math.inf)
         meta.keys_read = int(layout.seq_lens[: layout.num_decode].sum())  # the kernel walks each row to its length
         return meta

@@ -74,11 +74,17 @@ def build_distributed_engine(config: EngineConfig, model_dir: Path, model_config
     from minillm.executor.multiproc import MultiprocExecutor
 
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-    if device.startswith("cuda") and torch.cuda.device_count() < tp * pp:
-        raise ValueError(f"tensor_parallel_size × pipeline_parallel_size = {tp * pp} ranks, but this machine has "
-                         f"{torch.cuda.device_count()} CUDA device(s)")
+    local_ranks = tp * pp // config.nnodes  # a world across nodes: this node runs its share (minillm.distributed.nodes)
+    if device.startswith("cuda") and torch.cuda.device_count() < local_ranks:
+        raise ValueError(f"{local_ranks} ranks on this node (tensor_parallel_size × pipeline_parallel_size = {tp * pp} "
+                         f"over nnodes={config.nnodes}), but this machine has {torch.cuda.device_count()} CUDA device(s)")
     kv, spec = plan_ranks(config, model_dir, model_config, dtype, device)
-    executor = MultiprocExecutor(kv, spec, tp, pp, config.execute_model_timeout_s)
+    rendezvous = None
+    if config.nnodes > 1:
+        from minillm.distributed.nodes import NodeRendezvous
+
+        rendezvous = NodeRendezvous(config.nnodes, config.master_addr, config.master_port, config.node_join_timeout_s)
+    executor = MultiprocExecutor(kv, spec, tp, pp, config.execute_model_timeout_s, rendezvous)
     try:
         return build_engine(config, model_config, tokenizer=tokenizer, kv=kv, executor=executor,
                             scheduler_factory=scheduler_factory, proposer=proposer)

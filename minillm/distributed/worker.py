@@ -17,6 +17,8 @@ import dataclasses
 import datetime
 import os
 import pickle
+import socket
+import sys
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from minillm.distributed.layout import RankLayout
+from minillm.distributed.nodes import announce_joined, node_of_rank, open_store
 from minillm.kv.base import KVCacheSpec
 from minillm.model.config import ModelConfig
 from minillm.scheduler.base import ModelRunnerOutput
@@ -39,7 +42,7 @@ class WorkerSpec:
     model_dir: str
     model_config: ModelConfig
     dtype: torch.dtype
-    device: str  # "cpu" or "cuda" (rank r uses cuda:r)
+    device: str  # "cpu" or "cuda" (rank r uses cuda:r, or its rank within its node on several nodes)
     max_positions: int
     cache_spec: KVCacheSpec  # the whole model's pool; each rank allocates its layers and heads of it
     attention_backend: str
@@ -52,6 +55,8 @@ class WorkerSpec:
     num_threads: int = 1
     kv_transfer_config: Any = None  # a prefill/decode pair: this rank builds the KV connector's worker side
     max_num_seqs: int = 0  # warm up at start-up for decode batches up to this (0: no warm-up)
+    # A world across nodes (minillm.distributed.nodes.NodeRendezvous): meet at its TCPStore instead of init_file
+    rendezvous: Any = None
 
 
 class ParallelWorker(ModelRunner):
@@ -67,6 +72,7 @@ class ParallelWorker(ModelRunner):
         super().__init__(model, cache_spec, attention_backend, kv_connector)
         self.layout = layout
         self.micro_batches = micro_batches if layout.pp > 1 else 1
+        self.relay = None  # a multi-node world: the gloo group of rank 0 and the other nodes' ranks (build_rank)
 
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
         if self.layout.samples:
@@ -139,14 +145,34 @@ def build_rank(spec: WorkerSpec, rank: int) -> ParallelWorker:
 
     world = spec.tp * spec.pp
     on_cuda = spec.device.startswith("cuda")
-    device = f"cuda:{rank % max(1, torch.cuda.device_count())}" if on_cuda else "cpu"
+    nnodes = spec.rendezvous.nnodes if spec.rendezvous is not None else 1
+    local_rank = rank % (world // nnodes)  # a node's ranks use its devices 0, 1, ...
+    device = f"cuda:{local_rank % max(1, torch.cuda.device_count())}" if on_cuda else "cpu"
     if on_cuda:
         torch.cuda.set_device(device)
-    if not dist.is_initialized():  # (under torchrun the executor has joined torchrun's world already)
-        dist.init_process_group("nccl" if on_cuda else "gloo", init_method=f"file://{spec.init_file}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=spec.timeout_s))
+    backend, timeout = "nccl" if on_cuda else "gloo", datetime.timedelta(seconds=spec.timeout_s)
+    if dist.is_initialized():  # (under torchrun the executor has joined torchrun's world already)
+        pass
+    elif spec.rendezvous is None:  # one machine: a FileStore in the driver's temporary folder
+        dist.init_process_group(backend, init_method=f"file://{spec.init_file}", rank=rank, world_size=world,
+                                timeout=timeout)
+    else:  # several nodes: the head's TCPStore (minillm.distributed.nodes)
+        from minillm.distributed.host_address import gloo_interface_towards
+
+        # gloo's sockets on the interface that reaches the head, not on the address the host's name resolves to
+        gloo_interface_towards(spec.rendezvous.master_addr, spec.rendezvous.master_port)
+        store = open_store(spec.rendezvous, is_master=False)
+        announce_joined(store, rank, node_of_rank(rank, world, nnodes))
+        dist.init_process_group(backend, store=dist.PrefixStore("world", store), rank=rank, world_size=world,
+                                timeout=timeout)
     layout = RankLayout(rank, spec.tp, spec.pp)
     groups = [dist.new_group(layout.tp_group_ranks(s)) if 1 < spec.tp < world else None for s in range(spec.pp)]
+    relay = None
+    if nnodes > 1:  # rank 0 and the other nodes' ranks: plans go out and answers come back over it (gloo, on the
+        # CPU even beside NCCL). Its timeout is long: a remote rank waits in it while the server idles; a peer
+        # that dies breaks it at once ("Connection closed by peer").
+        remote = [r for r in range(world) if node_of_rank(r, world, nnodes) != 0]
+        relay = dist.new_group([0, *remote], backend="gloo", timeout=datetime.timedelta(days=365))
     tp_state = ParallelState(layout.tp_rank, spec.tp, groups[layout.stage])
     placement = Placement.of_rank(spec.model_config, layout, spec.expert_parallel)
     with SafetensorsCheckpoint(spec.model_dir) as checkpoint:
@@ -161,13 +187,17 @@ def build_rank(spec: WorkerSpec, rank: int) -> ParallelWorker:
         from minillm.kv_transfer import make_worker_connector
 
         kv_connector = make_worker_connector(spec.kv_transfer_config, rank, world)
-    return ParallelWorker(model, rank_cache_spec(spec.cache_spec, model), spec.attention_backend, layout,
-                          spec.micro_batches, kv_connector)
+    worker = ParallelWorker(model, rank_cache_spec(spec.cache_spec, model), spec.attention_backend, layout,
+                            spec.micro_batches, kv_connector)
+    worker.relay = relay
+    return worker
 
 
-def rank_main(rank: int, spec: WorkerSpec, conn) -> None:
-    """The spawned process's body (see the module docstring)."""
+def rank_main(rank: int, spec: WorkerSpec, conn=None) -> None:
+    """The rank process's body (see the module docstring). `conn`: the pipe to the engine, or None for a
+    rank of a headless node, which hears the engine through rank 0 (`serve_remote`)."""
     torch.set_num_threads(spec.num_threads)
+    worker = None
     try:
         worker = build_rank(spec, rank)
         if spec.max_num_seqs:  # every rank runs the same dummy plans, so their collectives pair up
@@ -176,18 +206,64 @@ def rank_main(rank: int, spec: WorkerSpec, conn) -> None:
             warm_up(worker, spec.max_num_seqs)
             for counts in (worker.model.comm.calls, worker.model.comm.bytes, worker.model.comm.seconds):
                 counts.clear()  # chapter 12 and the tests count the collectives of real steps only
-        conn.send_bytes(pickle.dumps(("ready", {"pid": os.getpid(), "weight_bytes": worker.model.weight_bytes,
-                                                "kv_pool_shape": worker.cache_spec.shape})))
+        ready = ("ok", {"pid": os.getpid(), "weight_bytes": worker.model.weight_bytes,
+                        "kv_pool_shape": worker.cache_spec.shape, "host": socket.gethostname()})
     except BaseException as error:  # noqa: BLE001 - reported to the driver, which refuses to start
-        conn.send_bytes(pickle.dumps(("error", f"{type(error).__name__}: {error}", traceback.format_exc())))
-        return
+        ready = ("error", f"{type(error).__name__}: {error}", traceback.format_exc())
     try:
-        serve(worker, conn)
+        if conn is None:
+            if worker is None or worker.relay is None:  # it never reached the relay: its node reports the exit
+                print(f"minillm rank {rank}: {ready[1]}\n{ready[2]}", file=sys.stderr, flush=True)
+                sys.exit(1)
+            serve_remote(worker, ready)
+        else:
+            if worker is not None and worker.relay is not None:
+                ready = relay_answers(worker, ready)
+            conn.send_bytes(pickle.dumps(ready))
+            if worker is not None and ready[0] != "error":
+                serve(worker, conn)
     finally:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def answer(worker: ParallelWorker, message: tuple) -> tuple:
+    """One message's answer: ("ok", reply) or ("error", what, traceback)."""
+    try:
+        kind = message[0]
+        if kind == "plan":
+            reply = worker.execute_model(message[1])
+        elif kind == "stats":
+            comm = worker.model.comm
+            reply = {"calls": dict(comm.calls), "bytes": dict(comm.bytes), "seconds": dict(comm.seconds),
+                     "model_time_s": worker.model_time_s, "worker": worker.stats(reset=message[1])}
+        elif kind == "stop":
+            reply = None
+        else:
+            raise ValueError(f"unknown message {kind!r}")
+        return ("ok", reply)
+    except Exception as error:  # noqa: BLE001 - the driver decides
+        return ("error", f"{type(error).__name__}: {error}", traceback.format_exc())
+
+
+def relay_answers(worker: ParallelWorker, own: tuple) -> tuple:
+    """Rank 0 of a multi-node world: gather the other nodes' ranks' answers to the message just handled
+    and send them with its own: ("relayed", own, {rank: answer}) (an "error" of its own stays one)."""
+    import torch.distributed as dist
+
+    group = worker.relay
+    answers = [None] * dist.get_world_size(group)
+    try:
+        dist.gather_object(own, answers, dst=0, group=group)
+    except Exception as error:  # noqa: BLE001 - a remote rank is gone: the driver stops the world
+        return ("error", f"the other nodes' ranks {dist.get_process_group_ranks(group)[1:]} stopped answering: "
+                         f"{type(error).__name__}: {error}", "")
+    if own[0] == "error":
+        return own
+    ranks = dist.get_process_group_ranks(group)
+    return ("relayed", own[1], {rank: answers[i] for i, rank in enumerate(ranks) if rank != 0})
 
 
 def serve(worker: ParallelWorker, conn) -> None:
@@ -196,25 +272,39 @@ def serve(worker: ParallelWorker, conn) -> None:
             message = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):  # the driver is gone: nobody will read an answer
             return
-        kind = message[0]
-        if kind == "stop":
-            conn.send_bytes(pickle.dumps(("ok", None)))
-            return
-        try:
-            if kind == "plan":
-                reply = worker.execute_model(message[1])
-            elif kind == "stats":
-                comm = worker.model.comm
-                reply = {"calls": dict(comm.calls), "bytes": dict(comm.bytes), "seconds": dict(comm.seconds),
-                         "model_time_s": worker.model_time_s, "worker": worker.stats(reset=message[1])}
-            else:
-                raise ValueError(f"unknown message {kind!r}")
-            payload = ("ok", reply)
-        except Exception as error:  # noqa: BLE001 - the driver decides
-            payload = ("error", f"{type(error).__name__}: {error}", traceback.format_exc())
+        if worker.relay is not None:  # a multi-node world: the remote ranks get every message from rank 0
+            import torch.distributed as dist
+
+            try:
+                dist.broadcast_object_list([message], src=0, group=worker.relay)
+            except Exception as error:  # noqa: BLE001
+                conn.send_bytes(pickle.dumps(("error", f"the other nodes cannot be reached: {error}", "")))
+                return
+        payload = answer(worker, message)
+        if worker.relay is not None:
+            payload = relay_answers(worker, payload)
         try:
             conn.send_bytes(pickle.dumps(payload))
         except (BrokenPipeError, OSError):
+            return
+        if message[0] == "stop":
+            return
+
+
+def serve_remote(worker: ParallelWorker, ready: tuple) -> None:
+    """A rank on a headless node: answer the start-up, then every message rank 0 relays, until "stop".
+    If rank 0 goes away (its node died or stopped), the relay breaks and this rank exits with an error."""
+    import torch.distributed as dist
+
+    dist.gather_object(ready, None, dst=0, group=worker.relay)
+    if ready[0] == "error":
+        sys.exit(1)
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=worker.relay)
+        message = box[0]
+        dist.gather_object(answer(worker, message), None, dst=0, group=worker.relay)
+        if message[0] == "stop":
             return
 
 

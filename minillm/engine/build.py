@@ -42,8 +42,9 @@ def build_engine(config: EngineConfig, model_config: ModelConfig, *, model: Any 
         from minillm.worker.warm_up import warm_up
 
         transfer = resolved.kv_transfer_config
-        worker = ModelRunner(model, kv.cache_spec, resolved.attention_backend,
-                             None if transfer is None else make_worker_connector(transfer))
+        backend = "torch" if resolved.kv_eviction is not None else resolved.attention_backend  # (the evicting path)
+        worker = ModelRunner(model, kv.cache_spec, backend, None if transfer is None else make_worker_connector(transfer),
+                             resolved.num_threads, kv_eviction=resolved.kv_eviction)
         executor = UniProcExecutor(worker, kv)
         report = warm_up(worker, resolved.max_num_seqs)  # compile and warm now, not in the first generate
     engine = LLMEngine(model_config, config, model=model, tokenizer=tokenizer, kv=kv, scheduler=scheduler,

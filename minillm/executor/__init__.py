@@ -4,7 +4,8 @@
   `shutdown()`, `stats()`; `abstract.ExecutorBase` — their defaults for a stand-in;
   `abstract.WorkerExecutor` — `execute(batch)` for executors with workers: the plan built as data, forgotten if the step fails.
 - `uniproc.UniProcExecutor` — one worker in this process.
-- `multiproc.MultiprocExecutor` — one spawned process per tensor/pipeline-parallel rank (chapter 12),
+- `multiproc.MultiprocExecutor` — one process per tensor/pipeline-parallel rank (chapter 12; forked where
+  safe, see `start_method`),
   built by `LLM(tensor_parallel_size=..., pipeline_parallel_size=...)`; a failed rank raises
   `abstract.EngineDeadError`.
 - `external_launcher.ExternalLauncherExecutor` — under torchrun, this process's one rank; every process

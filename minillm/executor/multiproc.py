@@ -1,13 +1,22 @@
-"""One spawned process per rank, joined by torch.distributed (vLLM's `MultiprocExecutor`; chapter 12).
+"""One process per rank (forked where safe), joined by torch.distributed (vLLM's `MultiprocExecutor`; chapter 12).
 
     LLM(tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="mp")
 
 The driver (the engine's process) holds the scheduler and the KV *accounting*, never a weight nor
-a KV pool. It starts tp × pp processes with the "spawn" method (a fresh interpreter each: no
-forked copy of the driver's threads, locks or CUDA state), each running
-`minillm.distributed.worker.rank_main`: join one torch.distributed group (gloo on a CPU, NCCL on
-CUDA; a FileStore in a temporary folder as the rendezvous, so no port to pick), load only its
-shard, allocate only its KV heads and layers.
+a KV pool. It starts tp × pp processes, forked where that is safe and spawned otherwise
+(`minillm.executor.start_method` says what it checks, logs which and why; a plain script without a
+main guard, `python -c` and a notebook all work), each running `minillm.distributed.worker.rank_main`:
+join one torch.distributed group (gloo on a CPU, NCCL on CUDA; a FileStore in a temporary folder
+as the rendezvous, so no port to pick), load only its shard, allocate only its KV heads and layers.
+A forked rank first closes the driver's ends of the pipes it inherited, so that a pipe still ends
+when the driver dies.
+
+A world across nodes (`rendezvous`: `minillm.distributed.nodes`): the driver starts only the head
+node's ranks, hosts the world's TCPStore at `master_addr:master_port`, publishes the ranks' spec
+there, and waits up to `node_join_timeout_s` for every other node's ranks to announce themselves
+(else `NodeJoinError` naming the node and its ranks). Rank 0 relays each message to the other
+nodes' ranks and returns their answers with its own; a node that reports a dead rank in the store
+is read while waiting for a step, and makes the executor dead like a local rank's death.
 
 Transport of the plan: one `multiprocessing` pipe per rank. Each step the driver pickles the
 `SchedulerOutput` once and writes those bytes to every pipe; every rank answers on its pipe — the
@@ -44,17 +53,28 @@ from multiprocessing.connection import wait
 from minillm.distributed.layout import output_rank
 from minillm.distributed.worker import WorkerSpec, rank_main
 from minillm.executor.abstract import EngineDeadError, WorkerExecutor
+from minillm.executor.start_method import check_main_guard, choose_start_method, log_start_method
 from minillm.scheduler.base import ModelRunnerOutput
 from minillm.scheduler.output import SchedulerOutput, SchedulerOutputBuilder
 from minillm.worker.model_runner import WorkerStats
 
 STARTUP_TIMEOUT_S = 180.0  # spawn, import torch, join the group, load the shard (on 2 shared cores)
 STOP_TIMEOUT_S = 10.0
+POLL_S = 0.5  # a multi-node world: how often a wait reads the store for a node's dead ranks
 
 
-def _stop_processes(processes: list, conns: list, folder: str, polite: bool) -> None:
-    """Ask each rank to stop (if `polite`), join it, kill what is still alive; close pipes, remove the folder.
-    A module-level function: `weakref.finalize` must not hold the executor itself."""
+def _rank_entry(rank: int, spec: WorkerSpec, conn, inherited: list) -> None:
+    """A rank's target: a forked rank first closes the driver's pipe ends it inherited (its own and the
+    earlier ranks'), else a dead driver's pipes would stay open and no rank would notice."""
+    for other in inherited:
+        other.close()
+    rank_main(rank, spec, conn)
+
+
+def _stop_processes(processes: list, conns: list, folder: str, polite: bool, stores: list) -> None:
+    """Ask each rank to stop (if `polite`), join it, kill what is still alive; close pipes, remove the folder,
+    drop the world's TCPStore (its port closes). A module-level function: `weakref.finalize` must not hold the
+    executor itself."""
     if polite:
         for conn in conns:
             try:
@@ -71,38 +91,77 @@ def _stop_processes(processes: list, conns: list, folder: str, polite: bool) -> 
     for conn in conns:
         conn.close()
     shutil.rmtree(folder, ignore_errors=True)
+    stores.clear()
 
 
 class MultiprocExecutor(WorkerExecutor):
-    def __init__(self, kv, spec_kwargs: dict, tp: int, pp: int, timeout_s: float) -> None:
+    def __init__(self, kv, spec_kwargs: dict, tp: int, pp: int, timeout_s: float, rendezvous=None) -> None:
         """`kv`: the driver's KV manager (its block tables are what plans describe); `spec_kwargs`: the
-        `WorkerSpec` fields but tp, pp, init_file and timeout_s."""
+        `WorkerSpec` fields but tp, pp, init_file, timeout_s and rendezvous; `rendezvous`: a
+        `minillm.distributed.nodes.NodeRendezvous` for a world across nodes (None: this machine only)."""
         self.tp, self.pp, self.world_size = tp, pp, tp * pp
         self.timeout_s = timeout_s
         self.plans = SchedulerOutputBuilder(kv)
         self.output_rank = output_rank(tp, pp)
         self.dead: str | None = None  # why, once a rank failed
         self.num_steps = 0
-        ctx = mp.get_context("spawn")
+        self.rendezvous = rendezvous
+        self.placement: dict[int, dict] = {}  # a multi-node world: rank -> {"node", "host", "pid"} as it joined
+        nnodes = rendezvous.nnodes if rendezvous is not None else 1
+        self.num_local = self.world_size // nnodes  # ranks 0 .. num_local-1 run here, the rest on other nodes
+        self.start_method = choose_start_method()
+        check_main_guard(self.start_method)  # before any process: a spawned rank would re-run an unguarded script
+        log_start_method(self.start_method, f"minillm: {self.num_local} rank(s)")
+        ctx = mp.get_context(self.start_method.name)
         self._folder = tempfile.mkdtemp(prefix="minillm-mp-")
         spec = WorkerSpec(tp=tp, pp=pp, init_file=os.path.join(self._folder, "store"), timeout_s=timeout_s,
-                          **spec_kwargs)
-        self.processes, self.conns = [], []
-        self._finalizer = weakref.finalize(self, _stop_processes, self.processes, self.conns, self._folder, True)
+                          rendezvous=rendezvous, **spec_kwargs)
+        self.processes, self.conns, self._stores = [], [], []
+        self._finalizer = weakref.finalize(self, _stop_processes, self.processes, self.conns, self._folder, True,
+                                           self._stores)
+        forked = self.start_method.name == "fork"
         try:
-            for rank in range(self.world_size):
+            for rank in range(self.num_local):
                 driver_end, rank_end = ctx.Pipe(duplex=True)
-                process = ctx.Process(target=rank_main, args=(rank, spec, rank_end), daemon=True,
+                inherited = [*self.conns, driver_end] if forked else []
+                process = ctx.Process(target=_rank_entry, args=(rank, spec, rank_end, inherited), daemon=True,
                                       name=f"minillm-rank-{rank}")
                 process.start()
                 rank_end.close()
                 self.processes.append(process)
                 self.conns.append(driver_end)
+            if rendezvous is not None:  # after the forks: no rank inherits the store's listening socket
+                self._open_world(spec)
             self.rank_info = self._gather("start-up", STARTUP_TIMEOUT_S)
         except BaseException:
             self._finalizer.detach()
-            _stop_processes(self.processes, self.conns, self._folder, polite=False)
+            _stop_processes(self.processes, self.conns, self._folder, False, self._stores)
             raise
+
+    def _open_world(self, spec: WorkerSpec) -> None:
+        """Host the world's TCPStore, publish the ranks' spec, wait for every node's ranks to join."""
+        from minillm.distributed import nodes
+
+        rendezvous = self.rendezvous
+        try:
+            store = nodes.open_store(rendezvous, is_master=True)
+        except RuntimeError as error:
+            raise nodes.NodeJoinError(f"the head cannot host the world's rendezvous at {rendezvous.address} "
+                                f"(master_port in use?): {error}") from None
+        self._stores.append(store)
+        store.set(nodes.SPEC_KEY, pickle.dumps(spec))
+        deadline = time.monotonic() + rendezvous.join_timeout_s
+        while True:
+            joined = nodes.joined_ranks(store, self.world_size)
+            self.placement = joined
+            missing = [r for r in range(self.world_size) if r not in joined]
+            if not missing:
+                return
+            local = wait([p.sentinel for p in self.processes] + self.conns, timeout=0.2)
+            if local:  # a local rank failed (or answered) early: the start-up gather says which
+                return
+            if time.monotonic() > deadline:
+                raise nodes.NodeJoinError(nodes.missing_nodes_message(missing, self.world_size, rendezvous))
 
     @property
     def pids(self) -> list[int]:
@@ -159,12 +218,18 @@ class MultiprocExecutor(WorkerExecutor):
         sentinel_of = {p.sentinel: rank for rank, p in enumerate(self.processes)}
         deadline = time.monotonic() + timeout_s
         while len(answers) < self.world_size:
-            pending = [r for r in range(self.world_size) if r not in answers]
+            pending = [r for r in range(self.num_local) if r not in answers]
             watched = [self.conns[r] for r in pending if r not in closed] + [self.processes[r].sentinel for r in pending]
-            ready = wait(watched, timeout=max(0.0, deadline - time.monotonic()))
+            wait_s = max(0.0, deadline - time.monotonic())
+            ready = wait(watched, timeout=wait_s if self.rendezvous is None else min(wait_s, POLL_S))
+            if self.rendezvous is not None:
+                self._check_remote(what)
+                if not ready and time.monotonic() < deadline:
+                    continue
             if not ready:
-                pids = [self.processes[r].pid for r in pending]
-                self._fail(f"rank(s) {pending} (pid {pids}) did not answer {what} within {timeout_s:g} s "
+                pending = [r for r in range(self.world_size) if r not in answers]
+                pids = [self.processes[r].pid for r in pending if r < self.num_local]
+                self._fail(f"rank(s) {pending} (local pid {pids}) did not answer {what} within {timeout_s:g} s "
                            "(execute_model_timeout_s): a hung worker")
             conns_first = sorted(ready, key=lambda obj: obj not in rank_of)  # read answers before deaths
             for obj in conns_first:
@@ -175,10 +240,17 @@ class MultiprocExecutor(WorkerExecutor):
                     except (EOFError, OSError):
                         closed.add(rank)  # its end closed: the sentinel says how it ended
                         continue
-                    if payload[0] == "error":
-                        self._fail(f"rank {rank} (pid {self.processes[rank].pid}) failed in {what}: {payload[1]}\n"
-                                   f"{payload[2]}")
+                    if payload[0] == "error":  # a collective's error on one rank is most often another's death:
+                        dead = self._exited_rank(wait_s=1.0)  # name that first (its sentinel may lag the answer)
+                        self._fail(f"{dead + '; ' if dead else ''}rank {rank} (pid {self.processes[rank].pid}) failed "
+                                   f"in {what}: {payload[1]}\n{payload[2]}")
                     answers[rank] = payload[1]
+                    if payload[0] == "relayed":  # rank 0 of a multi-node world: the other nodes' answers too
+                        for remote, reply in payload[2].items():
+                            if reply[0] == "error":
+                                self._fail(f"rank {remote} (on node {self._node_of(remote)}) failed in {what}: "
+                                           f"{reply[1]}\n{reply[2]}")
+                            answers[remote] = reply[1]
                 else:
                     rank = sentinel_of[obj]
                     if rank in answers:
@@ -189,6 +261,28 @@ class MultiprocExecutor(WorkerExecutor):
                     self._fail(f"rank {rank} (pid {self.processes[rank].pid}) died during {what} "
                                f"(exit code {self.processes[rank].exitcode})")
         return [answers[r] for r in range(self.world_size)]
+
+    def _node_of(self, rank: int) -> int:
+        return rank // self.num_local
+
+    def _remote_failures(self) -> str | None:
+        """What a headless node reported about its dead ranks, said in words; None if nothing."""
+        from minillm.distributed.nodes import failed_ranks
+
+        if self.rendezvous is None or not self._stores:
+            return None
+        try:
+            failed = failed_ranks(self._stores[0], range(self.num_local, self.world_size))
+        except RuntimeError:
+            return None
+        if not failed:
+            return None
+        return "; ".join(f"rank {rank} on node {self._node_of(rank)}: {why}" for rank, why in sorted(failed.items()))
+
+    def _check_remote(self, what: str) -> None:
+        failed = self._remote_failures()
+        if failed is not None:
+            self._fail(f"a node lost its rank(s) during {what}: {failed}")
 
     def _fail(self, why: str) -> None:
         self.dead = why
@@ -201,13 +295,13 @@ class MultiprocExecutor(WorkerExecutor):
         it, the server's /health does); the engine's thread stops the processes at its next step."""
         if self.dead is not None:
             raise EngineDeadError(f"a distributed worker failed, the engine cannot continue: {self.dead}")
-        exited = self._exited_rank()
+        exited = self._exited_rank() or self._remote_failures()
         if exited is not None:
             raise EngineDeadError(f"a distributed worker failed: {exited}")
 
-    def _exited_rank(self) -> str | None:
-        """The first rank whose process has ended, said in words; None while all run."""
-        exited = wait([p.sentinel for p in self.processes], timeout=0)  # a sentinel is ready once its process ended
+    def _exited_rank(self, wait_s: float = 0.0) -> str | None:
+        """The first rank whose process has ended (within `wait_s`), said in words; None while all run."""
+        exited = wait([p.sentinel for p in self.processes], timeout=wait_s)  # ready once its process ended
         for rank, process in enumerate(self.processes):
             if process.sentinel in exited:
                 return f"rank {rank} (pid {process.pid}) is no longer running (exit code {process.exitcode})"
@@ -216,6 +310,6 @@ class MultiprocExecutor(WorkerExecutor):
     def shutdown(self, polite: bool = True) -> None:
         """Stop and join every rank (idempotent)."""
         if self._finalizer.detach() is not None:
-            _stop_processes(self.processes, self.conns, self._folder, polite and self.dead is None)
+            _stop_processes(self.processes, self.conns, self._folder, polite and self.dead is None, self._stores)
         if self.dead is None:
             self.dead = "the executor was shut down"

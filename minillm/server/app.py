@@ -2,7 +2,7 @@
 
     POST /v1/completions        text or token-id prompts (one, or a batch), n samples each
     POST /v1/chat/completions   messages rendered with the tokenizer's chat template
-    GET  /v1/models             the one model served
+    GET  /v1/models             the model, once per name it is served under (the first is the one answers carry)
     GET  /health                200 while the engine thread (and its worker processes) are alive, else 503
     GET  /metrics               Prometheus text format, vLLM V1's metric names
 
@@ -23,6 +23,7 @@ import json
 import secrets
 import time
 import uuid
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -48,11 +49,18 @@ from minillm.server.protocol import ChatCompletionRequest, CompletionRequest, Sa
 RETRY_AFTER_S = 1
 
 
-def create_app(llm, *, served_model_name: str = "minillm", api_key: str | None = None,
+def create_app(llm, *, served_model_name: str | Sequence[str] = "minillm", api_key: str | None = None,
                max_num_queued_reqs: int | None = None) -> FastAPI:
-    """The app over an `LLM` (its engine runs on a thread the app starts and stops with itself)."""
+    """The app over an `LLM` (its engine runs on a thread the app starts and stops with itself).
+
+    `served_model_name`: the name, or names, a request's `model` may give (vLLM's `--served-model-name`);
+    answers carry the first.
+    """
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"served_model_name must be a non-empty name or list of names, got {served_model_name!r}")
     client = EngineClient(llm, max_num_queued_reqs)
-    server = _Server(llm, client, served_model_name)
+    server = _Server(llm, client, names)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -88,8 +96,9 @@ def create_app(llm, *, served_model_name: str = "minillm", api_key: str | None =
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
-            "id": served_model_name, "object": "model", "created": server.created, "owned_by": "minillm",
-            "root": served_model_name, "parent": None, "max_model_len": server.max_model_len}]}
+            "id": name, "object": "model", "created": server.created, "owned_by": "minillm",
+            "root": server.model_name, "parent": None, "max_model_len": server.max_model_len}
+            for name in server.model_names]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -135,8 +144,10 @@ def _error_status(error: str) -> int:
 class _Server:
     """The route logic: validation beyond the schema, fan-in of choices, OpenAI's JSON shapes."""
 
-    def __init__(self, llm, client: EngineClient, model_name: str) -> None:
-        self.llm, self.client, self.model_name = llm, client, model_name
+    def __init__(self, llm, client: EngineClient, model_names: list[str]) -> None:
+        self.llm, self.client = llm, client
+        self.model_names = list(dict.fromkeys(model_names))  # accepted in a request's `model`
+        self.model_name = self.model_names[0]  # what answers and the start-up line report (vLLM: the first)
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.engine.config.max_model_len
         self.vocab_size = llm.model_config.vocab_size
@@ -146,9 +157,11 @@ class _Server:
 
     # ---- shared checks ---------------------------------------------------------------------------
     def _check_model(self, body: SamplingFields) -> None:
-        if body.model is not None and body.model != self.model_name:
-            raise APIError(404, f"The model `{body.model}` does not exist; this server serves "
-                                f"`{self.model_name}` (GET /v1/models)", "model")
+        if body.model is not None and body.model not in self.model_names:
+            accepted = ", ".join(f"`{n}`" for n in self.model_names)
+            raise APIError(404, f"The model `{body.model}` does not exist; this server serves one model, under the "
+                                f"name(s) {accepted} (GET /v1/models lists them; `minillm serve "
+                                f"--served-model-name NAME ...` chooses them)", "model")
 
     def _max_tokens(self, requested: int | None, prompt_lens: list[int], field: str) -> int:
         """max_tokens, checked against max_model_len for the longest prompt (vLLM's message)."""

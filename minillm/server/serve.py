@@ -4,6 +4,9 @@
     minillm serve models/minillm-target --port 8001 --max-num-seqs 16 --enable-prefix-caching
     minillm serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
     minillm serve --tensor-parallel-size 2 --pipeline-parallel-size 2   # 4 worker processes (chapter 12)
+    minillm serve --tensor-parallel-size 2 --pipeline-parallel-size 2 --nnodes 2 --node-rank 0 --master-addr HEAD
+    minillm serve --tensor-parallel-size 2 --pipeline-parallel-size 2 --nnodes 2 --node-rank 1 --master-addr HEAD \
+        --headless                                 # the same world's ranks 2-3 on a second machine (docs/multinode.md)
     MINILLM_API_KEY=secret minillm serve           # or --api-key secret: /v1/* then needs the key
 
 It binds 127.0.0.1 unless `--host` says otherwise (a toy server should not face a network by
@@ -20,6 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import sys
+from pathlib import Path
 
 # Engine flags: (flag, EngineConfig name, type, help). The names are vLLM's engine arguments.
 ENGINE_FLAGS = [
@@ -45,6 +51,14 @@ ENGINE_FLAGS = [
     ("--tensor-parallel-size", "tensor_parallel_size", int, "ranks that split each layer (Megatron TP), one process each"),
     ("--pipeline-parallel-size", "pipeline_parallel_size", int, "stages that split the layers (PP), tp processes each"),
     ("--distributed-executor-backend", "distributed_executor_backend", str, "uni (one process) or mp (one per rank)"),
+    # A world across nodes (issue 28, docs/multinode.md); node 0 serves, `--node-rank N --headless` only runs ranks
+    ("--nnodes", "nnodes", int, "nodes the tp × pp ranks are spread over (TP inside a node, PP across)"),
+    ("--node-rank", "node_rank", int, "this node's number, 0 .. nnodes-1 (0: the engine and the API server)"),
+    ("--master-addr", "master_addr", str, "the head node's address, where the world's TCPStore listens"),
+    ("--master-port", "master_port", int, "the TCPStore's port on the head (default 29500)"),
+    ("--node-join-timeout-s", "node_join_timeout_s", float, "seconds start-up waits for every node (default 60)"),
+    ("--num-threads", "num_threads", int, "torch threads per step (default: by the step's size and dtype, "
+     "minillm/worker/threads.py)"),
 ]
 
 
@@ -53,7 +67,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="same as the positional model")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: minillm)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the name(s) a request's `model` may give; answers and /v1/models report the first "
+                        "(default: the model argument as typed, its directory's name and 'minillm'; "
+                        "with no model argument 'minillm' and 'minillm-target')")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (or MINILLM_API_KEY)")
     p.add_argument("--max-num-queued-reqs", type=int, default=None,
                    help="most requests held (waiting + running); beyond it 503 + Retry-After")
@@ -72,6 +89,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd-disaggregation", action="store_true",
                    help="start a prefill and a decode instance (processes, KV over torch.distributed) behind a "
                         "PD router on --port")
+    p.add_argument("--headless", action="store_true",
+                   help="with --nnodes N --node-rank R >= 1: run only this node's ranks (no engine, no API server)")
     p.add_argument("--uvicorn-log-level", default="warning")
 
 
@@ -87,6 +106,26 @@ def engine_knobs(args: argparse.Namespace) -> dict:
             raise ValueError(f"--speculative-config must be JSON, e.g. "
                              f"'{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}': {err}") from None
     return {k: v for k, v in knobs.items() if v is not None}
+
+
+def served_model_names(args: argparse.Namespace) -> list[str]:
+    """The names the API accepts for the model, the reported one first.
+
+    Given `--served-model-name`, exactly those (vLLM). Otherwise vLLM's default, the model argument as
+    typed, comes first, so a client may send what started the server; its directory's name (what a
+    reader sees in models/) and `minillm` (the name every chapter, exercise and page uses) stay
+    accepted. With no model argument nothing was typed: `minillm` comes first, as it always did, and
+    the bundled model's directory name `minillm-target` is accepted too.
+    """
+    if args.served_model_name:
+        return list(dict.fromkeys(args.served_model_name))
+    model = args.model or args.model_tag
+    if model is None:
+        from minillm.llm import BUNDLED_TARGET
+
+        return ["minillm", BUNDLED_TARGET.name]
+    directory_name = Path(model).name or Path(model).resolve().name
+    return list(dict.fromkeys([model, directory_name, "minillm"]))
 
 
 def build_app(args: argparse.Namespace):
@@ -112,16 +151,47 @@ def build_app(args: argparse.Namespace):
     if llm.engine.warm_up_report is not None:
         print(f"minillm serve: {llm.engine.warm_up_report}", flush=True)
     api_key = args.api_key or os.environ.get("MINILLM_API_KEY") or None
-    name = args.served_model_name or "minillm"
-    return create_app(llm, served_model_name=name, api_key=api_key, max_num_queued_reqs=args.max_num_queued_reqs)
+    return create_app(llm, served_model_name=served_model_names(args), api_key=api_key,
+                      max_num_queued_reqs=args.max_num_queued_reqs)
+
+
+def run_headless_node(args: argparse.Namespace) -> int:
+    """`--headless` (or `--node-rank` >= 1): this node's ranks of a world whose engine runs on node 0."""
+    from minillm.config import EngineConfig
+    from minillm.distributed.headless import run_headless
+    from minillm.distributed.nodes import NodeRendezvous
+    from minillm.llm import BUNDLED_TARGET
+
+    knobs = engine_knobs(args)
+    config = EngineConfig(**{k: knobs[k] for k in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes",
+                                                   "master_addr", "master_port", "node_join_timeout_s") if k in knobs})
+    model_dir = Path(args.model or args.model_tag or BUNDLED_TARGET)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory {model_dir} does not exist on this node (every node needs the model)")
+    rendezvous = NodeRendezvous(config.nnodes, config.master_addr, config.master_port, config.node_join_timeout_s)
+    return run_headless(model_dir, config.tensor_parallel_size, config.pipeline_parallel_size, rendezvous,
+                        knobs.get("node_rank", 0))
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    if args.headless or (args.node_rank or 0) >= 1:
+        if not args.headless:
+            print("minillm serve: --node-rank >= 1 runs headless (this node's ranks only, no API server)", flush=True)
+        if not (args.node_rank or 0) >= 1:
+            raise ValueError("--headless runs a node other than the head: give --nnodes N --node-rank R with R >= 1")
+        return run_headless_node(args)
+
     app = build_app(args)
-    print(f"minillm serve: http://{args.host}:{args.port}/v1 (model {app.state.server.model_name}, "
-          f"max_model_len={app.state.server.max_model_len})", flush=True)
+    server = app.state.server
+    aliases = f"; also answers to {', '.join(server.model_names[1:])}" if len(server.model_names) > 1 else ""
+    print(f"minillm serve: http://{args.host}:{args.port}/v1 (model {server.model_name}{aliases}, "
+          f"max_model_len={server.max_model_len})", flush=True)
+    # uvicorn shuts down gracefully on SIGTERM and then raises the signal again under the handler it found: with
+    # Python's default that kills the process before `finally` could stop the ranks (on several nodes the others'
+    # ranks would see a broken world instead of "stop"). With this handler the re-raised signal exits through it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     finally:

@@ -23,18 +23,22 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from minillm.attention.evicting import EvictingAttention
 from minillm.attention.metadata import AttentionMetadata, StepLayout
 from minillm.attention.padded import PaddedAttention, PaddedBatchCache
 from minillm.attention.registry import backend_class
 from minillm.attention.select import resolve_backend
 from minillm.kv.base import KVCacheSpec
+from minillm.kv.eviction import EvictionTracker, KVEvictionConfig
 from minillm.kv_transfer.base import KVConnectorBase, KVConnectorOutput
+from minillm.model.decode_step import CompiledDecode
 from minillm.model.llama import LlamaModel
 from minillm.sampling import sample, sampled_logprobs
 from minillm.scheduler.base import ModelRunnerOutput
 from minillm.scheduler.output import SchedulerOutput
 from minillm.spec.rejection import rejection_sample
 from minillm.worker.input_batch import InputBatch
+from minillm.worker.threads import StepThreads
 
 
 @dataclass(frozen=True)
@@ -68,11 +72,15 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, cache_spec: KVCacheSpec, attention_backend: str = "auto",
-                 kv_connector: KVConnectorBase | None = None) -> None:
+                 kv_connector: KVConnectorBase | None = None, num_threads: int | None = None,
+                 kv_eviction: KVEvictionConfig | None = None) -> None:
         """`kv_connector`: a KV connector's worker side (minillm.kv_transfer), which loads remote K/V into
-        this worker's blocks when the plan's `kv_connector_metadata` says so."""
+        this worker's blocks when the plan's `kv_connector_metadata` says so. `num_threads`: torch
+        threads for every step, or None for the step's rule (minillm/worker/threads.py). `kv_eviction`:
+        decode attends to a per-sequence budget of tokens (chapter 14; the torch backend, `EvictingAttention`)."""
         self.model = model
         self.cache_spec = cache_spec
+        self.threads = StepThreads(model.dtype, num_threads)  # torch threads per step, by its size
         self.attention_backend = resolve_backend(attention_backend, model.device, cache_spec.dtype)
         self.backend = backend_class(self.attention_backend)  # builds its metadata, then runs each layer
         # a quantized pool (chapter 14): the backend is told how to read it (a backend without the keyword refuses)
@@ -84,6 +92,7 @@ class ModelRunner:
             # (a quantized kv_cache_dtype stores bytes: each (token, head) row its codes and scale)
             self.k_pool = torch.zeros(cache_spec.shape, dtype=cache_spec.storage_dtype, device=model.device)
             self.v_pool = torch.zeros(cache_spec.shape, dtype=cache_spec.storage_dtype, device=model.device)
+        self._pools_by_block: list | None = None  # the pools seen as [L, blocks, block] (`_zero_blocks`)
         self.padded_cache: PaddedBatchCache | None = None  # static/dynamic batching's rectangle
         # host K, V, number of blocks: per swapped-out request, and per host block of the prefix cache's
         # offload tier (its pseudo request id, minillm.kv.offload.host_block_id: never planned, never finished)
@@ -95,6 +104,15 @@ class ModelRunner:
         self.kv_connector = kv_connector
         if kv_connector is not None:
             kv_connector.register_kv_caches(self.k_pool, self.v_pool, self.block_size)
+        # Small decode steps as one compiled call over reused buffers, where that is exact
+        # (minillm/model/decode_step.py); why not, when it is not.
+        self.compiled_decode: CompiledDecode | None = None
+        self.compiled_decode_off = CompiledDecode.supported(model, self.k_pool, self.attention_backend)
+        if self.compiled_decode_off is None:
+            self.compiled_decode = CompiledDecode(model, self.k_pool, self.v_pool, self.block_size)
+        self.eviction = None if kv_eviction is None else EvictionTracker(kv_eviction)
+        if self.eviction is not None and self.attention_backend != "torch":
+            raise ValueError(f"kv_eviction needs the torch attention backend, not {self.attention_backend!r}")
 
     def stats(self, reset: bool = False) -> WorkerStats:
         """The counters since start (or the last reset); `reset` zeroes them after reading."""
@@ -110,6 +128,8 @@ class ModelRunner:
         then load remote K/V (a KV connector's); returns what the connector loaded, if anything."""
         for rid in plan.finished_req_ids:
             self.swapped.pop(rid, None)
+            if self.eviction is not None:
+                self.eviction.forget(rid)
         if self.swapped:  # a host copy is dropped once its request runs without needing it
             swapping_in = {rid for rid, _ in plan.blocks_to_swap_in}
             for rid in plan.req_ids:
@@ -127,14 +147,19 @@ class ModelRunner:
         return None
 
     def _zero_blocks(self, blocks: list[int]) -> None:
-        """Zero the K and V of `blocks` in every layer (on a CPU through numpy views: a few µs,
-        where torch's index_fill_ cost ~50 µs a step at batch 64)."""
-        for pool in (self.k_pool, self.v_pool):
-            by_block = (pool.shape[0], -1, self.block_size * pool.shape[2] * pool.shape[3])  # [L, blocks, block]
-            if pool.device.type == "cpu" and pool.dtype in (torch.float32, torch.float64, torch.uint8):  # (no bf16)
-                pool.numpy().reshape(by_block)[:, blocks] = 0
+        """Zero the K and V of `blocks` in every layer (on a CPU through numpy views of the pools,
+        made once: a few µs and no torch op, where torch's index_fill_ cost ~50 µs a step at batch 64)."""
+        if self._pools_by_block is None:
+            numpy_ok = self.k_pool.device.type == "cpu" and self.k_pool.dtype in (
+                torch.float32, torch.float64, torch.uint8)  # (numpy has no bf16)
+            self._pools_by_block = [(pool.numpy() if numpy_ok else pool).reshape(
+                pool.shape[0], -1, self.block_size * pool.shape[2] * pool.shape[3])  # [L, blocks, block]
+                for pool in (self.k_pool, self.v_pool)]
+        for pool in self._pools_by_block:
+            if isinstance(pool, np.ndarray):
+                pool[:, blocks] = 0
             else:
-                pool.view(by_block).index_fill_(1, torch.tensor(blocks, dtype=torch.long, device=pool.device), 0)
+                pool.index_fill_(1, torch.tensor(blocks, dtype=torch.long, device=pool.device), 0)
 
     def _block_slots(self, blocks: list[int]) -> torch.Tensor:
         bs, device = self.block_size, self.k_pool.device
@@ -208,11 +233,24 @@ class ModelRunner:
         """Run one step; per plan row, the token ids it sampled (and their logprobs)."""
         loaded = self.update_state(plan)
         batch = self.input_batch
-        if plan.padded is not None:
+        compiled = self.compiled_decode
+        rows = None if compiled is None or len(plan.req_ids) > compiled.max_rows else compiled.rows_of(plan, batch)
+        if rows is not None:  # a small decode step: one compiled call, every row samples
+            logits, logits_np = self._run_compiled(plan, rows)
+            if not (batch.num_random or batch.num_penalized or batch.num_min_tokens or batch.num_logprobs):
+                # every known request greedy and plain: `sample` would be this argmax (the first
+                # largest logit), here without a tensor op
+                return ModelRunnerOutput([[t] for t in logits_np.argmax(axis=-1).tolist()], None, None, loaded)
+            sampled, expert_load = range(len(rows)), None
+        elif plan.padded is not None:
+            if self.threads.per_step:
+                self.threads.apply(len(plan.padded.row_req_ids) * plan.padded.width)
             logits, expert_load = self.compute_padded_logits(plan)
             sampled = [i for i in range(len(plan.req_ids))]
             rows = batch.rows_of(plan.req_ids)
         else:
+            if self.threads.per_step:
+                self.threads.apply(plan.num_tokens)
             logits, inputs = self.compute_logits(plan)
             sampled, rows = inputs.sampled, inputs.sampled_rows  # (prepare looked the rows up)
             expert_load = inputs.expert_load
@@ -294,12 +332,38 @@ class ModelRunner:
         self.model_time_s += time.perf_counter() - start
         return logits, forward.expert_load
 
+    def _run_compiled(self, plan: SchedulerOutput, rows: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        """The compiled decode step (minillm/model/decode_step.py) on `rows`: its logits buffer, as a
+        tensor and as numpy; the runner's counters kept as the op-by-op step keeps them."""
+        starts = np.asarray(plan.num_computed_tokens, dtype=np.int64)
+        start = time.perf_counter()
+        logits, logits_np = self.compiled_decode.run(rows, starts, self.input_batch)
+        self.model_time_s += time.perf_counter() - start
+        keys = int(starts.sum()) + len(rows)
+        self.keys_read += keys
+        self.keys_exist += keys
+        return logits, logits_np
+
     def compute_logits(self, plan: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
         """Run the model on a step whose diffs were applied; logits [N, vocab] of the sampled rows
-        (plan order, 1+k per speculative row) and the step's inputs."""
+        (plan order, 1+k per speculative row) and the step's inputs. A step the compiled decode
+        can run (the draft model's one-token passes, chapter 09) runs compiled: its logits are a
+        copy of the buffer, and its inputs hold no tensors (none were built)."""
+        compiled = self.compiled_decode
+        if compiled is not None and len(plan.req_ids) <= compiled.max_rows:
+            rows = compiled.rows_of(plan, self.input_batch)
+            if rows is not None:
+                n = len(rows)
+                every = list(range(n))
+                return self._run_compiled(plan, rows)[0].clone(), StepInputs(
+                    None, None, None, every, every, every, [(j, 1) for j in every], rows)
         inputs = self.prepare(plan)
-        attention = self.backend(self.k_pool, self.v_pool, inputs.meta, self.model.config.sliding_windows,
-                                 **self.quantized_kv)
+        if self.eviction is None:
+            attention = self.backend(self.k_pool, self.v_pool, inputs.meta, self.model.config.sliding_windows,
+                                     **self.quantized_kv)
+        else:
+            attention = EvictingAttention(self.k_pool, self.v_pool, inputs.meta, self.model.config.sliding_windows,
+                                          self.eviction, [plan.req_ids[i] for i in inputs.order], **self.quantized_kv)
         rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=inputs.input_ids.device)
         start = time.perf_counter()
         forward = self.model.forward(inputs.input_ids, inputs.positions, attention, output_rows=rows)

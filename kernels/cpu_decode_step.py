@@ -1,0 +1,109 @@
+"""A whole decode step of a dense Llama-family model in one compiled CPU call (numba @njit; chapter 10).
+
+`decode_forward(...)` computes what `LlamaModel.forward` + `compute_logits` compute with
+`FusedOps` (minillm/model/fused.py, the reference) for B rows that each bring one new token after a
+cached context — the embedding row, per layer RMSNorm, q|k|v, RoPE, the K/V write into the paged
+pool, paged decode attention, o, residual + RMSNorm, gate|up, SiLU·mul, down, residual + RMSNorm,
+then the lm_head — and writes the logits [B, vocab] into a buffer the caller keeps. The step's
+layout is computed inside too, from the input batch's own arrays (each row's position, token, K/V
+slot and block-table row), so nothing is built in Python for it.
+
+Why one call: at batch 1 the bundled model's step reads ~16 MB of weights, about a millisecond of
+memory traffic, while the op-by-op forward dispatches ~480 torch ops and 17 numba calls a step
+(counted: `python bench/step_profile.py --batch-sizes 1`), each a few µs of framework work. Here
+every matmul is a matrix-vector product per row, written as `out[b] += x[b, i] · W[i]` over the
+weight's rows (`W` stored [in, out]: the storage the model already keeps, `column_major` in
+llama.py), so each weight is streamed once per step whatever B is, and the inner loop is a plain
+vectorizable multiply-add over `out` with no horizontal sums. The norms, RoPE and attention are
+the same compiled functions the op-by-op path calls (`cpu_fused_ops`, `cpu_decode_attention`).
+
+float32 only: the sums run in another order than MKL's or oneDNN's, so the logits differ from the
+op-by-op forward in the last bits, as `FusedOps`' already do; the engine's test is greedy tokens
+equal (tests/test_decode_step.py). float64 models keep HF's ops, op for op.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from minillm.kernels.cpu_decode_attention import paged_decode_f32
+from minillm.kernels.cpu_fused_ops import add_rms_norm, rms_norm, rotary
+from numba import njit
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def matvec_rows(x, w, out):
+    """out[b] = x[b] @ w for w [in, out] C-contiguous: four weight rows per pass over out[b]."""
+    rows, n_in = x.shape
+    n_out = w.shape[1]
+    for b in range(rows):
+        ob = out[b]
+        for o in range(n_out):
+            ob[o] = 0.0
+    i = 0
+    while i + 4 <= n_in:
+        w0, w1, w2, w3 = w[i], w[i + 1], w[i + 2], w[i + 3]
+        for b in range(rows):
+            x0, x1, x2, x3 = x[b, i], x[b, i + 1], x[b, i + 2], x[b, i + 3]
+            ob = out[b]
+            for o in range(n_out):
+                ob[o] += x0 * w0[o] + x1 * w1[o] + x2 * w2[o] + x3 * w3[o]
+        i += 4
+    while i < n_in:
+        wi = w[i]
+        for b in range(rows):
+            xi = x[b, i]
+            ob = out[b]
+            for o in range(n_out):
+                ob[o] += xi * wi[o]
+        i += 1
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def decode_forward(batch_rows, starts, batch_tokens, batch_tables, block_size,
+                   embed, input_norms, post_norms, final_norm, qkv_w, o_w, gate_up_w, down_w, lm_head_w,
+                   cos, sin, k_blocks, v_blocks, num_heads, num_kv_heads, eps,
+                   positions, seq_lens, h, x, qkv, attn, delta, gate_up, act, logits):
+    """One decode step for rows b = 0 … B-1 (input-batch row `batch_rows[b]`, its new token at
+    position `starts[b]`). Weights: per layer stacked [L, in, out]; norms [L, hidden]; the pools
+    [L, num_blocks, block_size, H_kv, D]. The last eight arguments are the caller's buffers
+    (`positions` int64 [B], `seq_lens` int32 [B], then float32 [B, ·]); `logits` [B, vocab] is the output."""
+    num_rows = batch_rows.shape[0]
+    num_layers = qkv_w.shape[0]
+    dim = cos.shape[1]
+    intermediate = act.shape[1]
+    scale = np.float32(1.0 / math.sqrt(dim))
+    for b in range(num_rows):
+        pos = starts[b]
+        positions[b] = pos
+        seq_lens[b] = pos + 1
+        token = batch_tokens[batch_rows[b], pos]
+        for j in range(h.shape[1]):
+            h[b, j] = embed[token, j]
+    rms_norm(h, input_norms[0], eps, x)
+    heads = qkv.reshape(num_rows, num_heads + 2 * num_kv_heads, dim)
+    queries = attn.reshape(num_rows, num_heads, dim)
+    for layer in range(num_layers):
+        matvec_rows(x, qkv_w[layer], qkv)
+        rotary(heads, num_heads + num_kv_heads, positions, cos, sin)  # q and k, in place
+        kb, vb = k_blocks[layer], v_blocks[layer]
+        for b in range(num_rows):  # this step's K/V into the pool, then attention over the whole row
+            row, pos = batch_rows[b], positions[b]
+            block, offset = batch_tables[row, pos // block_size], pos % block_size
+            for kvh in range(num_kv_heads):
+                for d in range(dim):
+                    kb[block, offset, kvh, d] = heads[b, num_heads + kvh, d]
+                    vb[block, offset, kvh, d] = heads[b, num_heads + num_kv_heads + kvh, d]
+            paged_decode_f32(heads[b : b + 1, :num_heads], kb, vb, batch_tables[row : row + 1], seq_lens[b : b + 1],
+                             scale, 0, queries[b : b + 1])
+        matvec_rows(attn, o_w[layer], delta)
+        add_rms_norm(h, delta, post_norms[layer], eps, x)
+        matvec_rows(x, gate_up_w[layer], gate_up)
+        for b in range(num_rows):  # SiLU(gate) · up
+            for j in range(intermediate):
+                g = gate_up[b, j]
+                act[b, j] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[b, intermediate + j]
+        matvec_rows(act, down_w[layer], delta)
+        add_rms_norm(h, delta, input_norms[layer + 1] if layer + 1 < num_layers else final_norm, eps, x)
+    matvec_rows(x, lm_head_w, logits)

@@ -1,0 +1,162 @@
+"""The compiled decode step: a CPU's analogue of a captured CUDA graph (chapters 04 and 10).
+
+On a GPU, vLLM captures the decode forward once per batch size as a CUDA graph: the inputs, the
+attention metadata and every intermediate tensor live in buffers fixed at capture, and a step only
+writes the new inputs into them and replays the graph — one launch instead of hundreds. On a CPU
+the cost being cut is the same one (per-op dispatch, tensor creation, Python between the ops,
+not arithmetic), and `CompiledDecode` cuts it the same way: for a step of 1 … `max_rows` decode
+rows it keeps one set of buffers per batch size, made on first use and reused by every later step
+of that size, and runs the whole forward (embedding → layers → lm_head, the step's positions,
+slots and K/V writes included) as one compiled call, `kernels/cpu_decode_step.py`. Nothing is
+rebuilt per step: no layout pass, no attention metadata, no tensors — the kernel reads each row's
+position, token and block-table row straight from the worker's input batch.
+
+Why numba and not torch.compile or a C++ extension: the repository already compiles its CPU kernels
+with numba (`cache=True`: compiled once per machine, nothing to build at install time), the norms,
+RoPE and attention it needs are those kernels, called from the compiled step without going back
+to Python, and a C++ extension needs a compiler wherever minillm is installed. torch.compile's CPU
+backend (inductor) was tried once with a scratch script on the same decode step at batch 1 (the
+bundled model, a static 512-slot cache so that one graph serves every position): its step still
+makes 288 Python calls (guards, the generated wrapper) against 6 for this one, took minutes to
+compile on the course's VM, and ran 2.6–5.0× slower than this step in seven interleaved rounds —
+no faster than eager torch there (2.4–4.4×).
+
+Where it is taken (`CompiledDecode.supported`, then `rows_of` per step): a float32 dense
+Llama-family model on a CPU in one process running the fused ops (float64 keeps HF's ops, op for op:
+the parity tests' path), no biases, no per-head q/k norms, no sliding windows, the `numba_cpu`
+attention backend on a float32 pool; a step whose rows are all decode rows that sample, with no
+speculative guesses, static batch or KV connector. Everything else runs the op-by-op forward.
+
+The weights: the layers' matmul weights are moved into one tensor per kind, [layers, in, out] —
+each layer's weight becomes a view of it, with the same storage order as before (`column_major`
+in llama.py), so the op-by-op forward reads the very same memory and the model holds no copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# Decode steps of this many rows or fewer run compiled: the largest batch at which every interleaved round of
+# `python bench/step_profile.py --batch-sizes 1 2 4 8 12 16 24 --compare` ran the compiled step clearly faster
+# (its matrix-vector loops redo each weight row's arithmetic per row; at 16-24 rows oneDNN's blocked matmuls caught up).
+MAX_ROWS = 8
+_KINDS = ("qkv", "o", "gate_up", "down")
+
+
+@dataclass
+class _Buffers:
+    """One batch size's buffers, reused by every step of that size (a CUDA graph's static tensors)."""
+
+    positions: np.ndarray
+    seq_lens: np.ndarray
+    h: np.ndarray
+    x: np.ndarray
+    qkv: np.ndarray
+    attn: np.ndarray
+    delta: np.ndarray
+    gate_up: np.ndarray
+    act: np.ndarray
+    logits: np.ndarray
+    logits_tensor: torch.Tensor  # the same memory as `logits`, as a tensor (made once)
+
+
+def stack_layer_weights(model) -> dict[str, np.ndarray]:
+    """Each matmul kind's weights as one array [layers, in, out]; the layers' weights become views
+    of it (same values, same storage order). Done once per model; the fused ops' packed copies of the
+    old tensors are dropped (they are re-packed from the views on first use)."""
+    stacked = getattr(model, "_stacked_weights", None)
+    if stacked is not None:
+        return stacked
+    stacked = {}
+    for kind in _KINDS:
+        linears = [getattr(layer, kind) for layer in model.layers]
+        n_out, n_in = linears[0].weight.shape
+        storage = torch.empty(len(linears), n_in, n_out, dtype=model.dtype, device=model.device)
+        for i, linear in enumerate(linears):
+            storage[i].copy_(linear.weight.t())
+            linear.weight = storage[i].t()
+        stacked[kind] = storage.numpy()
+    if model._fused_ops is not None:
+        model._fused_ops.packed.clear()
+    model._stacked_weights = stacked
+    return stacked
+
+
+class CompiledDecode:
+    """Decode steps of 1 … `max_rows` rows as one compiled call over per-batch-size buffers."""
+
+    @staticmethod
+    def supported(model, k_pool: torch.Tensor | None, attention_backend: str) -> str | None:
+        """None if this model and pool can run compiled, else why not (one sentence). The checks run
+        in order and stop at the first that fails (a stand-in model need not have what the later ones read)."""
+        checks = [
+            (lambda: model.dtype != torch.float32, f"the model is {model.dtype}, the compiled step is float32 only"),
+            (lambda: attention_backend != "numba_cpu", f"attention backend {attention_backend!r}, not 'numba_cpu'"),
+            (lambda: k_pool is None or k_pool.dtype != torch.float32, "no float32 paged KV pool"),
+            (lambda: not model.fused_ops, "the forward does not run the fused CPU ops"),
+            (lambda: model.layout.world_size != 1, "a parallel layout"),
+            (lambda: model.embed_tokens is None or model.lm_head is None, "not the whole model"),
+            (lambda: any(layer.moe is not None or layer.gate_up is None for layer in model.layers), "an MoE model"),
+            (lambda: any(layer.q_norm is not None for layer in model.layers), "per-head q/k norms (Qwen3)"),
+            (lambda: any(getattr(layer, kind).bias is not None for layer in model.layers for kind in _KINDS),
+             "biases"),
+            (lambda: any(w is not None for w in model.config.sliding_windows), "sliding-window layers"),
+        ]
+        return next((why for failed, why in checks if failed()), None)
+
+    def __init__(self, model, k_pool: torch.Tensor, v_pool: torch.Tensor, block_size: int,
+                 max_rows: int = MAX_ROWS) -> None:
+        from minillm.kernels.cpu_decode_step import decode_forward
+
+        self.kernel = decode_forward
+        self.max_rows = max_rows
+        self.model, self.block_size = model, block_size
+        c = model.config
+        stacked = stack_layer_weights(model)
+        self.weights = (model.embed_tokens.weight.numpy(),
+                        np.ascontiguousarray(np.stack([layer.input_norm.numpy() for layer in model.layers])),
+                        np.ascontiguousarray(np.stack([layer.post_attention_norm.numpy() for layer in model.layers])),
+                        model.final_norm.contiguous().numpy(),
+                        stacked["qkv"], stacked["o"], stacked["gate_up"], stacked["down"],
+                        model.lm_head.weight.t().numpy())  # (column-major [vocab, hidden]: [hidden, vocab] rows)
+        self.rope = (model.rope.cos.numpy(), model.rope.sin.numpy())
+        shape = (k_pool.shape[0], -1, block_size, *k_pool.shape[2:])
+        self.pools = (k_pool.numpy().reshape(shape), v_pool.numpy().reshape(shape))
+        self.heads = (c.num_heads, c.num_kv_heads, np.float32(c.rms_norm_eps))
+        self.buffers: dict[int, _Buffers] = {}
+
+    def rows_of(self, plan, batch) -> np.ndarray | None:
+        """The input-batch rows of `plan`'s requests if this step can run compiled, else None."""
+        n = len(plan.req_ids)
+        if (not 0 < n <= self.max_rows or not self.model.fused_ops or plan.padded is not None or plan.spec_token_ids
+                or plan.kv_connector_metadata is not None or not all(plan.is_decode) or not all(plan.samples)):
+            return None
+        return batch.rows_of(plan.req_ids)
+
+    def _buffers(self, rows: int) -> _Buffers:
+        buffers = self.buffers.get(rows)
+        if buffers is None:
+            c, f32 = self.model.config, np.float32
+            inter = self.weights[7].shape[1]
+            logits = np.empty((rows, self.weights[8].shape[1]), f32)
+            buffers = self.buffers[rows] = _Buffers(
+                np.empty(rows, np.int64), np.empty(rows, np.int32), np.empty((rows, c.hidden_size), f32),
+                np.empty((rows, c.hidden_size), f32), np.empty((rows, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim), f32),
+                np.empty((rows, c.num_heads * c.head_dim), f32), np.empty((rows, c.hidden_size), f32),
+                np.empty((rows, 2 * inter), f32), np.empty((rows, inter), f32), logits, torch.from_numpy(logits))
+        return buffers
+
+    def run(self, batch_rows: np.ndarray, starts: np.ndarray, batch) -> tuple[torch.Tensor, np.ndarray]:
+        """Logits [rows, vocab] of one decode step (row b: input-batch row `batch_rows[b]`, its new token
+        at position `starts[b]`), which also writes the step's K/V into the pool; as a tensor and as
+        the numpy array it shares memory with. Both are this batch size's buffer: read them before
+        the next step."""
+        b = self._buffers(len(batch_rows))
+        self.kernel(batch_rows, starts, batch.token_ids, batch.block_table.table, self.block_size, *self.weights,
+                    *self.rope, *self.pools, *self.heads, b.positions, b.seq_lens, b.h, b.x, b.qkv, b.attn, b.delta,
+                    b.gate_up, b.act, b.logits)
+        return b.logits_tensor, b.logits
+

@@ -1,0 +1,49 @@
+"""How much framework work one engine step does, counted (minillm/worker/step_counts.py): upper bounds
+that keep the batch-1 step cheap and keep the batched step from growing (issues 25 and 29). Counts,
+not times: the same step makes the same calls on any machine, under any load. (A bound is set a
+little above what the code does today, run `python bench/step_profile.py --batch-sizes 1 8` to
+see the counts; raise one only with a reason in the commit.)"""
+
+from __future__ import annotations
+
+from minillm import LLM, SamplingParams
+from minillm.worker.step_counts import PIECES, count_steps, total
+
+PROMPT = list(range(10, 210))  # 200 tokens, as the issue's single-stream measurement
+
+
+def decoding_engine(batch: int, compiled: bool = True):
+    llm = LLM(max_num_seqs=16, max_model_len=512)
+    engine = llm.engine
+    if not compiled:
+        engine.executor.worker.compiled_decode = None
+    for i in range(batch):
+        engine.add_request([t + i for t in PROMPT], SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    for _ in range(3):  # prefill, then decode
+        engine.step()
+    return engine
+
+
+def test_a_batch_1_decode_step_dispatches_no_torch_op_and_few_python_calls():
+    counts = count_steps(decoding_engine(1), num_steps=5)
+    assert set(counts) == set(PIECES)
+    step = total(counts)
+    assert step.torch_ops == 0, {p: c.torch_ops for p, c in counts.items()}
+    assert counts["forward, lm_head"].python_calls <= 8  # the compiled call and its wrapper
+    assert counts["inputs, metadata"].python_calls == 0  # nothing is built for it
+    assert step.python_calls <= 200, {p: c.python_calls for p, c in counts.items()}
+
+
+def test_the_op_by_op_step_it_replaces_is_counted_too():
+    """The counter is not blind: the same step without the compiled path dispatches hundreds of ops."""
+    counts = count_steps(decoding_engine(1, compiled=False), num_steps=3)
+    assert counts["forward, lm_head"].torch_ops_from_python >= 100
+    assert total(counts).python_calls >= 2 * 200
+
+
+def test_a_batched_decode_step_does_not_grow():
+    """The ladder's kind of step (max batch 16: above the compiled path's rows, the op-by-op forward).
+    It makes ~1270 Python calls and dispatches 299 torch ops from Python (431 in all), as it did before
+    issue 29's compiled decode step."""
+    step = total(count_steps(decoding_engine(16), num_steps=3))
+    assert step.python_calls <= 1300 and step.torch_ops_from_python <= 310 and step.torch_ops <= 440, step
