@@ -49,6 +49,9 @@ class EngineConfig:
     kv_watermark: float = 0.01  # fraction of blocks kept free when admitting new requests
     preemption_mode: str = "recompute"  # or "swap": K/V of a preempted request go to host memory
     swap_space: float = 4.0  # GiB of host memory for swapped-out K/V (vLLM's name and default)
+    # GiB of host memory for the prefix cache's offload tier (vLLM's --kv-offloading-size; 0: none): evicted
+    # cached blocks spill there and come back on a hit instead of being recomputed (chapter 14, minillm.kv.offload)
+    kv_offloading_size: float = 0.0
     # "fcfs"; "priority": lower priority value runs first; "lpm": longest cached prefix first (SGLang)
     scheduling_policy: str = "fcfs"
     seed: int = 0  # seeds requests that sample without their own seed
@@ -146,6 +149,13 @@ class EngineConfig:
         if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) or \
                 not self.swap_space >= 0:
             raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+        if isinstance(self.kv_offloading_size, bool) or not isinstance(self.kv_offloading_size, (int, float)) or \
+                not self.kv_offloading_size >= 0:
+            raise ValueError(f"kv_offloading_size must be a number of GiB >= 0, got {self.kv_offloading_size!r}")
+        if self.kv_offloading_size and not (self.enable_prefix_caching and self.prefix_cache == "hash"):
+            raise ValueError("kv_offloading_size offloads the prefix cache: it needs enable_prefix_caching=True and "
+                             f"prefix_cache='hash' (the radix tree has no offload tier), got enable_prefix_caching="
+                             f"{self.enable_prefix_caching}, prefix_cache={self.prefix_cache!r}")
         if not 0 <= self.kv_watermark < 1:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark!r}")
         if self.enable_prefix_caching and (self.batching != "continuous" or self.kv_layout != "paged"):

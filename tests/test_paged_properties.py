@@ -32,6 +32,11 @@ def check_block_invariants(kv) -> None:
     assert len(alloc.free_blocks) == len(free)  # no block twice in the free list
     for block in cached:  # a cached block must still be findable by its hash
         assert kv.cached_block_of[kv.hash_of_block[block]] == block
+    tier = kv.offload  # the prefix cache's host tier (chapter 14): every host block free or held once, none pinned
+    if tier is not None:
+        assert sorted(tier.free_slots + list(tier.slot_of.values())) == list(range(tier.num_slots_used))
+        assert tier.num_slots_used <= tier.capacity_blocks
+        assert not tier.pinned
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -47,16 +52,18 @@ def check_block_invariants(kv) -> None:
     prefix_len=st.integers(1, 40),
     preemption_mode=st.sampled_from(["recompute", "swap"]),
     policy=st.sampled_from(["fcfs", "priority"]),
+    offload_gib=st.sampled_from([0.0, 1e-9, 1.0]),  # with prefix caching: no host tier, one host block, plenty
 )
 def test_paged_kv_invariants_hold_at_every_step(requests, block_size, num_blocks_factor, max_num_seqs,
-                                                prefix_caching, prefix_len, preemption_mode, policy):
+                                                prefix_caching, prefix_len, preemption_mode, policy, offload_gib):
     max_model_len = 128
     # The pool must hold at least one longest request, else nothing could ever run.
     min_blocks = -(-(prefix_len + 20 + 24) // block_size) + 1
     num_blocks = max(min_blocks, int(num_blocks_factor * 4 * max_model_len / block_size))
     config = EngineConfig(batching="continuous", max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                           block_size=block_size, num_kv_blocks=num_blocks, enable_prefix_caching=prefix_caching,
-                          kv_watermark=0.0, preemption_mode=preemption_mode, scheduling_policy=policy)
+                          kv_watermark=0.0, preemption_mode=preemption_mode, scheduling_policy=policy,
+                          kv_offloading_size=offload_gib if prefix_caching else 0.0)
     resolved = config.resolve(MODEL.max_position_embeddings)
     kv = make_kv_manager(resolved, MODEL, allocate_pool=False)
     executor = StandInExecutor()

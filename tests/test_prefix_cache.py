@@ -419,9 +419,20 @@ class ReadChecker:
         self.kv = kv
         self.prefix_ids: dict[tuple[int, int], int] = {}  # (prefix id up to p - 1, token p) → prefix id
         self.slot: dict[int, int] = {}
+        self.host: dict[str, list[int | None]] = {}  # host copies (the offload tier's blocks), as the worker keeps them
 
     def execute(self, batch):
         bs = self.kv.block_size
+        for rid, blocks in batch.blocks_to_swap_out:  # the worker's order: copies out, zeroing, copies in
+            self.host[rid] = [self.slot.get(b * bs + i) for b in blocks for i in range(bs)]
+        for b in self.kv.take_fresh_blocks():
+            for i in range(bs):
+                self.slot.pop(b * bs + i, None)
+        for rid, blocks in batch.blocks_to_swap_in:
+            saved = self.host[rid]
+            for j, b in enumerate(blocks):
+                for i in range(bs):
+                    self.slot[b * bs + i] = saved[(len(saved) // bs - len(blocks) + j) * bs + i]
         reads = []
         for req, n in zip(batch.requests, batch.num_new_tokens):  # like each layer: all writes first, ...
             table, prefix = self.kv.block_tables[req.request_id], -1
@@ -444,14 +455,23 @@ class ReadChecker:
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 12), st.integers(1, 12)), min_size=1, max_size=16),
        kind=st.sampled_from(KINDS), policy=st.sampled_from(["fcfs", "priority", "lpm"]),
-       block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(12, 60), max_num_seqs=st.integers(1, 6))
-def test_random_traces_never_read_stale_kv(requests, kind, policy, block_size, num_blocks, max_num_seqs):
+       block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(12, 60), max_num_seqs=st.integers(1, 6),
+       host_blocks=st.sampled_from([0, 3, 40]), preemption_mode=st.sampled_from(["recompute", "swap"]))
+def test_random_traces_never_read_stale_kv(requests, kind, policy, block_size, num_blocks, max_num_seqs, host_blocks,
+                                           preemption_mode):
+    """... with the hash chain's offload tier too (`host_blocks`; chapter 14): blocks spilled to host
+    memory and copied back in must carry their own prefix's K/V, and the tier's books stay whole; and
+    with preemption by swap, whose copies travel in the same plan fields."""
     num_blocks = max(num_blocks, -(-48 // block_size) + 1)
+    host_blocks = host_blocks if kind == "hash" else 0
+    offload_gib = (host_blocks + 0.5) * 2 * 4 * block_size / 2**30 if host_blocks else 0.0  # 1 float32 K, V per token
     config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=48, max_num_batched_tokens=48,
                           block_size=block_size, num_kv_blocks=num_blocks, enable_prefix_caching=True,
-                          prefix_cache=kind, kv_watermark=0.0, scheduling_policy=policy)
+                          prefix_cache=kind, kv_watermark=0.0, scheduling_policy=policy, kv_offloading_size=offload_gib,
+                          preemption_mode=preemption_mode)
     kv = BlockManager(1, 1, 1, num_blocks, block_size, enable_prefix_caching=True, allocate_pool=False,
-                      watermark=0.0, prefix_cache=kind)
+                      watermark=0.0, prefix_cache=kind, kv_offloading_size=offload_gib)
+    assert kv.offload is None if not host_blocks else kv.offload.capacity_blocks == host_blocks
     engine = LLMEngine(MODEL, config, kv=kv, scheduler=ContinuousScheduler(config.resolve(256), kv),
                        executor=ReadChecker(kv), clock=SimClock())
     engine.expect_more_requests = False
@@ -471,6 +491,11 @@ def test_random_traces_never_read_stale_kv(requests, kind, policy, block_size, n
         assert all(alloc.ref_counts[b] == holders.get(b, 0) for b in range(num_blocks))
         assert all(kv.is_cached(b) for b in alloc.evictable)  # what the LRU may hand back is findable
         assert len(alloc.free_blocks) + len(alloc.evictable) + len(holders) == num_blocks
+        if kv.offload is not None:  # host blocks: each free or holding one prefix block, none pinned between steps
+            tier = kv.offload
+            assert sorted(tier.free_slots + list(tier.slot_of.values())) == list(range(tier.num_slots_used))
+            assert tier.num_slots_used <= host_blocks
+            assert not tier.pinned and tier.slot_of.keys() == tier.tokens_of.keys()
     assert not engine.has_unfinished()
     assert kv.num_hit_tokens <= kv.num_query_tokens
     if engine.scheduler.num_preemptions == 0:  # (a re-admitted request is looked up, and counted, again)

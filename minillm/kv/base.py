@@ -122,8 +122,10 @@ class CachedPrefix:
     that is turned away leaves the cache (reference counts, LRU order) exactly as it was."""
 
     blocks: tuple[int, ...]
-    num_tokens: int
+    num_tokens: int  # device blocks and host blocks together
     num_query_tokens: int  # the tokens looked up (vLLM's hit rate: hits ÷ queried)
+    # the offload tier (minillm.kv.offload): keys of host blocks that follow `blocks`, copied back in on attach
+    host_keys: tuple[bytes, ...] = ()
 
 
 class KVManager(Protocol):
@@ -180,6 +182,15 @@ class KVManager(Protocol):
 
     def rollback_step(self) -> list[str]:
         """The step failed: undo its prefix-cache entries; returns requests whose swap-out was lost."""
+        ...
+
+    def take_offload_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The offload tier's copies planned since the last call: (device block, host block) out,
+        (host block, device block) in (minillm.kv.offload); ([], []) for a layout without one."""
+        ...
+
+    def discard_offload_copies(self) -> None:
+        """The plan that would carry the pending copies is dropped: forget what they would have stored."""
         ...
 
     def usage(self) -> KVUsage: ...

@@ -15,6 +15,10 @@ the rest. Two lookup structures, chosen by `prefix_cache` (chapter 07 compares t
   collision can never hand out wrong K/V.
 - `"radix"` (SGLang's RadixAttention, `minillm.kv.radix.RadixTree`): a tree of token runs.
 
+With `kv_offloading_size` GiB (chapter 14, hash chain only), a block the LRU reclaims is first
+copied to a host tier (`minillm.kv.offload`), and a later hit on it is copied back in instead of
+recomputed.
+
 Either way only full blocks are cached and shared, so nobody ever appends into a block someone
 else reads (no copy-on-write needed), and at least one prompt token is always computed (its
 logits give the first output token). Unused cached blocks wait in the allocator's LRU queue; when
@@ -31,6 +35,7 @@ import torch
 from minillm.config import PREFIX_CACHES
 from minillm.kv.base import CachedPrefix, KVCacheSpec, KVLayoutSnapshot, KVUsage, PrefixCacheStats
 from minillm.kv.block_allocator import BlockAllocator
+from minillm.kv.offload import HostPrefixTier, next_key, prefix_keys
 from minillm.kv.radix import RadixTree
 from minillm.request import Request
 
@@ -158,9 +163,11 @@ class BlockManager:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: str = "cpu", enable_prefix_caching: bool = False,
                  allocate_pool: bool = True, watermark: float = 0.01, prefix_cache: str = "hash",
-                 max_model_len: int | None = None, swap_space_gib: float = 4.0, kv_cache_dtype: str = "auto") -> None:
+                 max_model_len: int | None = None, swap_space_gib: float = 4.0, kv_cache_dtype: str = "auto",
+                 kv_offloading_size: float = 0.0) -> None:
         """`kv_cache_dtype`: how the worker's pool stores K/V (minillm.kv.quant): the bytes per block, and so
-        how many blocks the swap space holds, follow it."""
+        how many blocks the swap space and the offload tier hold, follow it. `kv_offloading_size`: GiB of
+        host memory for the prefix cache's offload tier (vLLM's `--kv-offloading-size`; 0: none)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if prefix_cache not in PREFIX_CACHES:
@@ -202,8 +209,23 @@ class BlockManager:
         self.num_swapped_in_tokens = 0
         # vLLM's prefix-cache counters: tokens of admitted requests looked up, and of those, found.
         self.num_query_tokens = 0
-        self.num_hit_tokens = 0
+        self.num_hit_tokens = 0  # (host hits included: tokens not recomputed)
         self._stats = (0, 0)  # the totals at the last make_prefix_cache_stats()
+        # The offload tier (chapter 14): evicted cached blocks spill to host blocks, hits come back in.
+        self.offload: HostPrefixTier | None = None
+        if kv_offloading_size:
+            if prefix_cache != "hash" or not enable_prefix_caching:
+                raise ValueError("kv_offloading_size needs enable_prefix_caching=True with prefix_cache='hash' "
+                                 f"(the radix tree has no offload tier), got prefix_cache={prefix_cache!r}, "
+                                 f"enable_prefix_caching={enable_prefix_caching}")
+            self.offload = HostPrefixTier(max(1, int(kv_offloading_size * 2**30 // bytes_per_block)))
+        self._offload_out: list[tuple[int, int, bytes]] = []  # (device block, host block, key), not yet planned
+        self._offload_in: list[tuple[int, int]] = []  # (host block, device block), not yet planned
+        self._step_spilled: list[bytes] = []  # host keys stored this step (dropped if it fails)
+        self._step_copies = (0, 0)  # this step's copies out and in, counted when it completes
+        self.num_host_hit_tokens = 0  # of num_hit_tokens, those copied back from the host tier
+        self.num_offloaded_blocks = 0  # copies device → host tier
+        self.num_onloaded_blocks = 0  # copies host tier → device
 
     # ---- prefix cache ------------------------------------------------------------------------
     @property
@@ -224,12 +246,29 @@ class BlockManager:
         max_blocks = (len(tokens) - 1) // self.block_size  # the last token must run: its logits are needed
         return self.prefix_cache.match_prefix(tokens[: max_blocks * self.block_size], touch=touch)
 
+    def _match_host(self, request: Request, start: int) -> tuple[bytes, ...]:
+        """Keys of the host blocks continuing a device match of `start` blocks (the offload tier)."""
+        if self.offload is None or not len(self.offload):
+            return ()
+        tokens, bs = request.all_token_ids, self.block_size
+        max_blocks = (len(tokens) - 1) // bs
+        if start >= max_blocks:
+            return ()
+        keys = prefix_keys(tokens, max_blocks, bs)
+        found = []
+        for i in range(start, max_blocks):
+            if self.offload.find(keys[i], tuple(tokens[i * bs : (i + 1) * bs])) is None:
+                break
+            found.append(keys[i])
+        return tuple(found)
+
     def cached_prefix_tokens(self, request: Request) -> int:
         """How many of a waiting request's tokens are cached. Changes nothing (no reference counts,
         no metrics, no access times): a scheduler may ask freely (LPM does, every step)."""
         if not self.enable_prefix_caching or request.request_id in self.block_tables:
             return 0
-        return len(self._match(request)) * self.block_size
+        blocks = len(self._match(request))
+        return (blocks + len(self._match_host(request, blocks))) * self.block_size
 
     def get_computed_blocks(self, request: Request) -> CachedPrefix:
         """Look up a new request's cached prefix without taking anything: pass the result to
@@ -237,7 +276,8 @@ class BlockManager:
         if not self.enable_prefix_caching or request.request_id in self.block_tables:
             return CachedPrefix((), 0, request.num_tokens)
         blocks = tuple(self._match(request))
-        return CachedPrefix(blocks, len(blocks) * self.block_size, request.num_tokens)
+        host = self._match_host(request, len(blocks))
+        return CachedPrefix(blocks, (len(blocks) + len(host)) * self.block_size, request.num_tokens, host)
 
     def get_computed_tokens(self, request: Request) -> int:
         """The cached prefix of a new request, in tokens; the next `allocate` for it attaches those
@@ -277,9 +317,51 @@ class BlockManager:
 
     def _forget(self, block: int) -> None:
         """The allocator reclaims a cached block: it and the blocks cached below it leave the cache;
-        those of them nobody uses go straight to the free list (nothing can find them any more)."""
+        those of them nobody uses go straight to the free list (nothing can find them any more).
+        With an offload tier they are copied to host blocks first."""
+        if self.offload is not None:
+            self._spill(block)
         for dropped in self.prefix_cache.remove_block(block):
             self.allocator.uncache(dropped)
+
+    def _spill(self, block: int) -> None:
+        """Plan copying `block` and the cached blocks below it to the host tier (parents first).
+        Blocks registered this step are left out: their K/V are not computed yet."""
+        chain = self.prefix_cache
+        path, b = [], block
+        while b is not None:  # the host key names the whole prefix: walk up to the first block
+            path.append(b)
+            b = chain.parent_of_block[b]
+        key = b""
+        for b in reversed(path):
+            key = next_key(key, chain.tokens_of_block[b])
+        uncomputed = set(self._step_registered)
+        stack = [(block, key)]
+        while stack:
+            b, key = stack.pop()
+            if b not in uncomputed:
+                slot = self.offload.store(key, chain.tokens_of_block[b])
+                if slot is not None:
+                    self._offload_out.append((b, slot, key))
+                    self._step_spilled.append(key)
+            stack.extend((c, next_key(key, chain.tokens_of_block[c])) for c in chain.children_of_block.get(b, ()))
+
+    def take_offload_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The offload tier's copies planned since the last call, for the plan's swap fields: (device
+        block, host block) out — before this step's blocks are zeroed or rewritten —, then (host
+        block, device block) in, before the forward (`minillm.kv.offload.host_block_id` names them)."""
+        out = [(b, slot) for b, slot, _ in self._offload_out]
+        copies_in = self._offload_in
+        self._step_copies = (self._step_copies[0] + len(out), self._step_copies[1] + len(copies_in))
+        self._offload_out, self._offload_in = [], []
+        return out, copies_in
+
+    def discard_offload_copies(self) -> None:
+        """No plan will carry the pending copies out: what they would have stored is forgotten."""
+        for _, _, key in self._offload_out:
+            self.offload.drop(key)
+            self._step_spilled.remove(key)
+        self._offload_out = []
 
     # ---- allocation ------------------------------------------------------------------------------
     def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
@@ -344,15 +426,23 @@ class BlockManager:
         if table is None:
             table = self.block_tables[rid] = []
             self._tokens_of[rid] = 0
+            host_slots = []
             if cached is not None:
-                self._step_lookups.append((cached.num_query_tokens, cached.num_tokens))
+                host_tokens = len(cached.host_keys) * self.block_size
+                self._step_lookups.append((cached.num_query_tokens, cached.num_tokens, host_tokens))
                 if cached.blocks:
                     self._attach(rid, table, cached)
+                if cached.host_keys:  # pinned before allocating: spills must not take their host blocks
+                    if any(k not in self.offload.slot_of for k in cached.host_keys):
+                        raise RuntimeError(f"request {rid}: its cached prefix left the host tier since the lookup; "
+                                           "allocate right after get_computed_blocks")
+                    host_slots = [self.offload.pin(k) for k in cached.host_keys]
         need = max(0, -(-(total + num_lookahead_tokens) // self.block_size) - len(table))
         if need:
             new = [self.allocator.allocate() for _ in range(need)]
             self.fresh_blocks.extend(new)
             table.extend(new)
+            self._offload_in.extend(zip(host_slots, new))  # the host blocks come back into the first ones
         self._used_tokens += total + num_lookahead_tokens - self._tokens_of[rid]
         self._tokens_of[rid] = total + num_lookahead_tokens
         if self.enable_prefix_caching:
@@ -365,7 +455,7 @@ class BlockManager:
                 self._used_tokens += self.block_size  # revived from the cache: in use again
             self.allocator.share(block)
         table.extend(cached.blocks)
-        self._tokens_of[rid] = cached.num_tokens
+        self._tokens_of[rid] = len(cached.blocks) * self.block_size  # (host blocks come as new ones)
         self._offered[rid] = (len(cached.blocks), self._cursor_after(cached.blocks))
         self.prefix_cache.touch(cached.blocks)
 
@@ -425,9 +515,16 @@ class BlockManager:
     # ---- one step: keep it, or take it back ------------------------------------------------------
     def commit_step(self) -> None:
         """The step completed: its cache entries hold computed K/V now; count its lookups."""
-        for query, hit in self._step_lookups:
+        for query, hit, host_hit in self._step_lookups:
             self.num_query_tokens += query
             self.num_hit_tokens += hit
+            self.num_host_hit_tokens += host_hit
+        self.num_offloaded_blocks += self._step_copies[0]
+        self.num_onloaded_blocks += self._step_copies[1]
+        self._step_copies = (0, 0)
+        self._step_spilled.clear()
+        if self.offload is not None:
+            self.offload.unpin_all()
         for saved in self.swapped.values():
             saved.copied = True  # this step's swap-outs were copied by the worker before its forward
         for rid in self._step_swapped_in:
@@ -450,6 +547,12 @@ class BlockManager:
                     del self._offered[rid]
                 else:
                     self._offered[rid] = before
+        if self.offload is not None:  # copies out that never ran: those host blocks hold nothing
+            for key in self._step_spilled:
+                self.offload.drop(key)
+            self.offload.unpin_all()
+        self._step_spilled.clear()
+        self._offload_out, self._offload_in, self._step_copies = [], [], (0, 0)
         lost = [rid for rid, saved in self.swapped.items() if not saved.copied]
         for rid in lost:
             self._release_swapped(rid)

@@ -97,6 +97,12 @@ class SlabKVManager:
     def rollback_step(self) -> list[str]:
         return []
 
+    def take_offload_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        return [], []  # slabs share no prefixes, so nothing is offloaded
+
+    def discard_offload_copies(self) -> None:
+        pass
+
     def block_ids_of(self, request_id: str) -> list[int]:
         slab = self.slab_of.get(request_id)
         return [] if slab is None else [slab]

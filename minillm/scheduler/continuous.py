@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from minillm.config import EngineConfig
 from minillm.kv.base import KVManager
+from minillm.kv.offload import host_block_id
 from minillm.request import Request, RequestStatus
 from minillm.scheduler.base import SchedulerBase, SchedulerPlan
 from minillm.scheduler.chunk_policy import make_chunk_policy
@@ -105,7 +106,9 @@ class ContinuousScheduler(SchedulerBase):
                 budget -= n
 
         if not planned:
+            self.kv.discard_offload_copies()
             return None
+        self._plan_offload_copies(plan)
         # Decode rows (one token after a computed context) first: the attention backend batches them.
         # (a speculative row of 1+k tokens is not a decode row)
         rows = sorted(planned.values(), key=lambda row: not (row[1] == 1 and row[0].num_computed_tokens))
@@ -114,6 +117,14 @@ class ContinuousScheduler(SchedulerBase):
         if self.connector is not None:  # what the workers load this step travels in the plan
             plan.kv_connector_metadata = self.connector.build_connector_meta(plan)
         return plan
+
+    def _plan_offload_copies(self, plan: SchedulerPlan) -> None:
+        """The prefix cache's offload tier (chapter 14) moves blocks through the swap fields, each host
+        block under its own pseudo request id: spills out before the step's blocks are rewritten,
+        host hits back in before the forward — the executor copies them like swapped requests."""
+        copies_out, copies_in = self.kv.take_offload_copies()
+        plan.blocks_to_swap_out.extend((host_block_id(slot), [block]) for block, slot in copies_out)
+        plan.blocks_to_swap_in.extend((host_block_id(slot), [block]) for slot, block in copies_in)
 
     def _chunk(self, num_tokens: int, budget: int) -> int:
         """How many of a request's missing tokens it computes this step: all of them, or with chunked

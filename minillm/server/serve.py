@@ -35,6 +35,8 @@ ENGINE_FLAGS = [
     ("--block-size", "block_size", int, "tokens per KV block"),
     ("--num-gpu-blocks-override", "num_kv_blocks", int, "KV blocks in the pool (vLLM's name; minillm's num_kv_blocks)"),
     ("--swap-space", "swap_space", float, "GiB of host memory for swapped-out KV"),
+    ("--kv-offloading-size", "kv_offloading_size", float, "GiB of host memory for the prefix cache's offload tier "
+     "(hash prefix cache; evicted blocks come back on a hit instead of being recomputed)"),
     ("--preemption-mode", "preemption_mode", str, "recompute or swap"),
     ("--scheduling-policy", "scheduling_policy", str, "fcfs, priority or lpm"),
     ("--long-prefill-token-threshold", "long_prefill_token_threshold", int, "cap on one request's prefill chunk"),

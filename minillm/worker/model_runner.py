@@ -94,7 +94,9 @@ class ModelRunner:
             self.v_pool = torch.zeros(cache_spec.shape, dtype=cache_spec.storage_dtype, device=model.device)
         self._pools_by_block: list | None = None  # the pools seen as [L, blocks, block] (`_zero_blocks`)
         self.padded_cache: PaddedBatchCache | None = None  # static/dynamic batching's rectangle
-        self.swapped: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}  # host K, V, number of blocks
+        # host K, V, number of blocks: per swapped-out request, and per host block of the prefix cache's
+        # offload tier (its pseudo request id, minillm.kv.offload.host_block_id: never planned, never finished)
+        self.swapped: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.input_batch = InputBatch(cache_spec.max_blocks_per_seq, model.device)
         self.keys_read = 0  # decode attention, over the runner's life: keys gathered ...
         self.keys_exist = 0  # ... and keys the rows really have
