@@ -26,7 +26,7 @@ def make_kv_manager(config: EngineConfig, model_config: ModelConfig, dtype: torc
     if config.kv_layout == "slab":
         return SlabKVManager(c.num_layers, c.num_kv_heads, c.head_dim, num_slabs=config.max_num_seqs,
                              slab_len=config.max_model_len, dtype=dtype, device=device, allocate_pool=allocate_pool,
-                             kv_cache_dtype=config.kv_cache_dtype, kv_offloading_size=config.kv_offloading_size)
+                             kv_cache_dtype=config.kv_cache_dtype)
     return BlockManager(c.num_layers, c.num_kv_heads, c.head_dim, config.num_kv_blocks, config.block_size, dtype,
                         device, enable_prefix_caching=config.enable_prefix_caching, allocate_pool=allocate_pool,
                         watermark=config.kv_watermark, prefix_cache=config.prefix_cache,
