@@ -26,6 +26,19 @@ import torch  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def load_bench(name: str) -> ModuleType:
+    """bench/NAME.py as a fresh module (bench/ is not a package; its scripts import `_machine` beside them)."""
+    bench = REPO_ROOT / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location(f"{name}_under_test", bench / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(bench))
+
+
 def load_build_exercises() -> ModuleType:
     """tools/build_exercises.py as a module (tools/ is not a package), loaded once."""
     if "build_exercises" in sys.modules:

@@ -3,27 +3,17 @@ median [min–max] (issue 31: a published figure is the median and range of seve
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
+from conftest import load_bench
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
-def _repeat():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("repeat_under_test", BENCH / "repeat.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
-
-
 def test_numbers_that_moved_become_median_and_range_and_the_rest_stays() -> None:
-    repeat = _repeat()
+    repeat = load_bench("repeat")
     runs = ["minillm 2,989 tok/s = 6.98x HF static\nbatch 16 for everyone\nat 21:46 UTC",
             "minillm 2,604 tok/s = 6.09x HF static\nbatch 16 for everyone\nat 21:50 UTC",
             "minillm 2,950 tok/s = 6.50x HF static\nbatch 16 for everyone\nat 21:58 UTC"]
@@ -34,12 +24,12 @@ def test_numbers_that_moved_become_median_and_range_and_the_rest_stays() -> None
 
 
 def test_a_line_whose_text_differs_is_printed_from_the_first_run() -> None:
-    repeat = _repeat()
+    repeat = load_bench("repeat")
     assert repeat.fold_outputs(["machine A, load 0.3", "machine B, load 0.4"]) == ["machine A, load 0.3"]
 
 
 def test_braces_in_a_line_survive() -> None:
-    repeat = _repeat()
+    repeat = load_bench("repeat")
     assert repeat.fold_outputs(["{'a': 1}", "{'a': 3}"]) == ["{'a': 2 [1–3]}"]
 
 

@@ -4,28 +4,12 @@ lands in the matmul category, and that matmuls are a real share of the model's t
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import load_bench
 from torch.profiler import ProfilerActivity, profile
 
 from minillm import LLM, SamplingParams
-
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-def load_step_profile():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("step_profile_under_test", BENCH / "step_profile.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def looks_like_a_matmul(name: str) -> bool:
@@ -36,7 +20,7 @@ def looks_like_a_matmul(name: str) -> bool:
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_matmul_ops_are_classified_as_matmuls(dtype):
-    step_profile = load_step_profile()
+    step_profile = load_bench("step_profile")
     llm = LLM(dtype=dtype, max_num_seqs=4, max_model_len=256)
     llm.engine.executor.worker.compiled_decode = None  # the op-by-op forward, whose ops are classified
     with profile(activities=[ProfilerActivity.CPU]) as prof:
