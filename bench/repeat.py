@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import cpu_model  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "repeat")
-NUMBER = re.compile(r"(?<![\w.])[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")
+# a number not glued to a word, except a ratio written "x0.96" (the benches print ratios so)
+NUMBER = re.compile(r"(?:(?<![\w.])|(?<=\bx))[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")
 
 
 def split_numbers(line: str) -> tuple[str, list[str]]:

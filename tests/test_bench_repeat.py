@@ -35,6 +35,13 @@ def test_a_padded_column_whose_width_moved_is_still_folded() -> None:
     assert folded == ["round_robin   120    200.0 [180.0–1180.0]"]
 
 
+def test_a_ratio_written_after_its_x_is_folded() -> None:
+    repeat = load_bench("repeat")
+    folded = repeat.fold_outputs(["p99 TTFT x0.96, mean x1.04", "p99 TTFT x1.86, mean x1.06", "p99 TTFT x0.49, mean x1.04"])
+    assert folded == ["p99 TTFT x0.96 [0.49–1.86], mean x1.04 [1.04–1.06]"]
+    assert repeat.split_numbers("max2 tokens")[1] == []  # a digit glued to a word is not a number
+
+
 def test_braces_in_a_line_survive() -> None:
     repeat = load_bench("repeat")
     assert repeat.fold_outputs(["{'a': 1}", "{'a': 3}"]) == ["{'a': 2 [1–3]}"]
