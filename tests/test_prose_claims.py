@@ -83,6 +83,13 @@ def test_a_question_without_a_folded_answer_fails(tmp_path: Path, answers: str, 
     assert "no 'Check your understanding'" in check_claims.unanswered_questions([_md("# 99 · Test")])
 
 
+def test_the_command_line_exits_1_on_a_planted_claim_and_0_on_a_chapter(tmp_path: Path, capsys) -> None:
+    planted = _notebook(tmp_path, [_md("Chunked prefill makes p99 ITL fall several times.")])
+    assert check_claims.main([str(planted)]) == 1
+    assert "Chunked prefill makes p99 ITL fall several times." in capsys.readouterr().out
+    assert check_claims.main([str(CHAPTERS[0])]) == 0
+
+
 @pytest.mark.parametrize("claim", [
     "The step time barely moves from batch 1 to 32.",
     "Dynamic batching is not much better than static on throughput.",
