@@ -228,7 +228,7 @@ INLINE_DECISIONS: list[tuple[str, str, object]] = [
     ("python bench/threads.py", SMALL, "--dtypes float32 --decode-rows 8 --prefill-tokens 64 --max-threads 2 "
                                        "--rounds 1 --steps 2"),
     ("python bench/parallel_steps.py", SMALL, "--repeats 1 --num-prompts 2 --max-tokens 4"),
-    ("python bench/kv_quality.py", SMALL, "--texts 1 --tokens 48"),
+    ("python bench/kv_quality.py", SMALL, "--texts 1 --tokens 80"),
     ("python bench/offload.py", SMALL, "--requests 40 --tenants 8"),
     # deterministic: run as written
     ("python bench/kv_capacity.py --sim-only", RUN, None),
