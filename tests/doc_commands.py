@@ -212,8 +212,8 @@ def port_of(command: str) -> int:
 # (`minillm SUB --flag` in prose names a subcommand and its flags, mostly mid-sentence: checked against
 # `minillm SUB --help`. A `python` command in prose is a command a reader copies: it runs.)
 # (how the command starts — or, ending in `$`, the whole command —, decision, detail): the first entry
-# that matches wins. RUN: as written, detail None or the strings the page says it prints (each must be
-# in its output); SMALL: detail is the options appended (argparse keeps the last value of an option
+# that matches wins. RUN: as written, detail None or the lines the page quotes from its output (each must
+# be in it, runs of spaces read as one); SMALL: detail is the options appended (argparse keeps the last value of an option
 # given twice); SKIP: the reason.
 INLINE_DECISIONS: list[tuple[str, str, object]] = [
     # timing benches: their smallest documented options, or the fewest requests that exercise every part
