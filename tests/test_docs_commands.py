@@ -3,7 +3,9 @@
 Each fenced block is one test: its commands run in order from the repository root with the
 course's environment first on PATH (what `source .venv/bin/activate` gives a reader); servers are
 started, waited for, and stopped with every process they started (counted). A block followed by
-the output it prints, where that output is deterministic, is compared with it.
+the output it prints, where that output is deterministic, is compared with it. Each distinct `python ...`
+command quoted in prose is one test too (as written, smaller, or skipped with its reason). None may
+leave a file that git sees in the root, bench/ or docs/.
 """
 
 from __future__ import annotations
