@@ -253,6 +253,8 @@ def test_every_inline_python_command_has_a_decision():
     assert not unknown, "python commands in prose with no decision in tests/doc_commands.py:\n" + "\n".join(unknown)
 
 
+# Starts no server: a group of its own (xdist names it docs-inline_router), beside the servers' group, not in it.
+@pytest.mark.xdist_group("docs-inline")
 @pytest.mark.parametrize("page,command", inline_python_commands())
 def test_inline_python_command_runs(page: str, command: str):
     what, detail = docs.decide_inline(command)
