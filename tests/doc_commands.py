@@ -190,6 +190,19 @@ PYTHON_BLOCKS: list[tuple[str, str | None]] = [
 ]
 
 
+# `make X` in prose that is not one of the Makefile's targets, on purpose.
+NOT_MAKE_TARGETS = {"reset": "docs/lab.md: the alternative to a workspace copy it argues against"}
+
+
+def make_targets() -> set[str]:
+    return set(re.findall(r"^([a-z][\w-]*):", (ROOT / "Makefile").read_text(), re.M))
+
+
+def inline_make_targets(page: Path) -> list[str]:
+    """X of each `make X ...` quoted in a page's prose (fenced blocks excluded)."""
+    return re.findall(r"`make ([a-z][\w-]*)[^`]*`", FENCE.sub("", page.read_text()))
+
+
 # Scripts that hand options they do not know on to another program (so the flag check skips them).
 PASSES_OPTIONS_ON = {"tools/lab.py": "extra options go to `jupyter lab`"}
 

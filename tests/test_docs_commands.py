@@ -320,6 +320,15 @@ def test_inline_commands_name_real_scripts_and_flags():
     assert not problems, "\n".join(problems)
 
 
+def test_inline_make_commands_name_real_targets():
+    targets = docs.make_targets()
+    assert {"lab", "test", "grade", "bench", "student-release"} <= targets, targets  # the Makefile was read
+    unknown = [f"{page.relative_to(docs.ROOT)}: make {target}" for page in docs.PAGES
+               for target in docs.inline_make_targets(page)
+               if target not in targets and target not in docs.NOT_MAKE_TARGETS]
+    assert not unknown, "`make X` in prose where the Makefile has no target X:\n" + "\n".join(unknown)
+
+
 def test_the_runner_splits_commands_as_bash_does():
     script = ('a --x 1 \\\n    --y 2 &  b --port 8002 &\nc "multi\nline # not a comment" # a comment\n'
               "d && e\n")
