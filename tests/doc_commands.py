@@ -251,6 +251,8 @@ INLINE_DECISIONS: list[tuple[str, str, object]] = [
     ("NUMBA_ENABLE_CUDASIM=1 python -c", RUN, None),
     ("python tools/check_prose.py", RUN, None),
     # skipped, with the reason
+    ("python bench/repeat.py", SKIP, "runs a bench three times over (minutes to an hour); "
+                                     "tests/test_bench_repeat.py tests it, and each bench it repeats runs above"),
     ("python -m minillm.sim.goodput", SKIP, "minutes of CPU (each deployment's goodput is a bisection over "
                                             "simulations); tests/test_sim_disagg.py runs the same functions on small traces"),
     ("python bench/router.py", SKIP, "starts 2-4 servers and loads them for minutes; tests/test_router.py, "
