@@ -24,7 +24,7 @@ help:
 	@echo "make grade      grade the exercises with minillm/grading (EX=05 for one); needs no solutions/"
 	@echo "make exercises  regenerate exercises/ and their grading manifests from solutions/"
 	@echo "make student-release DIR=../class  a copy of the course for a class: no solutions/, make grade still grades"
-	@echo "make bench      the forward-pass benchmark (bench/forward.py); each other bench: python bench/NAME.py (docs/results.md)"
+	@echo "make bench      the forward-pass benchmark (bench/forward.py); each other bench: $(PY) bench/NAME.py (docs/results.md)"
 	@echo "make lint       ruff"
 
 $(STAMP): requirements.lock pyproject.toml

@@ -57,6 +57,7 @@ def decode_layer_call(backend: str, lens: list[int], h_q=8, h_kv=4, d=32, block_
 
     class Model:
         device, dtype = torch.device("cpu"), torch.float32
+        fused_ops = None  # a stand-in with no layers: never the compiled decode step (model/decode_step.py asks)
 
         class config:  # noqa: N801 - stands in for a ModelConfig
             sliding_windows = (None,)

@@ -27,6 +27,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _machine import cpu_model  # noqa: E402
+
 from minillm import LLM, SamplingParams  # noqa: E402
 
 SYSTEM = "And God said, Let there be light: and there was light. And God saw the light, that it was good. "
@@ -44,7 +47,7 @@ def main() -> int:
     args = parser.parse_args()
     start = time.perf_counter()
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    print(f"device {args.device} ({name}), torch {torch.__version__}")
+    print(f"device {args.device} ({name}), CPU {cpu_model()}, torch {torch.__version__}")
     greedy = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     failures = 0
 

@@ -12,9 +12,14 @@ Quality numbers, not timings: they repeat on a machine, and may differ in the la
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from minillm import LLM
-from minillm.kv.quality import (
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _machine import describe_machine  # noqa: E402
+
+from minillm import LLM  # noqa: E402
+from minillm.kv.quality import (  # noqa: E402
     QualityRow,
     format_table,
     heldout_token_ids,
@@ -42,6 +47,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=176, help="tokens per chapter (16 of them the prompt)")
     parser.add_argument("--tight", type=int, default=24, help="the tighter eviction budget")
     args = parser.parse_args()
+    print(f"machine: {describe_machine()}")  # quality, not timing: the last digits may differ on another CPU
     make = lambda **knobs: LLM(max_num_seqs=4, max_model_len=max(256, args.tokens + 64), **knobs)  # noqa: E731
     llm = make()
     cfg = llm.model_config

@@ -1,6 +1,6 @@
 """Where a minillm step's time goes: small batches as one chat, max batch 16 and 64 on the ladder's trace.
 
-    python bench/step_profile.py [--batch-sizes 16 64] [--num-requests 200]
+    python bench/step_profile.py [--batch-sizes 16 64] [--num-requests 200] [--profiler-table 15]
     python bench/step_profile.py --batch-sizes 1 2 4 8
     python bench/step_profile.py --batch-sizes 1 2 4 8 16 32 --compare [--rounds 5]
 
@@ -21,7 +21,9 @@ range), which is how `MAX_ROWS` is chosen.
 **Max batch 16 and 64**: the ladder's trace (bench/ladder.py) is served twice by minillm
 continuous: once plainly, to split each step's wall time into the model (forward + lm_head) and
 everything around it (scheduling, building inputs, sampling, updating requests, metrics); once
-under torch.profiler, to split the model's time by kind of op. Prints one table per batch size.
+under torch.profiler, to split the model's time by kind of op. Prints one table per batch size; each
+kind's share of the profiled ops is the sum of torch's own `Self CPU %` over its ops, which
+`--profiler-table ROWS` prints beside it.
 """
 
 from __future__ import annotations
@@ -182,6 +184,8 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--compare", action="store_true", help="small batches: compiled vs op-by-op, interleaved")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of --compare")
+    parser.add_argument("--profiler-table", type=int, default=0, metavar="ROWS",
+                        help="max batch 16 and up: also print torch.profiler's own table, its ROWS costliest ops")
     cli = parser.parse_args()
     sys.argv = [sys.argv[0], "--num-requests", str(cli.num_requests)]
     args = ladder.parse_args()
@@ -211,11 +215,17 @@ def main() -> None:
         total = sum(seconds.values())
         print(f"max batch {batch}: {num_steps} steps, {plain.summary.output_throughput:.0f} output tok/s, "
               f"{step_ms:.2f} ms per step")
+        print(f"  {'':<66} {'ms':>6}     {'step':>6}  {'profiled':>8}")
         print(f"  {'outside the model (schedule, inputs, sampling, update, metrics)':<66} "
               f"{step_ms - model_ms:6.2f} ms  {(step_ms - model_ms) / step_ms:6.1%}")
         for label, _ in [*CATEGORIES, ("other model ops (norms, RoPE, SiLU, …)", ())]:
             share = seconds.get(label, 0.0) / total
-            print(f"  {label:<66} {model_ms * share:6.2f} ms  {model_ms * share / step_ms:6.1%}")
+            print(f"  {label:<66} {model_ms * share:6.2f} ms  {model_ms * share / step_ms:6.1%}  {share:8.1%}")
+        print("  (step: share of the step's wall time, the model's time split as the profiled ops split; "
+              "profiled: share of the\n   profiled ops' self time, the sum of torch's `Self CPU %` over the "
+              "category's rows in --profiler-table)")
+        if cli.profiler_table:
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=cli.profiler_table))
         print(f"  decode attention: keys read / keys that exist {ladder.keys_read_ratio(engine.executor.stats())}\n",
               flush=True)
 

@@ -17,8 +17,13 @@ what CI does with each one, keyed by how the command starts:
 - SKIP: with the reason.
 
 A fenced command that the table does not know fails the test: a new documented command needs a
-decision. Inline commands in prose (`python bench/x.py --flag`) are checked more cheaply: the script
-or module exists and names each flag (`minillm SUB --flag`: `minillm SUB --help` lists it).
+decision. So does a `python ...` command quoted inline in prose (`python bench/x.py --flag`,
+`NUMBA_ENABLE_CUDASIM=1 python -c "..."`): INLINE_DECISIONS runs it as written, with smaller options
+(a timing bench: every part of it runs, on a few requests), or skips it with the reason. Every inline
+command's script or module must also exist and name each flag; `minillm SUB --flag` in prose, mostly a
+subcommand named mid-sentence, is checked against `minillm SUB --help`. A documented command must not
+leave a file that git would see in the repository's root, bench/ or docs/ (benches write under the
+git-ignored bench/results/).
 """
 
 from __future__ import annotations
@@ -105,13 +110,20 @@ def blocks_of(page: Path) -> list[Block]:
     return found
 
 
-INLINE = re.compile(r"`((?:python3?|minillm) [^`]+)`")
+INLINE = re.compile(r"`((?:[A-Z][A-Z0-9_]*=\S+ )*(?:python3?|minillm) [^`]+)`")
+ENV_PREFIX = re.compile(r"^((?:[A-Z][A-Z0-9_]*=\S+ )*)")
 
 
 def inline_commands(page: Path) -> list[str]:
-    """Commands quoted inline in a page's prose (fenced blocks excluded)."""
+    """Commands quoted inline in a page's prose (fenced blocks excluded), `VAR=value` prefixes kept."""
     text = FENCE.sub("", page.read_text())
     return [" ".join(m.group(1).split()) for m in INLINE.finditer(text.replace("\n", " "))]
+
+
+def split_env(command: str) -> tuple[dict[str, str], str]:
+    """(`VAR=value` assignments in front of a command, the command after them)."""
+    prefix = ENV_PREFIX.match(command).group(1)
+    return dict(word.split("=", 1) for word in prefix.split()), command[len(prefix):]
 
 
 # ---- what CI does with each documented command ---------------------------------------------------
@@ -162,6 +174,12 @@ DECISIONS: list[tuple[str, str, object]] = [
     ("curl -sS --fail-with-body http://127.0.0.1:8000/v1/", RUN, None),  # after a server the block keeps up (&)
     ("python bench/llamacpp.py", SKIP, "builds llama-cpp-python from source into its own venv (minutes) and "
                                        "times it: a peer never installed by CI"),
+    # docs/engine.md: the step profile's small batches (one batch size, one round: every part of it runs)
+    ("python bench/step_profile.py --batch-sizes 1 2 4 8 16 --compare", SMALL,
+     [("--batch-sizes 1 2 4 8 16 --compare", "--batch-sizes 1 --compare --rounds 1")]),
+    ("python bench/step_profile.py --batch-sizes 1 2 4 8", SMALL, [("--batch-sizes 1 2 4 8", "--batch-sizes 1")]),
+    # docs/bench-serve.md: a stub server whose TTFT and TPOT are known (serves until stopped)
+    ("python -m minillm.benchmark.stub_server --port 8000", SERVE, None),
 ]
 
 # Python blocks: the start of the block -> what it needs first (a server command), or None.
@@ -170,6 +188,19 @@ PYTHON_BLOCKS: list[tuple[str, str | None]] = [
     ("import openai", "minillm serve --port 8000"),
     ("import torch", None),  # docs/engine.md's "adding an attention backend" example, run as written
 ]
+
+
+# `make X` in prose that is not one of the Makefile's targets, on purpose.
+NOT_MAKE_TARGETS = {"reset": "docs/lab.md: the alternative to a workspace copy it argues against"}
+
+
+def make_targets() -> set[str]:
+    return set(re.findall(r"^([a-z][\w-]*):", (ROOT / "Makefile").read_text(), re.M))
+
+
+def inline_make_targets(page: Path) -> list[str]:
+    """X of each `make X ...` quoted in a page's prose (fenced blocks excluded)."""
+    return re.findall(r"`make ([a-z][\w-]*)[^`]*`", FENCE.sub("", page.read_text()))
 
 
 # Scripts that hand options they do not know on to another program (so the flag check skips them).
@@ -188,3 +219,67 @@ def decide(command: str) -> tuple[str, object]:
 def port_of(command: str) -> int:
     m = re.search(r"--port[ =](\d+)", command)
     return int(m.group(1)) if m else 8000
+
+
+# ---- what CI does with each `python ...` command quoted inline in prose --------------------------
+# (`minillm SUB --flag` in prose names a subcommand and its flags, mostly mid-sentence: checked against
+# `minillm SUB --help`. A `python` command in prose is a command a reader copies: it runs.)
+# (how the command starts — or, ending in `$`, the whole command —, decision, detail): the first entry
+# that matches wins. RUN: as written, detail None or the lines the page quotes from its output (each must
+# be in it, runs of spaces read as one); SMALL: detail is the options appended (argparse keeps the last value of an option
+# given twice); SKIP: the reason.
+INLINE_DECISIONS: list[tuple[str, str, object]] = [
+    # timing benches: their smallest documented options, or the fewest requests that exercise every part
+    ("python bench/forward.py", SMALL, "--quick"),
+    ("python bench/ladder.py", SMALL, "--num-requests 8 --repeats 1"),
+    ("python bench/step_profile.py", SMALL, "--batch-sizes 16 --num-requests 12"),
+    ("python bench/attention_backends.py", SMALL, "--num-requests 8 --repeats 1"),
+    ("python bench/paged.py", SMALL, "--quick"),
+    ("python bench/spec.py", SMALL, "--num-requests 2 --max-tokens 8"),
+    ("python bench/spec_batch1.py", SMALL, "--repeats 1 --num-prompts 1 --max-tokens 8"),
+    ("python bench/chunked.py", SMALL, "--num-requests 6 --budgets 0 32"),
+    ("python bench/threads.py", SMALL, "--dtypes float32 --decode-rows 8 --prefill-tokens 64 --max-threads 2 "
+                                       "--rounds 1 --steps 2"),
+    ("python bench/parallel_steps.py", SMALL, "--repeats 1 --num-prompts 2 --max-tokens 4"),
+    ("python bench/kv_quality.py", SMALL, "--texts 1 --tokens 80"),
+    ("python bench/offload.py", SMALL, "--requests 40 --tenants 8"),
+    # deterministic: run as written
+    ("python bench/kv_capacity.py --sim-only", RUN, None),
+    ("python -m minillm.sim.chunking", RUN, None),
+    ("python -m minillm.kernels.ptx", RUN, None),
+    ("NUMBA_ENABLE_CUDASIM=1 python bench/gpu.py --dry-run", RUN, None),
+    ("NUMBA_ENABLE_CUDASIM=1 python -c", RUN, None),
+    ("python tools/check_prose.py", RUN, None),
+    # skipped, with the reason
+    ("python bench/repeat.py", SKIP, "runs a bench three times over (minutes to an hour); "
+                                     "tests/test_bench_repeat.py tests it, and each bench it repeats runs above"),
+    ("python -m minillm.sim.goodput", SKIP, "minutes of CPU (each deployment's goodput is a bisection over "
+                                            "simulations); tests/test_sim_disagg.py runs the same functions on small traces"),
+    ("python bench/router.py", SKIP, "starts 2-4 servers and loads them for minutes; tests/test_router.py, "
+                                     "tests/test_router_hops.py and tests/test_router_policies.py run its parts"),
+    ("python bench/pd.py", SKIP, "starts a PD pair and a colocated server and loads them for minutes; tests/test_pd.py"),
+    ("python bench/llamacpp.py", SKIP, "builds llama-cpp-python from source into its own venv (minutes) and "
+                                       "times it: a peer never installed by CI; tests/test_bench_llamacpp.py"),
+    ("python bench/gpu_smoke.py", SKIP, "needs a GPU (on a CPU it compares the CPU with itself)"),
+    ("python bench/gpu.py", SKIP, "needs a GPU; its CPU check (NUMBA_ENABLE_CUDASIM=1 ... --dry-run) runs"),
+    ("python -m minillm.benchmark.stub_server --host A", SKIP, "A is a placeholder for a host's address"),
+    ("python tools/lab.py --port", SKIP, "JupyterLab runs until stopped; tests/test_lab.py starts it"),
+    ("python tools/lab.py --reset", SKIP, "replaces the reader's own workspace copy; tests/test_lab.py "
+                                          "resets a copy in a temporary course"),
+    ("python tools/grade.py path/to/", SKIP, "path/to/... is a placeholder"),
+    ("python tools/grade.py workspace/", SKIP, "grades the reader's workspace copy (made by make lab); "
+                                               "tests/test_grading*.py grade the same notebooks"),
+    ("python tools/check_claims.py chapters/NN_", SKIP, "NN is a placeholder; tests/test_prose_claims.py "
+                                                       "checks every chapter"),
+    ("python -m minillm serve$", SKIP, "prose naming the process each replica runs; docs/server.md's block "
+                                        "starts `python -m minillm serve`"),
+    ("python -c$", SKIP, "prose naming a way to run Python (`a python -c`), not a command"),
+]
+
+
+def decide_inline(command: str) -> tuple[str, object]:
+    """What CI does with a `python ...` command quoted in prose."""
+    for start, what, detail in INLINE_DECISIONS:
+        if command == start[:-1] if start.endswith("$") else command.startswith(start):
+            return what, detail
+    raise LookupError(command)

@@ -3,7 +3,9 @@
 Each fenced block is one test: its commands run in order from the repository root with the
 course's environment first on PATH (what `source .venv/bin/activate` gives a reader); servers are
 started, waited for, and stopped with every process they started (counted). A block followed by
-the output it prints, where that output is deterministic, is compared with it.
+the output it prints, where that output is deterministic, is compared with it. Each distinct `python ...`
+command quoted in prose is one test too (as written, smaller, or skipped with its reason). None may
+leave a file that git sees in the root, bench/ or docs/.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def environment() -> dict[str, str]:
                VENV=str(BIN.parent))  # make targets use this environment, wherever it lives
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.pop("NUMBA_ENABLE_CUDASIM", None)  # the test suite's own (conftest.py), not a reader's: a page sets it where needed
     return env
 
 
@@ -46,6 +49,23 @@ def as_run_here(command: str) -> str:
     environment this test runs in (a worktree or a CI clone may keep it elsewhere)."""
     command = command.replace("source .venv/bin/activate", f"source {BIN / 'activate'}")
     return re.sub(r"(?<![\w/])\.venv/bin/", f"{BIN}/", command)
+
+
+def stray_files() -> set[str] | None:
+    """Files git would see (untracked, not ignored) where a documented command could leave one: the
+    repository's root, bench/ and docs/. None outside a git checkout (a student release)."""
+    done = subprocess.run(["git", "-C", str(docs.ROOT), "ls-files", "--others", "--exclude-standard"],
+                          capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        return None
+    return {name for name in done.stdout.splitlines() if "/" not in name or name.startswith(("bench/", "docs/"))}
+
+
+def assert_left_nothing(before: set[str] | None, what: str) -> None:
+    after = stray_files()
+    if before is not None and after is not None:
+        assert after <= before, (f"{what} left {sorted(after - before)} where git sees it: a bench writes under "
+                                 "bench/results/ (bench/_machine.py's results_path), which .gitignore excludes")
 
 
 def documented_blocks() -> list[docs.Block]:
@@ -207,7 +227,48 @@ def test_documented_block_runs(block: docs.Block):
         return
     if all(docs.decide(c.text)[0] == docs.SKIP for c in block.commands):
         pytest.skip("; ".join(str(docs.decide(c.text)[1]) for c in block.commands))
+    before = stray_files()
     run_block(block)
+    assert_left_nothing(before, f"{block.page}:{block.line}")
+
+
+def inline_python_commands() -> list:
+    """Each distinct `python ...` command quoted in prose, with the first page that quotes it."""
+    seen: dict[str, str] = {}
+    for page in docs.PAGES:
+        for command in docs.inline_commands(page):
+            if docs.split_env(command)[1].startswith("python"):
+                seen.setdefault(command, str(page.relative_to(docs.ROOT)))
+    return [pytest.param(page, command, id=f"{page}: {command[:70]}") for command, page in seen.items()]
+
+
+def test_every_inline_python_command_has_a_decision():
+    unknown = []
+    for param in inline_python_commands():
+        page, command = param.values
+        try:
+            docs.decide_inline(command)
+        except LookupError:
+            unknown.append(f"{page}: {command}")
+    assert not unknown, "python commands in prose with no decision in tests/doc_commands.py:\n" + "\n".join(unknown)
+
+
+# Starts no server: a group of its own (xdist names it docs-inline_router), beside the servers' group, not in it.
+@pytest.mark.xdist_group("docs-inline")
+@pytest.mark.parametrize("page,command", inline_python_commands())
+def test_inline_python_command_runs(page: str, command: str):
+    what, detail = docs.decide_inline(command)
+    if what == docs.SKIP:
+        pytest.skip(str(detail))
+    if what == docs.SMALL:
+        command = f"{command} {detail}"
+    before = stray_files()
+    out = run(command)
+    if what == docs.RUN and detail:
+        printed = " ".join(out.split())  # compared with runs of spaces as one: a table's column widths are not the claim
+        missing = [quoted for quoted in detail if " ".join(quoted.split()) not in printed]
+        assert not missing, f"{page}: `{command}` does not print {missing} as the page says; it printed:\n{out[-3000:]}"
+    assert_left_nothing(before, f"{page}: `{command}`")
 
 
 def flags_of(command: str) -> list[str]:
@@ -219,8 +280,12 @@ def test_inline_commands_name_real_scripts_and_flags():
     script or module exists and knows each flag."""
     problems, helps = [], {}
     for page in docs.PAGES:
-        for command in docs.inline_commands(page):
-            words = command.split()
+        quoted = []
+        for command in docs.inline_commands(page):  # `python bench/repeat.py -n 3 -- CMD`: each side on its own
+            head, _, tail = command.partition(" -- ")
+            quoted += [head] + ([tail] if tail.startswith(("python", "minillm")) else [])
+        for command in quoted:
+            words = docs.split_env(command)[1].split()
             where = f"{page.relative_to(docs.ROOT)}: {command}"
             if words[0].startswith("python") and len(words) > 1 and words[1].endswith(".py"):
                 source = docs.ROOT / words[1]
@@ -257,6 +322,15 @@ def test_inline_commands_name_real_scripts_and_flags():
                 problems += [f"{where}: `minillm {key}` has no {flag}" for flag in flags_of(command)
                              if flag not in helps[key] and flag != "--help"]
     assert not problems, "\n".join(problems)
+
+
+def test_inline_make_commands_name_real_targets():
+    targets = docs.make_targets()
+    assert {"lab", "test", "grade", "bench", "student-release"} <= targets, targets  # the Makefile was read
+    unknown = [f"{page.relative_to(docs.ROOT)}: make {target}" for page in docs.PAGES
+               for target in docs.inline_make_targets(page)
+               if target not in targets and target not in docs.NOT_MAKE_TARGETS]
+    assert not unknown, "`make X` in prose where the Makefile has no target X:\n" + "\n".join(unknown)
 
 
 def test_the_runner_splits_commands_as_bash_does():

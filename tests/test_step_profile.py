@@ -1,6 +1,7 @@
 """bench/step_profile.py classifies the ops that really run (issue 31): profile a short generate of
 the bundled model in float32 and in float64 and check that every matmul-like op the profiler saw
-lands in the matmul category, and that matmuls are a real share of the model's time."""
+lands in the matmul category, that matmuls are a real share of the model's time, and that the
+share the bench computes is the one torch.profiler's own printed table gives."""
 
 from __future__ import annotations
 
@@ -18,6 +19,24 @@ def looks_like_a_matmul(name: str) -> bool:
                                                                                      "baddbmm")
 
 
+def matmul_share_of_torch_table(prof) -> float:
+    """The matmuls' share read off torch.profiler's own printed table: torch's `Self CPU %` column summed
+    over the rows whose op name looks like a matmul (the reading a reader of that table would make)."""
+    lines = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=-1).splitlines()
+    header = next(i for i, line in enumerate(lines) if "Self CPU %" in line)
+    end = lines[header].index("Self CPU %") + len("Self CPU %")  # the column's values are right-aligned under it
+    percent, rows = 0.0, 0
+    for line in lines[header + 1:]:
+        words = line.split()
+        if not words or set(line.replace(" ", "")) <= {"-"} or line.startswith("Self CPU time total"):
+            continue
+        rows += 1
+        if looks_like_a_matmul(words[0]):
+            percent += float(line[:end].split()[-1].rstrip("%"))
+    assert rows > 10, "\n".join(lines[:20])  # the table was read
+    return percent / 100
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_matmul_ops_are_classified_as_matmuls(dtype):
     step_profile = load_bench("step_profile")
@@ -33,5 +52,8 @@ def test_matmul_ops_are_classified_as_matmuls(dtype):
     seconds = step_profile.categorize(prof)
     share = seconds[matmul_label] / sum(seconds.values())
     assert share > 0.2, f"matmuls are only {share:.1%} of the profiled time in {dtype}: {dict(seconds)}"
+    # The bench's share (its "profiled" column) is torch's own table's, to its rounding (0.01 % a row).
+    in_table = matmul_share_of_torch_table(prof)
+    assert abs(share - in_table) < 0.001, f"step_profile says {share:.2%}, torch's table {in_table:.2%}"
     if dtype == "float32" and torch.backends.mkldnn.is_available():
         assert "mkldnn::_linear_pointwise" in seen
