@@ -23,7 +23,7 @@ Three rules, each a class of answer that passes a check of outputs alone:
    The near rules (share, containment, whole units) compare with the library and the grader-private
    references (minillm/grading/private/); a grading module's own functions only for the same
    bytecode: graders hold harnesses and wrong variants of an answer that an honest answer resembles
-   (ex10's kernel shares 0.87 with one), and a reference answer belongs in private/ (docs/grading.md).
+   (ex10's kernel resembles one of them), and a reference answer belongs in private/ (docs/grading.md).
    The exercise's given code (setup cells, the learner cells as the exercise shows them: `set_given`)
    is left out: everyone has it. The thresholds are set on this course's solutions, none of which
    comes within 0.05 of them (tests/test_grading_copies.py, MARGIN; `python tests/test_grading_copies.py`
@@ -171,8 +171,8 @@ def _library_index(roots: tuple[str, ...], stamp: float) -> LibraryIndex:
             continue
         relative = str(path.relative_to(top)) if path.is_relative_to(top) else str(path)
         # A grading module's own functions (not its private references) are compared for the same
-        # bytecode only: a grader holds harnesses and wrong variants of an answer (ex10's kernels share
-        # 0.87 with one), which an honest answer resembles; a reference answer belongs in private/.
+        # bytecode only: a grader holds harnesses and wrong variants of an answer (ex10's kernel resembles
+        # one of them), which an honest answer resembles; a reference answer belongs in private/.
         grader = str(path.resolve()).startswith(GRADING_DIR) and not str(path.resolve()).startswith(PRIVATE_DIR)
         units: dict[str, list[tuple[str, ...]]] = {}
         for code in code_tree(module):
