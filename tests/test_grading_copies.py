@@ -18,6 +18,7 @@ import json
 import re
 import textwrap
 import types
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,59 @@ def test_the_exercises_given_code_is_not_a_copy() -> None:
         assert provenance.provenance_problem([namespace["Given"]]) is None
     finally:
         provenance.set_given(())
+
+
+def closest(solution: Path) -> dict[str, tuple[float, str]]:
+    """The solution's closest approach to each copy rule: (share, what) for 'function' (the share of the
+    longer one, learner functions of SMALL_INSTRUCTIONS or more), 'contained' (a minillm function of
+    CONTAINED_MIN or more found in one at most twice its size) and 'unit' (a class or group, summed);
+    `python tests/test_grading_copies.py` prints them for every solution (docs/grading.md quotes them)."""
+    from difflib import SequenceMatcher
+
+    provenance.set_given(given_sources(compose(solution, solution).cells))
+    try:
+        index = provenance.library_index()
+        codes = _learner_codes(solution)
+        best = {"function": (0.0, "-"), "contained": (0.0, "-"), "unit": (0.0, "-")}
+        for code in codes:
+            toks = provenance.tokens(code)
+            if len(toks) < provenance.SMALL_INSTRUCTIONS or toks in provenance.given():
+                continue
+            for size, other, label in index.sized:
+                if size > 2 * len(toks) or (2 * size < len(toks) and size < provenance.CONTAINED_MIN):
+                    continue
+                longer = max(size, len(toks))
+                quick = SequenceMatcher(None, toks, other, autojunk=False).quick_ratio() * (len(toks) + size) / 2
+                if quick / longer > best["function"][0]:
+                    share = provenance.shared(toks, other) / longer
+                    if share > best["function"][0]:
+                        best["function"] = (share, f"{code.co_qualname} ({len(toks)}) ~ {label} ({size})")
+                if size >= provenance.CONTAINED_MIN and len(toks) <= 2 * size and quick / size > best["contained"][0]:
+                    found = provenance.shared(toks, other) / size
+                    if found > best["contained"][0]:
+                        best["contained"] = (found, f"{code.co_qualname} holds {label} ({size})")
+        units: dict[str, list[tuple[str, ...]]] = {}
+        for code in codes:
+            units.setdefault(provenance._unit_of(code), []).append(provenance.tokens(code))
+        for name, members in units.items():
+            members = [m for m in members if m not in provenance.given()]
+            total = sum(map(len, members))
+            if total < provenance.UNIT_MIN:
+                continue
+            bag = Counter(i for m in members for i in m)
+            for label, theirs, size, their_bag in index.units:
+                whole = max(total, size)
+                if sum((bag & their_bag).values()) / whole <= best["unit"][0]:
+                    continue  # no order shares more than the two bags of instructions
+                mine = sum(max((provenance.shared(m, o) for o in theirs), default=0) for m in members) / whole
+                if mine > best["unit"][0]:
+                    best["unit"] = (mine, f"{name} ({total}) ~ {label} ({size})")
+        return best
+    finally:
+        provenance.set_given(())
+
+
+if __name__ == "__main__":
+    for path in SOLUTIONS:
+        for rule, (share, what) in closest(path).items():
+            print(f"{path.stem:28s} {rule:9s} {share:.2f}  {what}")

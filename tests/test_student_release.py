@@ -154,3 +154,53 @@ def test_release_refuses_a_stale_manifest_and_finds_leaks(tmp_path: Path) -> Non
     found = student_release.leaks(tmp_path / "leaky")
     assert [line.split(":")[0] for line in found] == ["a.ipynb", "b.json", "c.py",
                                                       "minillm/grading/private/expected/ex03_dynamic_batcher.json"], found
+
+
+# The tasks whose check reaches a grader-private reference (minillm/grading/private/, left out of a
+# release): NOT GRADED HERE in a student release. docs/grading.md lists them.
+WITHHELD_IN_A_RELEASE = {"03": [3], "04": [1, 2, 3], "05": [1, 2], "06": [1, 2, 3, 4], "07": [1, 2, 4],
+                         "08": [1, 2, 3, 4], "09": [1, 2], "13": [1, 3]}
+_PRIVATE_NAMES = {"_private", "private", "_TEACHERS"}  # how a grading module holds its private_reference()
+
+
+def _tasks_reaching_private(path: Path) -> list[int]:
+    """The tasks of a grading module whose check, or a module-level function or class it names (and so
+    on), names the module's private reference."""
+    import ast
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names, tasks = {}, {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names[node.name] = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+            for decorator in getattr(node, "decorator_list", []):
+                if isinstance(decorator, ast.Call) and getattr(decorator.func, "id", "") == "task":
+                    tasks[node.name] = decorator.args[0].value
+
+    def reaches(name: str, seen: set[str]) -> bool:
+        seen.add(name)
+        used = names.get(name, set())
+        return bool(used & _PRIVATE_NAMES) or any(reaches(n, seen) for n in used if n in names and n not in seen)
+
+    return sorted(number for name, number in tasks.items() if reaches(name, set()))
+
+
+def _described(withheld: dict[str, list[int]]) -> str:
+    def numbers(tasks: list[int]) -> str:
+        if len(tasks) == 1:
+            return f"task {tasks[0]}"
+        if len(tasks) > 1 and tasks == list(range(tasks[0], tasks[-1] + 1)):
+            return f"tasks {tasks[0]}-{tasks[-1]}"
+        return "tasks " + ", ".join(map(str, tasks[:-1])) + f" and {tasks[-1]}"
+
+    parts = [f"ex{number} {numbers(tasks)}" for number, tasks in sorted(withheld.items())]
+    return ", ".join(parts[:-1]) + f" and {parts[-1]}"
+
+
+def test_the_tasks_a_release_does_not_grade_are_the_documented_ones() -> None:
+    found = {path.stem[2:]: tasks for path in sorted((REPO_ROOT / "minillm" / "grading").glob("ex[0-9][0-9].py"))
+             if (tasks := _tasks_reaching_private(path))}
+    assert found == WITHHELD_IN_A_RELEASE
+    assert "03" in found and _tasks_reaching_private(REPO_ROOT / "minillm" / "grading" / "ex02.py") == []
+    docs = " ".join((REPO_ROOT / "docs" / "grading.md").read_text(encoding="utf-8").split())
+    assert _described(found) in docs, _described(found)

@@ -8,12 +8,17 @@ grader-private (`minillm.grading.private.ex05_reference`). minillm's `BlockAlloc
 engine with minillm's own. Task 4 hands the learner's function tensors that refuse element-by-element
 access (`NoLoops`), switches off every way out of torch (numpy, lists, storage) during the call, and
 counts the torch operations it dispatches: a bound independent of the batch's size leaves no room for
-a Python loop over rows or tokens.
+a Python loop over rows or tokens. The C methods under torch.Tensor's (`torch._C.TensorBase.tolist`,
+`.numpy`, `.data_ptr`, `.untyped_storage`, dlpack) are refused too, whichever way they are called, and
+so is a tensor built from a list of Python numbers (`torch.tensor(rows)`): the way back into torch
+after a Python loop.
 """
 
 from __future__ import annotations
 
 import random
+import sys
+import threading
 from contextlib import contextmanager
 
 import torch
@@ -21,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from minillm import LLM, SamplingParams
 from minillm.grading import (
+    _HITS,
     Fail,
     forbid,
     grade_time_seeds,
@@ -241,8 +247,23 @@ class NoLoops(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs)
 
 
+# torch's own C methods and functions that read a tensor's data out of torch: torch.Tensor's are
+# switched off by _no_way_out, and these are refused however they are reached (torch._C.TensorBase.tolist(t)
+# skips torch.Tensor's attribute).
+RAW_READS = ("tolist", "numpy", "data_ptr", "untyped_storage", "_to_dlpack", "_to_dlpack_versioned", "__dlpack__")
+MAX_LIFTED = 8  # numbers a tensor built from Python data (torch.tensor(list)) may hold: a constant, not an answer
+
+
+def _refused(message):
+    """Record the refusal (so a learner's `except` cannot hide it: the task FAILs) and raise it."""
+    _HITS.append(message)
+    return Fail(message)
+
+
 class _CountOps(TorchDispatchMode):
-    """Counts the torch operations dispatched while active (a Python loop dispatches some per row)."""
+    """Counts the torch operations dispatched while active (a Python loop dispatches some per row), and
+    refuses a tensor built from many Python numbers (`torch.tensor(rows)`, dispatched as lift_fresh):
+    the way back into torch for an answer computed in a Python loop."""
 
     def __init__(self):
         super().__init__()
@@ -250,7 +271,31 @@ class _CountOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
+        if func is torch.ops.aten.lift_fresh.default and args and args[0].numel() > MAX_LIFTED:
+            raise _refused(f"your code built a tensor of {args[0].numel()} numbers from Python data "
+                           "(torch.tensor of a list): task 4 wants the matrix computed by whole-tensor operations, "
+                           "not by a Python loop and then turned into a tensor")
         return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def _no_raw_reads():
+    """While active (in this thread and in threads it starts), a call of one of RAW_READS, from any code,
+    raises and FAILs the task: the interpreter's profile hook sees C calls that no patch of torch.Tensor
+    can (`torch._C.TensorBase.tolist(t)`, `torch._C._to_dlpack(t)`)."""
+
+    def refuse(frame, event, arg):
+        if event == "c_call" and getattr(arg, "__name__", None) in RAW_READS:
+            raise _refused(str(_escape(arg.__name__)))
+
+    previous, previous_threads = sys.getprofile(), threading.getprofile()
+    sys.setprofile(refuse)
+    threading.setprofile(refuse)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+        threading.setprofile(previous_threads)
 
 
 @contextmanager
@@ -313,7 +358,7 @@ def check_task_4(slot_matrix, num_cases: int = 300) -> str:
         want = _expected_matrix(tables, starts, counts, block_size)
         args = [torch.tensor(x, dtype=torch.long).as_subclass(NoLoops) for x in (tables, starts, counts)]
         counter = _CountOps()
-        with forbid(BlockManager, BlockTableBuffer), _no_way_out(), counter:
+        with forbid(BlockManager, BlockTableBuffer), _no_way_out(), counter, _no_raw_reads():
             got = slot_matrix(*args, block_size)
         most = max(most, counter.count)
         where = f"case {number} ({len(tables)} rows, block_size {block_size})"

@@ -18,7 +18,8 @@ define each piece, not one output:
   the learner's round trip: the pool must hold values on each (token, head)'s int8 grid, equal to the
   reference's, and greedy tokens must equal the reference engine's; then StreamingLLM eviction with the
   learner's keep-set must evict as many tokens and emit the same tokens as the library's.
-Tasks 1-3 add cases drawn when the check runs (`grade_time_seeds`).
+Tasks 1-3 add cases drawn when the check runs (`grade_time_seeds`); task 4 serves a prompt drawn then
+beside its three seeded ones.
 """
 
 from __future__ import annotations
@@ -233,11 +234,17 @@ def _control_llm(model, **knobs):
     return LLM(model, dtype="float64", max_num_seqs=4, max_model_len=128, **knobs)
 
 
-def _greedy(llm) -> list[list[int]]:
+def _drawn_prompt() -> list[int]:
+    """A prompt of the seeded ones' length, drawn when the check runs: the engine's answers cannot be known in advance."""
+    rng = random.Random(grade_time_seeds(1)[0])
+    return [rng.randrange(6, 4006) for _ in range(len(PROMPTS[0]))]
+
+
+def _greedy(llm, prompts) -> list[list[int]]:
     from minillm import SamplingParams
 
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -253,13 +260,14 @@ def check_task_4(kv_round_trip, streaming_keep_set) -> list[str]:
     from minillm.kv.quality import random_control_model
 
     model = random_control_model()
+    prompts = [*PROMPTS, _drawn_prompt()]  # the seeded prompts and one drawn now
     reference = _control_llm(model, attention_backend="torch")
     simulated_quant.simulate_kv_dtype(reference, "int8")
-    ref_tokens, ref_values = _greedy(reference), _written(reference)
+    ref_tokens, ref_values = _greedy(reference, prompts), _written(reference)
     yours = _control_llm(model, attention_backend="torch")
     yours.engine.executor.worker.backend = simulated_quant.round_trip_backend(kv_round_trip)
     with forbid(*REFERENCE):
-        tokens = _greedy(yours)
+        tokens = _greedy(yours, prompts)
     values = _written(yours)
     if values.shape != ref_values.shape:
         raise Fail(f"your round trip left {values.shape[0]} written K/V rows in the pool, the reference "
@@ -275,22 +283,25 @@ def check_task_4(kv_round_trip, streaming_keep_set) -> list[str]:
     if tokens != ref_tokens:
         raise Fail(f"greedy tokens with your int8 KV differ from the reference's: {tokens[0][:10]} vs "
                    f"{ref_tokens[0][:10]} (first prompt)")
-    exact = _greedy(_control_llm(model, attention_backend="torch"))
-    same_as_exact = sum(a == b for x, y in zip(tokens, exact) for a, b in zip(x, y))
+    seeded = len(PROMPTS)  # the PASS lines count the seeded prompts (the drawn one differs per run)
+    exact = _greedy(_control_llm(model, attention_backend="torch"), PROMPTS)
+    same_as_exact = sum(a == b for x, y in zip(tokens[:seeded], exact) for a, b in zip(x, y))
 
     ref_evict = _control_llm(model, kv_eviction=STREAMING)
-    ref_evict_tokens = _greedy(ref_evict)
+    ref_evict_tokens = _greedy(ref_evict, prompts)
     ref_evicted = ref_evict.engine.executor.worker.eviction.evicted_tokens
     evicting = _control_llm(model, kv_eviction=STREAMING)
     tracker = evicting.engine.executor.worker.eviction
     tracker.streaming_keep = streaming_keep_set
     with forbid(*REFERENCE):
-        evict_tokens = _greedy(evicting)
+        evict_tokens = _greedy(evicting, prompts)
     if tracker.evicted_tokens != ref_evicted or evict_tokens != ref_evict_tokens:
         raise Fail(f"with your keep-set the engine evicted {tracker.evicted_tokens} tokens (the library's keep-set: "
                    f"{ref_evicted}) and its greedy tokens {'equal' if evict_tokens == ref_evict_tokens else 'differ'}")
-    total = len(PROMPTS) * NEW_TOKENS
+    total = seeded * NEW_TOKENS
     return [f"int8 KV through your round trip: {values.numel()} K/V values on their int8 grid, equal to the reference's; "
-            f"greedy tokens equal the reference engine's ({same_as_exact}/{total} equal to the exact float64 cache's)",
+            f"greedy tokens equal the reference engine's ({same_as_exact}/{total} on the {seeded} seeded prompts equal "
+            "to the exact float64 cache's), and on a prompt drawn now",
             f"StreamingLLM, budget {STREAMING['budget_tokens']} with {STREAMING['num_sinks']} sinks, your keep-set: "
-            f"{tracker.evicted_tokens} tokens evicted, greedy tokens equal the library's on {len(PROMPTS)} prompts"]
+            f"{tracker.evicted_tokens} tokens evicted, greedy tokens equal the library's on {seeded} seeded prompts "
+            "and one drawn now"]

@@ -77,6 +77,22 @@ KNOWN_WRONG = [
         "        row = plain[0][i][(pos // block_size).clamp(max=block_tables.shape[1] - 1)] * block_size + pos % block_size\n"
         "        out[i] = torch.where(cols < plain[2][i], row, -1)\n"
         "    return out\n"), expect="torch operations"),
+    Mutant(4, "torch's C tolist under the patched one (torch._C.TensorBase.tolist), then a Python loop", code=(
+        "def slot_matrix(block_tables, starts, counts, block_size):\n"
+        "    read = torch._C.TensorBase.tolist\n"
+        "    tables, s, c = (read(torch.Tensor._make_subclass(torch.Tensor, t)) for t in (block_tables, starts, counts))\n"
+        "    width = max(c, default=0)\n"
+        "    rows = [[tables[i][(s[i] + j) // block_size] * block_size + (s[i] + j) % block_size if j < c[i] else -1\n"
+        "             for j in range(width)] for i in range(len(c))]\n"
+        "    return torch.tensor(rows, dtype=torch.long).reshape(len(c), width)\n"), expect="element by element"),
+    Mutant(4, "the C tolist called by map (no Python call to see), a Python loop, then torch.tensor(rows)", code=(
+        "def slot_matrix(block_tables, starts, counts, block_size):\n"
+        "    plain = [torch.Tensor._make_subclass(torch.Tensor, t) for t in (block_tables, starts, counts)]\n"
+        "    tables, s, c = map(torch._C.TensorBase.tolist, plain)\n"
+        "    width = max(c, default=0)\n"
+        "    rows = [[tables[i][(s[i] + j) // block_size] * block_size + (s[i] + j) % block_size if j < c[i] else -1\n"
+        "             for j in range(width)] for i in range(len(c))]\n"
+        "    return torch.tensor(rows, dtype=torch.long).reshape(len(c), width)\n"), expect="from Python data"),
     Mutant(4, "the chapter's flat layout transcribed (repeat_interleave and cumsum)", code=(
         "def slot_matrix(block_tables, starts, counts, block_size):\n"
         "    rows = torch.repeat_interleave(torch.arange(block_tables.shape[0]), counts)\n"

@@ -167,3 +167,24 @@ KNOWN_WRONG += [
     Mutant(4, "fits the seeded case only: five rows assumed", edits=((
         "    if r < lengths.size:\n", "    if r < 5:\n"),), expect="drawn as the check ran"),
 ]
+
+# issue 27: task 5 used three fixed batches only; a kernel that knows their answers fails on the batches drawn
+# at grade time (the reference's outputs for grader.CASES memoised at cell time, before the check disables it)
+KNOWN_WRONG += [
+    Mutant(5, "memoised: the seeded batches' outputs looked up by their first query value", code=(
+        "from minillm.kernels.decode_attention import paged_attention_decode_reference as _ref\n"
+        "from minillm.kernels.scenarios import paged_scenario as _scenario\n"
+        "_MEMO = {}\n"
+        "for _name, _kwargs in grader.CASES:\n"
+        "    _case = _scenario(**_kwargs)\n"
+        "    _MEMO[float(_case.query[0, 0, 0])] = _ref(*_case.args()).numpy()\n"
+        "def paged_decode_kernel(query, key_cache, value_cache, kv_indptr, kv_indices, kv_last_page_len, scale, out):\n"
+        "    i = cuda.grid(1)\n"
+        "    q_heads = query.shape[1]\n"
+        "    if i < query.shape[0] * q_heads:\n"
+        "        seq, head = i // q_heads, i % q_heads\n"
+        "        known = _MEMO.get(float(query[0, 0, 0]))\n"
+        "        for d in range(query.shape[2]):\n"
+        "            out[seq, head, d] = known[seq, head, d] if known is not None else 0.0\n"),
+        expect="drawn as the check ran"),
+]
