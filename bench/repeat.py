@@ -30,7 +30,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import cpu_model  # noqa: E402
 
-NUMBER = re.compile(r"(?<![\w.])[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "repeat")
+# a number not glued to a word, except a ratio written "x0.96" (the benches print ratios so)
+NUMBER = re.compile(r"(?:(?<![\w.])|(?<=\bx))[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")
 
 
 def split_numbers(line: str) -> tuple[str, list[str]]:
@@ -67,7 +69,8 @@ def fold_outputs(outputs: list[str]) -> list[str]:
     for lines in zip(*runs):
         parts = [split_numbers(line) for line in lines]
         template, _ = parts[0]
-        if any(t != template or len(n) != len(parts[0][1]) for t, n in parts):
+        # a padded column's width moves with its number ("  180.0" / " 1180.0"): compare the text, not the spaces
+        if any(t.split() != template.split() or len(n) != len(parts[0][1]) for t, n in parts):
             folded.append(lines[0])
             continue
         columns = zip(*(numbers for _, numbers in parts))
@@ -79,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-n", "--runs", type=int, default=3, help="how many times to run the command (>= 2)")
     parser.add_argument("--keep", default=None, help="print only folded lines matching this regex")
+    parser.add_argument("--save", default=str(RESULTS), help="folder that keeps each run's own output (git-ignored)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the bench command, after --")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -99,10 +103,16 @@ def main(argv: list[str] | None = None) -> int:
         outputs.append(done.stdout)
         header.append(f"run {i + 1}: {started:%Y-%m-%d %H:%M} UTC, load average {load:.1f} before, "
                       f"{time.monotonic() - t0:.0f} s")
+    os.makedirs(args.save, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    for i, out in enumerate(outputs):
+        with open(os.path.join(args.save, f"{stamp}-run{i + 1}.txt"), "w") as f:
+            f.write(out)
     print(f"$ {shlex.join(command)}")
     print(f"{args.runs} runs on {cpu_model()} ({os.cpu_count()} CPUs); every number that moved is "
           f"median [min–max] of the runs")
     print("\n".join(header))
+    print(f"each run's own output: {os.path.relpath(args.save, os.getcwd())}/{stamp}-run*.txt")
     keep = re.compile(args.keep) if args.keep else None
     for line in fold_outputs(outputs):
         if keep is None or keep.search(line):

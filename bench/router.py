@@ -86,15 +86,21 @@ def start_router(workers: list[str], policy: str, flags: list[str] = ()) -> tupl
         cmd += ["--worker", w]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    wait_healthy(url, proc, "the router")
+    return proc, url
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 120) -> None:
+    """Until `url`/health answers 200; raises if the process exits or the time runs out."""
+    deadline = time.monotonic() + timeout_s
     while True:
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
+                return
         except httpx.TransportError:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the router did not start")
+            raise RuntimeError(f"{what} did not start")
         time.sleep(0.2)
 
 
@@ -304,6 +310,7 @@ def run_stub(args) -> None:
     worker = f"http://127.0.0.1:{stub_port}"
     router = None
     try:
+        wait_healthy(worker, stub, "the stub worker")  # (the first direct request was once refused: it came too early)
         router, url = start_router([worker], "round_robin")
         body = {"model": "stub", "prompt": "hello " * 100, "max_tokens": 4, "stream": True}
         first_chunk = {worker: [], url: []}

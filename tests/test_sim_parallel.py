@@ -474,6 +474,19 @@ def test_compare_layouts_at_equal_work_ranks_tp8_first_for_70b():
     assert min(rows, key=lambda n: rows[n].ttft_s) == "TP 8"
     with pytest.raises(ValueError, match="layout 'TP 4' uses 4 devices, not 8"):
         compare_layouts(H100_SXM, LLAMA_70B, {"TP 4": dict(tp=4)}, num_seqs=64, num_devices=8, tp_link=NVLINK4_H100)
+    # Each row says which decode regime it prices: steady decoding (as served) for the throughput, and
+    # beside it one trip of the same sequences (fill and drain). Without PP the two are one and the same;
+    # with PP the trip pays the (p - 1) / (m + p - 1) bubble: PP 8 at 8 micro-batches 1,490 -> 794 tokens/s.
+    for r in rows.values():
+        if r.pp == 1:
+            assert r.num_microbatches == 1 and r.steady_idle_fraction == r.fill_drain_idle_fraction == 0
+            assert r.fill_drain_tokens_per_s == pytest.approx(r.throughput_tokens_per_s)
+        else:
+            assert r.num_microbatches == r.pp and r.steady_idle_fraction < 0.01
+            assert r.fill_drain_idle_fraction == pytest.approx((r.pp - 1) / (2 * r.pp - 1))
+            assert r.fill_drain_tokens_per_s < 0.7 * r.throughput_tokens_per_s
+    assert rows["PP 8"].throughput_tokens_per_s == pytest.approx(1490, rel=1e-3)
+    assert rows["PP 8"].fill_drain_tokens_per_s == pytest.approx(794, rel=1e-3)
     # TP 2 x DP 4 holds 18,445 KV tokens per device: 16 sequences of 1,024, not 32 of them
     with pytest.raises(ValueError, match="layout 'TP 2 x DP 4': a device holds 18,445 KV tokens, fewer than its "
                                          "replica's 32 sequences x 1024 tokens"):

@@ -339,7 +339,9 @@ class LayoutSummary:
     """What a TP x PP layout times `dp` replicas gives one model on one kind of device, serving
     `num_seqs` sequences in all (chapter 12). Replicas share nothing: each decodes `seqs_per_replica`
     of them, so TTFT, TPOT and memory per device are one replica's, and the throughput counts every
-    sequence of every replica. Decode is in the steady state (`PipelineCost.steady_*`)."""
+    sequence of every replica. Decode is in the steady state (`PipelineCost.steady_*`), as a serving
+    engine runs it; the `fill_drain_*` fields say what the same sequences would give crossing the
+    pipeline once (one batch, the bubble), so that a table can print both, each labelled."""
 
     tp: int
     pp: int
@@ -351,6 +353,8 @@ class LayoutSummary:
     tpot_s: float  # time between two tokens of one sequence, in steady decoding
     throughput_tokens_per_s: float  # decode tokens per second, all sequences of all replicas together
     steady_idle_fraction: float  # share of time a stage does not compute while decoding (0 without PP)
+    fill_drain_tokens_per_s: float  # one batch once through instead (all replicas): not how decode runs
+    fill_drain_idle_fraction: float  # the bubble of that one trip, (pp - 1) / (m + pp - 1)
     weight_bytes_per_device: float
     kv_tokens_per_device: int  # KV room of one device, in tokens of its layers and heads
     fits: bool  # the weights fit with some room for KV
@@ -401,6 +405,8 @@ def layout_summary(
         tpot_s=decode.steady_inter_token_s,
         throughput_tokens_per_s=dp * decode.steady_tokens_per_s,
         steady_idle_fraction=decode.steady_idle_fraction,
+        fill_drain_tokens_per_s=dp * decode.fill_drain_tokens_per_s,
+        fill_drain_idle_fraction=decode.fill_drain_idle_fraction,
         weight_bytes_per_device=memory.weight_bytes,
         kv_tokens_per_device=memory.kv_tokens,
         fits=memory.fits,
