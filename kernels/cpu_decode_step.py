@@ -8,6 +8,11 @@ then the lm_head — and writes the logits [B, vocab] into a buffer the caller k
 layout is computed inside too, from the input batch's own arrays (each row's position, token, K/V
 slot and block-table row), so nothing is built in Python for it.
 
+Rows may share a sequence: a speculative verify step passes one request's pending token and its
+guesses as consecutive rows of the same input-batch row at positions L, L+1, …. Within each layer
+the rows are handled in order, each writing its K/V into the pool before its attention reads keys
+0 … its position, so row L+j sees the K/V of rows L … L+j−1 written just before it: causal, with no mask.
+
 Why one call: at batch 1 the bundled model's step reads ~16 MB of weights, about a millisecond of
 memory traffic, while the op-by-op forward dispatches ~480 torch ops and 17 numba calls a step
 (counted: `python bench/step_profile.py --batch-sizes 1`), each a few µs of framework work. Here

@@ -110,18 +110,23 @@ def test_not_taken_where_not_supported(knobs, why):
 
 
 def test_steps_it_cannot_run_go_the_op_by_op_way(llm):
-    """Prefill rows, more than MAX_ROWS rows, speculative rows: `rows_of` says no (None)."""
+    """Prefill rows, more than MAX_ROWS rows, verify rows whose 1+k tokens add up to more than MAX_ROWS,
+    a row that is not one pending token and its guesses: `rows_of` says no (None)."""
     from minillm.scheduler.output import SchedulerOutput
 
     compiled, batch = llm.engine.executor.worker.compiled_decode, llm.engine.executor.worker.input_batch
 
-    def plan(n, decode=True, spec=None):
-        return SchedulerOutput(new_requests=[], req_ids=[f"r{i}" for i in range(n)], num_scheduled_tokens=[1] * n,
-                               num_computed_tokens=[5] * n, new_token_ids=[[7]] * n, is_decode=[decode] * n,
+    def plan(n, decode=True, spec=None, width=1, start=5):
+        return SchedulerOutput(new_requests=[], req_ids=[f"r{i}" for i in range(n)], num_scheduled_tokens=[width] * n,
+                               num_computed_tokens=[start] * n, new_token_ids=[[7]] * n, is_decode=[decode] * n,
                                samples=[True] * n, spec_token_ids=spec or {})
     assert compiled.rows_of(plan(MAX_ROWS + 1), batch) is None
     assert compiled.rows_of(plan(1, decode=False), batch) is None
-    assert compiled.rows_of(plan(1, spec={"r0": [3, 4]}), batch) is None
+    four = [3, 4, 5, 6]
+    assert compiled.rows_of(plan(2, False, {"r0": four, "r1": four}, width=5), batch) is None  # 10 rows
+    assert compiled.rows_of(plan(1, False, {"r0": list(range(MAX_ROWS))}, width=MAX_ROWS + 1), batch) is None
+    assert compiled.rows_of(plan(1, False, {"r0": four}, width=6), batch) is None  # two pending tokens
+    assert compiled.rows_of(plan(1, False, {"r0": four}, width=5, start=0), batch) is None  # no context
     assert CompiledDecode.supported(llm.model, None, "numba_cpu") == "no float32 paged KV pool"
 
 
@@ -147,3 +152,92 @@ def test_compute_logits_runs_compiled_and_hands_back_a_copy(llm):
         del compiled.run  # (count_compiled_calls' wrapper)
         for rid in list(engine.requests):
             engine.abort_request(rid)
+
+
+def record_compiled_calls(llm: LLM) -> list[tuple[list[int], list[list[int]], torch.Tensor]]:
+    """Wrap the worker's compiled step: per call, each row's position, each row's tokens up to and
+    including its own (what its logits depend on), and a copy of the logits."""
+    compiled = llm.engine.executor.worker.compiled_decode
+    calls = []
+    run = compiled.run
+
+    def recorded(rows, starts, batch):
+        contexts = [batch.token_ids[r, : s + 1].tolist() for r, s in zip(rows, starts)]
+        logits, logits_np = run(rows, starts, batch)
+        calls.append((starts.tolist(), contexts, logits.clone()))
+        return logits, logits_np
+    compiled.run = recorded
+    return calls
+
+
+def record_forward_tokens(llm: LLM) -> list[int]:
+    """Wrap the model's op-by-op forward: the returned list collects each call's number of tokens."""
+    model, tokens = llm.model, []
+    forward = model.forward
+
+    def counted(input_ids, *args, **kwargs):
+        tokens.append(len(input_ids))
+        return forward(input_ids, *args, **kwargs)
+    model.forward = counted
+    return tokens
+
+
+def spec_llm(method: str, k: int) -> LLM:
+    return LLM(max_num_seqs=1, max_model_len=256, speculative_config={"method": method, "num_speculative_tokens": k})
+
+
+@pytest.fixture(scope="module")
+def code_like(llm):
+    """A prompt, the target's own continuation, the prompt again (chapter 09's code-like prompts: the
+    answer copies its context, so n-gram lookup finds guesses); and plain decoding's greedy tokens after
+    it, each compiled step's logits by position and the tokens they saw (batch 1)."""
+    ids = llm.tokenizer(TEXTS[2]).input_ids
+    prompt = ids + greedy_ids(llm, [{"prompt_token_ids": ids}])[0] + ids
+    compiled = llm.engine.executor.worker.compiled_decode
+    had = compiled.__dict__.get("run")
+    calls = record_compiled_calls(llm)
+    try:
+        tokens = greedy_ids(llm, [{"prompt_token_ids": prompt}])[0]
+    finally:
+        if had is None:
+            del compiled.run
+        else:
+            compiled.run = had
+    by_position = {starts[0]: (contexts[0], logits[0]) for starts, contexts, logits in calls}
+    return prompt, tokens, by_position
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_a_verify_step_at_batch_1_runs_compiled_and_computes_plain_decodings_logits(code_like, method):
+    """k = 4 guesses: every verify step is one compiled call of 1+k rows (the op-by-op forward runs the
+    prefill only); the greedy tokens are plain decoding's; every row whose tokens so far are plain
+    decoding's (the pending token's, and each accepted guess's) has plain decoding's logits at that
+    position, bit for bit."""
+    prompt, want, plain = code_like
+    spec = spec_llm(method, 4)
+    assert spec.engine.executor.worker.compiled_decode is not None
+    calls, forward_tokens = record_compiled_calls(spec), record_forward_tokens(spec)
+    assert greedy_ids(spec, [{"prompt_token_ids": prompt}])[0] == want
+    assert sum(forward_tokens) == len(prompt)  # the prefill; every later step ran compiled
+    assert max(len(starts) for starts, _, _ in calls) == 5
+    compared = 0
+    for starts, contexts, logits in calls:
+        assert starts == list(range(starts[0], starts[0] + len(starts)))  # one request's positions, in order
+        for row, (position, context) in enumerate(zip(starts, contexts)):
+            seen, plain_logits = plain.get(position, (None, None))
+            if context == seen:
+                assert torch.equal(logits[row], plain_logits), (position, row)
+                compared += 1
+    assert compared > len(calls)  # guess rows, not only the pending tokens' rows
+    stats = spec.engine.metrics.spec_decode
+    assert stats.num_accepted_tokens > 0
+
+
+def test_a_verify_step_of_more_than_max_rows_falls_back_to_the_op_by_op_forward(code_like):
+    """k = MAX_ROWS guesses at batch 1 (1+k rows): those verify steps run op by op, the same tokens come out."""
+    prompt, want, _ = code_like
+    spec = spec_llm("ngram", MAX_ROWS)
+    sizes, forward_tokens = count_compiled_calls(spec), record_forward_tokens(spec)
+    assert greedy_ids(spec, [{"prompt_token_ids": prompt}])[0] == want
+    assert MAX_ROWS + 1 in forward_tokens  # a full verify step, op by op
+    assert all(size <= MAX_ROWS for size in sizes)

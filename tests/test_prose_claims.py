@@ -55,12 +55,52 @@ def test_a_planted_claim_with_nothing_behind_it_fails_with_file_cell_and_sentenc
     assert "TTFT" in findings[0].why and "<!-- claim:" in findings[0].why
 
 
+@pytest.mark.parametrize("notebook", CHAPTERS, ids=[p.stem for p in CHAPTERS])
+def test_every_question_has_a_folded_answer(notebook: Path) -> None:
+    findings = check_claims.check_questions(notebook)
+    assert not findings, "\n".join(str(f) for f in findings)
+
+
+QUESTIONS = ("## 9 · Check your understanding\n\n1. Why does TTFT fall with the delay?\n"
+             "2. What would a\n   second replica buy?\n3. Name two costs.\n\n")
+
+
+@pytest.mark.parametrize("answers, problem", [
+    ("<details><summary>Answers</summary>\n\n1. Because...\n2. Nothing,\n   as...\n3. A and B.\n</details>", None),
+    ("", "no folded answers"),
+    ("<details><summary>Answers</summary>\n\n1. Because...\n3. A and B.\n</details>", "question(s) 2 have no"),
+    ("<details><summary>Answers</summary>\n\n1. a\n2. b\n3. c\n", "never closed"),
+    ("<details><summary>Hint</summary>\n\n1. a\n2. b\n3. c\n</details>", "not the answers"),
+])
+def test_a_question_without_a_folded_answer_fails(tmp_path: Path, answers: str, problem: str | None) -> None:
+    """Planted: the answers fold missing, one answer left out, a fold never closed, a hint fold."""
+    cells = [_md("# 99 · Test"), _md(QUESTIONS + answers), _md("## Exercise\n\n1. Not a question of the section.")]
+    findings = check_claims.check_questions(_notebook(tmp_path, cells))
+    if problem is None:
+        assert findings == []
+    else:
+        assert len(findings) == 1 and problem in findings[0].why and findings[0].cell == 1
+    assert "no 'Check your understanding'" in check_claims.unanswered_questions([_md("# 99 · Test")])
+
+
+def test_the_command_line_exits_1_on_a_planted_claim_and_0_on_a_chapter(tmp_path: Path, capsys) -> None:
+    planted = _notebook(tmp_path, [_md("Chunked prefill makes p99 ITL fall several times.")])
+    assert check_claims.main([str(planted)]) == 1
+    assert "Chunked prefill makes p99 ITL fall several times." in capsys.readouterr().out
+    assert check_claims.main([str(CHAPTERS[0])]) == 0
+
+
 @pytest.mark.parametrize("claim", [
     "The step time barely moves from batch 1 to 32.",
     "Dynamic batching is not much better than static on throughput.",
     "Goodput is 3.5× higher with continuous batching.",
     "The measured curve flattened sooner than the formula's step time.",
     "TTFT falls by an order of magnitude.",
+    "Prefix caching improves TTFT on the chat trace.",
+    "Throughput increases with the batch until the seats are full.",
+    "The p99 ITL jumps once the budget is exceeded.",
+    "The encode time grows roughly in proportion to the prompt.",
+    "The step time is roughly proportional to the batch.",
 ])
 def test_the_directional_words_of_issue_26_are_claims(tmp_path: Path, claim: str) -> None:
     assert _flagged(tmp_path, [_md(claim)]) == [claim]
@@ -110,7 +150,9 @@ def test_citations_arithmetic_open_questions_goals_and_allowlist(tmp_path: Path)
 
 def test_reshaping_words_and_code_are_not_claims(tmp_path: Path) -> None:
     cells = [_md("The step flattens the new tokens into one tensor; the flattened batch has T rows. "
-                 "`latency_grows = faster(x)` is code.\n\n```python\nassert faster\n```")]
+                 "`latency_grows = faster(x)` is code.\n\n```python\nassert faster\n```\n\n"
+                 "A thread past the end makes the simulator raise IndexError at that time. "
+                 "The update lowers the step's count of computed tokens past the rejected guesses.")]
     assert _flagged(tmp_path, cells) == []
 
 

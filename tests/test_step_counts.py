@@ -10,6 +10,9 @@ from minillm import LLM, SamplingParams
 from minillm.worker.step_counts import PIECES, count_steps, total
 
 PROMPT = list(range(10, 210))  # 200 tokens, as the issue's single-stream measurement
+# A batch-1 draft-model verify step of 1+4 tokens makes ~270 Python calls (~730 op by op, with 295 torch ops
+# from Python): the plain step's ~177, and the proposer, the guesses' bookkeeping and the step's spec metrics.
+VERIFY_STEP_CALLS = 300
 
 
 def decoding_engine(batch: int, compiled: bool = True):
@@ -47,3 +50,37 @@ def test_a_batched_decode_step_does_not_grow():
     issue 29's compiled decode step."""
     step = total(count_steps(decoding_engine(16), num_steps=3))
     assert step.python_calls <= 1300 and step.torch_ops_from_python <= 310 and step.torch_ops <= 440, step
+
+
+def speculating_engine(method: str, compiled: bool = True, k: int = 4):
+    """One request decoding with `method`'s guesses (the bundled draft model guesses k every step)."""
+    llm = LLM(max_num_seqs=1, max_model_len=512, speculative_config={"method": method, "num_speculative_tokens": k})
+    engine = llm.engine
+    if not compiled:
+        engine.executor.worker.compiled_decode = None
+    engine.add_request(PROMPT, SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True))
+    for _ in range(3):  # prefill, then verify steps
+        engine.step()
+    return engine
+
+
+def test_a_batch_1_verify_step_runs_compiled_and_dispatches_no_torch_op():
+    """A draft-model verify step of 1+4 tokens at batch 1 is one compiled call, as a decode step is: no
+    torch op anywhere in the step (the rejection test of greedy requests reads one numpy argmax), no
+    inputs built, and a bounded number of Python calls (proposer and bookkeeping included)."""
+    engine = speculating_engine("draft_model")
+    drafts = engine.metrics.spec_decode.num_drafts
+    counts = count_steps(engine, num_steps=4)
+    assert engine.metrics.spec_decode.num_drafts - drafts == 8  # every counted step verified guesses
+    step = total(counts)
+    assert step.torch_ops == 0, {p: c.torch_ops for p, c in counts.items()}
+    assert counts["forward, lm_head"].python_calls <= 8
+    assert counts["inputs, metadata"].python_calls == 0
+    assert step.python_calls <= VERIFY_STEP_CALLS, {p: c.python_calls for p, c in counts.items()}
+
+
+def test_the_op_by_op_verify_step_is_counted_too():
+    """Without the compiled step the same verify step dispatches hundreds of torch ops."""
+    counts = count_steps(speculating_engine("draft_model", compiled=False), num_steps=2)
+    assert counts["forward, lm_head"].torch_ops_from_python >= 100
+    assert total(counts).python_calls >= 2 * VERIFY_STEP_CALLS

@@ -2,8 +2,9 @@
 
 tools/check_prose.py keeps every *number* typed into a chapter's markdown true. This check keeps the
 *words* true (issue 26): a sentence that says a measured quantity went somewhere -- faster, slower,
-grows, falls, flattens, wins, "3×", "several times", "an order of magnitude", "barely moves",
-"about the same" -- must rest on a cell that prints that sentence from its numbers or asserts it.
+grows, falls, increases, improves, jumps, flattens, wins, "3×", "several times", "an order of
+magnitude", "barely moves", "about the same", "roughly in proportion" -- must rest on a cell that
+prints that sentence from its numbers or asserts it.
 Prose written after one run and left behind when the engine changed is what this catches.
 
 A sentence is a *claim* when it has a directional word (`DIRECTIONAL_WORDS`, or a factor such as 3×) and names a measured
@@ -37,8 +38,13 @@ Heuristics, not proof: the check cannot tell whether an assert tests the very cl
 sure that every directional sentence points at something a reviewer can read, and fails on one that
 points at nothing. Reads the saved notebooks only; nothing is executed.
 
+It also checks that every end-of-chapter question has a folded answer a teacher can check
+(`unanswered_questions`): the "Check your understanding" section numbers its questions, and a
+`<details><summary>Answers</summary>` block after them answers each by its number.
+
 Usage: python tools/check_claims.py [chapters/NN_x.ipynb ...]   (no argument: every chapter)
-Exit status 1 when a claim has nothing behind it; each is listed with its file, cell and sentence.
+Exit status 1 when a claim has nothing behind it or a question has no folded answer; each is listed
+with its file, cell and sentence.
 """
 
 from __future__ import annotations
@@ -67,13 +73,18 @@ def _load_check_prose():
 _check_prose = _load_check_prose()
 _cell_text, _output_text = _check_prose._cell_text, _check_prose._output_text
 
+# Not here: "raises" and "lowers", which this course's prose uses for exceptions and counters
+# ("the simulator raises IndexError", "lowers num_computed_tokens").
 DIRECTIONAL_WORDS = re.compile(
     r"\b(?:faster|slower|quicker|grows?|grew|growing|rises?|rose|rising|climbs|climbed|climbing|falls?|fell|"
     r"falling|drops?|dropped|shrinks?|shrank|plateaus?|levels off|saturates?|wins?|won|beats?|"
     r"flattens?(?!\s+(?:their|the|them|it|its|each|a|an|one|all|into)\b)|"
     r"flattened(?!\s+(?:tensor|batch|sequences?|list|view|array|inputs?|tokens?|form)\b)|"
     r"loses|outperforms?|doubles|(?<!both )(?<!two )(?<!the )halves|triples|quadruples|doubled|halved|tripled|quadrupled|several[- ]fold|"
+    r"increases?|increased|decreases?|decreased|reduces|improves|improved|worsens|degrades?|jumps?|jumped|"
+    r"spikes?|spiked|"
     r"several times|many times|orders? of magnitude|speeds? up|speedup|slowdown|collapses?|explodes?)\b"
+    r"|\b(?:roughly|about|nearly|almost) (?:in proportion|proportional(?:ly)?|linear(?:ly)?)\b"
     r"|\b(?:barely|hardly|scarcely) (?:moves?|changes?|grows?|shows?|matters?|costs?|differs?)\b"
     r"|\b(?:about|nearly|roughly) the same\b|\bthe same whatever\b"
     r"|\b(?:much|far) (?:better|worse|higher|lower|faster|slower|cheaper|more|less)\b"
@@ -260,15 +271,67 @@ def check_notebook(path: Path, allow: dict[str, str] | None = None) -> list[Find
     return findings
 
 
+# ---- every end-of-chapter question has a folded answer a teacher can check (issue 26) ----------------
+
+QUESTIONS_HEADING = re.compile(r"^#+\s.*check your understanding", re.IGNORECASE | re.MULTILINE)
+_NUMBERED = re.compile(r"^(\d+)\.\s", re.MULTILINE)
+
+
+def unanswered_questions(cells: list[dict]) -> str | None:
+    """What is missing from the chapter's "Check your understanding" section, or None.
+
+    The section (from its heading to the next heading of level 1 or 2) numbers its questions `1.`,
+    `2.`, ... and then folds the answers into a `<details><summary>Answers</summary>` block, one
+    numbered answer per question (an answer may run over several lines; its number is what counts)."""
+    text = "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    heading = QUESTIONS_HEADING.search(text)
+    if heading is None:
+        return "no 'Check your understanding' section"
+    section = text[heading.end():]
+    end = re.search(r"^#{1,2}\s", section, re.MULTILINE)
+    section = section[:end.start()] if end else section
+    asked_text, fold, rest = section.partition("<details")
+    asked = sorted({int(n) for n in _NUMBERED.findall(asked_text)})
+    if not asked:
+        return "the section has no numbered questions (1., 2., ...)"
+    if not fold:
+        return "its questions have no folded answers: add <details><summary>Answers</summary> ... </details>"
+    answers, closed, _ = rest.partition("</details>")
+    if not closed:
+        return "the answers' <details> block is never closed"
+    if not re.search(r"<summary>[^<]*answer", fold + answers, re.IGNORECASE):
+        return "the fold after the questions is not the answers (<summary>Answers</summary>)"
+    answered = {int(n) for n in _NUMBERED.findall(answers)}
+    missing = [n for n in asked if n not in answered]
+    if missing:
+        return f"question(s) {', '.join(map(str, missing))} have no numbered answer in the fold"
+    return None
+
+
+def check_questions(path: Path) -> list[Finding]:
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    problem = unanswered_questions(cells)
+    if problem is None:
+        return []
+    where = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+    at = next((i for i, c in enumerate(cells) if c["cell_type"] == "markdown"
+               and QUESTIONS_HEADING.search("".join(c["source"]))), len(cells) - 1)
+    return [Finding(path.name[:2], str(where), at, "Check your understanding", problem)]
+
+
 def main(argv: list[str]) -> int:
     paths = [Path(a).resolve() for a in argv] or sorted((REPO_ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
-    bad = 0
+    bad = unanswered = 0
     for path in paths:
         for finding in check_notebook(path):
             print(finding)
             bad += 1
-    print(f"{bad} unbacked directional claim(s) in {len(paths)} chapter(s)")
-    return 1 if bad else 0
+        for finding in check_questions(path):
+            print(finding)
+            unanswered += 1
+    print(f"{bad} unbacked directional claim(s), {unanswered} chapter(s) with questions lacking folded answers, "
+          f"in {len(paths)} chapter(s)")
+    return 1 if bad or unanswered else 0
 
 
 if __name__ == "__main__":

@@ -24,8 +24,18 @@ no faster than eager torch there (2.4–4.4×).
 Where it is taken (`CompiledDecode.supported`, then `rows_of` per step): a float32 dense
 Llama-family model on a CPU in one process running the fused ops (float64 keeps HF's ops, op for op:
 the parity tests' path), no biases, no per-head q/k norms, no sliding windows, the `numba_cpu`
-attention backend on a float32 pool; a step whose rows are all decode rows that sample, with no
-speculative guesses, static batch or KV connector. Everything else runs the op-by-op forward.
+attention backend on a float32 pool; a step whose rows all sample and are decode rows or
+speculative verify rows, with no static batch or KV connector, and at most `max_rows` tokens in
+all. Everything else runs the op-by-op forward.
+
+A verify row (chapter 09: a request's pending token at position L and its k guesses) runs as 1+k
+of the kernel's rows, all reading the same block-table row, at positions L … L+k. Causality holds
+without a mask because the kernel handles rows in order within each layer, and each row writes its
+K/V before its attention reads keys 0 … its own position: the row at L+j sees the K/V that rows
+L … L+j−1 wrote just before it, and never a later row's (nor a rejected guess's from an earlier
+step, which lies past its own position). Each row's arithmetic is the same as if it were alone
+in a step, so a verify row's logits are those plain decoding computes at the same positions, bit for
+bit, and greedy speculation emits exactly plain decoding's tokens.
 
 The weights: the layers' matmul weights are moved into one tensor per kind, [layers, in, out] —
 each layer's weight becomes a view of it, with the same storage order as before (`column_major`
@@ -42,6 +52,7 @@ import torch
 # Decode steps of this many rows or fewer run compiled: the largest batch at which every interleaved round of
 # `python bench/step_profile.py --batch-sizes 1 2 4 8 12 16 24 --compare` ran the compiled step clearly faster
 # (its matrix-vector loops redo each weight row's arithmetic per row; at 16-24 rows oneDNN's blocked matmuls caught up).
+# A speculative verify row counts as 1+k rows: batch 1 with k ≤ 7 guesses runs compiled.
 MAX_ROWS = 8
 _KINDS = ("qkv", "o", "gate_up", "down")
 
@@ -128,13 +139,31 @@ class CompiledDecode:
         self.heads = (c.num_heads, c.num_kv_heads, np.float32(c.rms_norm_eps))
         self.buffers: dict[int, _Buffers] = {}
 
-    def rows_of(self, plan, batch) -> np.ndarray | None:
-        """The input-batch rows of `plan`'s requests if this step can run compiled, else None."""
+    def rows_of(self, plan, batch) -> tuple[np.ndarray, np.ndarray] | None:
+        """The kernel's rows for `plan` if this step can run compiled, else None: per row its input-batch
+        row and the position of its token. A decode row is one kernel row; a verify row with k guesses,
+        1+k consecutive ones (the same input-batch row, positions L … L+k), in plan order: the logits'
+        rows are the rejection sampler's, request after request."""
         n = len(plan.req_ids)
-        if (not 0 < n <= self.max_rows or not self.model.fused_ops or plan.padded is not None or plan.spec_token_ids
-                or plan.kv_connector_metadata is not None or not all(plan.is_decode) or not all(plan.samples)):
+        if (not 0 < n <= self.max_rows or not self.model.fused_ops or plan.padded is not None
+                or plan.kv_connector_metadata is not None or not all(plan.samples)):
             return None
-        return batch.rows_of(plan.req_ids)
+        starts = np.asarray(plan.num_computed_tokens, dtype=np.int64)
+        spec = plan.spec_token_ids
+        if not spec:
+            return (batch.rows_of(plan.req_ids), starts) if all(plan.is_decode) else None
+        widths = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
+        total = int(widths.sum())
+        if total > self.max_rows:
+            return None
+        for rid, start, width, decode in zip(plan.req_ids, plan.num_computed_tokens, plan.num_scheduled_tokens,
+                                             plan.is_decode):
+            guesses = spec.get(rid)
+            if not ((width == 1 + len(guesses) and start > 0) if guesses else decode):
+                return None  # (a prefill chunk, or more than one pending token before the guesses)
+        rows = np.repeat(batch.rows_of(plan.req_ids), widths)
+        firsts = np.cumsum(widths) - widths  # each plan row's first kernel row
+        return rows, np.repeat(starts - firsts, widths) + np.arange(total)
 
     def _buffers(self, rows: int) -> _Buffers:
         buffers = self.buffers.get(rows)

@@ -32,6 +32,16 @@ def target_probs(logits: torch.Tensor, request: SamplingState) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(1, order, probs)
 
 
+def greedy_accept(draft: list[int], best: list[int]) -> list[int]:
+    """A greedy request's tokens to emit, from the target's argmax at the pending token and at each
+    guess (`best`, k+1 of them): the guesses up to the first that is not the argmax, then the argmax there
+    (or, all accepted, the bonus token)."""
+    for i, guess in enumerate(draft):
+        if guess != best[i]:
+            return list(draft[:i]) + [best[i]]
+    return list(draft) + [best[len(draft)]]
+
+
 def rejection_sample(request: CachedRequestState, logits: torch.Tensor, draft: list[int],
                      draft_probs: torch.Tensor | None = None) -> list[int]:
     """Tokens to emit (1 … k+1) for one request (the worker's state of it: its parameters and random
@@ -39,13 +49,7 @@ def rejection_sample(request: CachedRequestState, logits: torch.Tensor, draft: l
     `draft_probs` [k, vocab] the proposer's q (None: one-hot)."""
     k = len(draft)
     if request.params.greedy:
-        best = logits.argmax(dim=-1).tolist()
-        out = []
-        for i in range(k):
-            if draft[i] != best[i]:
-                return out + [best[i]]
-            out.append(draft[i])
-        return out + [best[k]]
+        return greedy_accept(draft, logits.argmax(dim=-1).tolist())
     p = target_probs(logits, request)
     gen = request.generator
     out: list[int] = []

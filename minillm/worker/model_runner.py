@@ -36,7 +36,7 @@ from minillm.model.llama import LlamaModel
 from minillm.sampling import sample, sampled_logprobs
 from minillm.scheduler.base import ModelRunnerOutput
 from minillm.scheduler.output import SchedulerOutput
-from minillm.spec.rejection import rejection_sample
+from minillm.spec.rejection import greedy_accept, rejection_sample
 from minillm.worker.input_batch import InputBatch
 from minillm.worker.threads import StepThreads
 
@@ -234,14 +234,19 @@ class ModelRunner:
         loaded = self.update_state(plan)
         batch = self.input_batch
         compiled = self.compiled_decode
-        rows = None if compiled is None or len(plan.req_ids) > compiled.max_rows else compiled.rows_of(plan, batch)
-        if rows is not None:  # a small decode step: one compiled call, every row samples
-            logits, logits_np = self._run_compiled(plan, rows)
-            if not (batch.num_random or batch.num_penalized or batch.num_min_tokens or batch.num_logprobs):
+        kernel_rows = None if compiled is None or len(plan.req_ids) > compiled.max_rows else compiled.rows_of(plan, batch)
+        if kernel_rows is not None:  # a small decode or verify step: one compiled call, every row samples
+            logits, logits_np = self._run_compiled(*kernel_rows)
+            plain = not (batch.num_random or batch.num_penalized or batch.num_min_tokens or batch.num_logprobs)
+            if plan.spec_token_ids:
+                if plain:
+                    return ModelRunnerOutput(self._greedy_verify(plan, logits_np), None, None, loaded)
+                return self._verify(plan, logits, self._compiled_inputs(plan))
+            if plain:
                 # every known request greedy and plain: `sample` would be this argmax (the first
                 # largest logit), here without a tensor op
                 return ModelRunnerOutput([[t] for t in logits_np.argmax(axis=-1).tolist()], None, None, loaded)
-            sampled, expert_load = range(len(rows)), None
+            sampled, expert_load, rows = range(len(plan.req_ids)), None, kernel_rows[0]
         elif plan.padded is not None:
             if self.threads.per_step:
                 self.threads.apply(len(plan.padded.row_req_ids) * plan.padded.width)
@@ -268,6 +273,28 @@ class ModelRunner:
             for i, lp in zip(sampled, sampled_logprobs(logits, states, tokens)):
                 logprobs[i] = lp
         return ModelRunnerOutput(out, logprobs, expert_load, loaded)
+
+    def _compiled_inputs(self, plan: SchedulerOutput) -> StepInputs:
+        """What `_verify` reads of a compiled step's inputs: every plan row samples, its logits rows
+        consecutive (1, or 1+k for a verify row), in plan order."""
+        widths = plan.num_scheduled_tokens
+        firsts = np.cumsum(widths) - widths
+        every = list(range(len(plan.req_ids)))
+        return StepInputs(None, None, None, list(range(int(firsts[-1]) + widths[-1])), every, every,
+                          list(zip(firsts.tolist(), widths)), self.input_batch.rows_of(plan.req_ids))
+
+    @staticmethod
+    def _greedy_verify(plan: SchedulerOutput, logits_np: np.ndarray) -> list[list[int]]:
+        """A verify step's tokens when every request is greedy and plain: `_verify` would emit these
+        (`rejection_sample`'s greedy rule on the argmax of each row), here from one numpy argmax and
+        without a tensor op."""
+        best = logits_np.argmax(axis=-1).tolist()
+        spec, out, first = plan.spec_token_ids, [], 0
+        for rid, width in zip(plan.req_ids, plan.num_scheduled_tokens):
+            guesses = spec.get(rid)
+            out.append(greedy_accept(guesses, best[first : first + width]) if guesses else [best[first]])
+            first += width
+        return out
 
     def _verify(self, plan: SchedulerOutput, logits: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
         """A step with speculative rows: plain rows sample as usual, speculative rows go through the
@@ -332,10 +359,10 @@ class ModelRunner:
         self.model_time_s += time.perf_counter() - start
         return logits, forward.expert_load
 
-    def _run_compiled(self, plan: SchedulerOutput, rows: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
-        """The compiled decode step (minillm/model/decode_step.py) on `rows`: its logits buffer, as a
-        tensor and as numpy; the runner's counters kept as the op-by-op step keeps them."""
-        starts = np.asarray(plan.num_computed_tokens, dtype=np.int64)
+    def _run_compiled(self, rows: np.ndarray, starts: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        """The compiled decode step (minillm/model/decode_step.py) on the kernel rows `CompiledDecode.rows_of`
+        gave (input-batch rows, positions): its logits buffer, as a tensor and as numpy; the runner's
+        counters kept as the op-by-op step keeps them."""
         start = time.perf_counter()
         logits, logits_np = self.compiled_decode.run(rows, starts, self.input_batch)
         self.model_time_s += time.perf_counter() - start
@@ -351,12 +378,14 @@ class ModelRunner:
         copy of the buffer, and its inputs hold no tensors (none were built)."""
         compiled = self.compiled_decode
         if compiled is not None and len(plan.req_ids) <= compiled.max_rows:
-            rows = compiled.rows_of(plan, self.input_batch)
-            if rows is not None:
-                n = len(rows)
-                every = list(range(n))
-                return self._run_compiled(plan, rows)[0].clone(), StepInputs(
-                    None, None, None, every, every, every, [(j, 1) for j in every], rows)
+            kernel_rows = compiled.rows_of(plan, self.input_batch)
+            if kernel_rows is not None:
+                logits = self._run_compiled(*kernel_rows)[0].clone()
+                if plan.spec_token_ids:
+                    return logits, self._compiled_inputs(plan)
+                every = list(range(len(plan.req_ids)))
+                return logits, StepInputs(None, None, None, every, every, every, [(j, 1) for j in every],
+                                          kernel_rows[0])
         inputs = self.prepare(plan)
         if self.eviction is None:
             attention = self.backend(self.k_pool, self.v_pool, inputs.meta, self.model.config.sliding_windows,

@@ -22,6 +22,7 @@ include everything it calls, and "step glue" is the step's own work between them
     sample              minillm.worker.model_runner.sample
     update requests     scheduler.update_from_output
     outputs, metrics    engine._on_update (text, streams) + engine._record (step metrics)
+    propose             engine._propose (speculative decoding: the proposer's guesses for the next step)
 
 `count_steps(engine, n)` runs n steps of whatever the engine holds and returns the counts per step;
 `timed_pieces(engine)` times the same pieces (wall clock, for bench/step_profile.py; never for tests).
@@ -39,7 +40,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 GLUE = "step glue"
 PIECES = ("schedule", "plan → data", "apply plan", "inputs, metadata", "forward, lm_head", "sample",
-          "update requests", "outputs, metrics", GLUE)
+          "update requests", "outputs, metrics", "propose", GLUE)
 _OP_PREFIXES = ("aten::", "mkldnn::")
 
 
@@ -62,7 +63,8 @@ def _targets(engine) -> list[tuple[object, str, str]]:
                (worker, "update_state", "apply plan"), (worker, "prepare", "inputs, metadata"),
                (worker.model, "forward", "forward, lm_head"), (worker.model, "compute_logits", "forward, lm_head"),
                (model_runner, "sample", "sample"), (engine.scheduler, "update_from_output", "update requests"),
-               (engine, "_on_update", "outputs, metrics"), (engine, "_record", "outputs, metrics")]
+               (engine, "_on_update", "outputs, metrics"), (engine, "_record", "outputs, metrics"),
+               (engine, "_propose", "propose")]
     if getattr(worker, "compiled_decode", None) is not None:
         targets.append((worker.compiled_decode, "run", "forward, lm_head"))
     return targets
