@@ -237,7 +237,6 @@ INLINE_DECISIONS: list[tuple[str, str, object]] = [
     ("python bench/paged.py", SMALL, "--quick"),
     ("python bench/spec.py", SMALL, "--num-requests 2 --max-tokens 8"),
     ("python bench/spec_batch1.py", SMALL, "--repeats 1 --num-prompts 1 --max-tokens 8"),
-    ("OMP_WAIT_POLICY=PASSIVE python bench/spec_batch1.py", SMALL, "--repeats 1 --num-prompts 1 --max-tokens 8"),
     ("python bench/chunked.py", SMALL, "--num-requests 6 --budgets 0 32"),
     ("python bench/threads.py", SMALL, "--dtypes float32 --decode-rows 8 --prefill-tokens 64 --max-threads 2 "
                                        "--rounds 1 --steps 2"),
@@ -285,4 +284,8 @@ def decide_inline(command: str) -> tuple[str, object]:
     for start, what, detail in INLINE_DECISIONS:
         if command == start[:-1] if start.endswith("$") else command.startswith(start):
             return what, detail
+    # no entry for its environment prefix (`OMP_WAIT_POLICY=PASSIVE python bench/x.py`): the command's own decision
+    bare = re.sub(r"^(?:[A-Z][A-Z0-9_]*=\S+ )+", "", command)
+    if bare != command:
+        return decide_inline(bare)
     raise LookupError(command)
