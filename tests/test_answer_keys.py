@@ -92,6 +92,9 @@ def test_each_key_file_is_in_step_and_holds_only_digests(number: str) -> None:
         assert key.digests == tuple(entry["digests"])
         assert all(len(d) == answer_key.DIGEST_HEX and int(d, 16) >= 0 for d in entry["digests"])
         assert len(set(entry["digests"])) == key.size  # salted per case: no two cases share a digest
+        assert set(entry) == {"pool", "seeded", "digests"} | ({"facts"} if key.facts is not None else set())
+        if key.facts is not None:
+            assert key.stored_facts == tuple(entry["facts"]) and len(entry["facts"]) == key.size
     assert set(document) == {"about", "exercise", "format", "fingerprint", "tasks"}
 
 
@@ -105,6 +108,8 @@ def test_keys_agree_with_the_references_on_unseeded_pool_cases(number: str) -> N
             assert key.digest(case, key.reference(case)) == key.digests[case], (
                 f"ex{number} task {key.task}: the key disagrees with the reference on pool case {case}: "
                 "run make exercises")
+            if key.facts is not None:
+                assert canonical_bytes(key.facts(case)) == canonical_bytes(key.stored_facts[case]), (number, key.task, case)
 
 
 def test_swapping_a_keys_digests_is_tampering() -> None:

@@ -187,8 +187,11 @@ def _tasks_reaching(path: Path) -> tuple[list[int], list[int]]:
                 if isinstance(decorator, ast.Call) and getattr(decorator.func, "id", "") == "task":
                     tasks[node.name] = decorator.args[0].value
         elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) \
-                and getattr(node.value.func, "id", "") == "AnswerKey":
-            keys.update(target.id for target in node.targets if isinstance(target, ast.Name))
+                and getattr(node.value.func, "id", "") == "AnswerKey":  # a key reaches what its reference names
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    keys.add(target.id)
+                    names[target.id] = {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}
 
     def reaches(name: str, wanted: set[str], seen: set[str]) -> bool:
         seen.add(name)

@@ -432,7 +432,7 @@ def snapshot(prefixes: Iterable[str] = ("minillm",), libraries: bool = True) -> 
             elif type(value).__name__ == "AnswerKey" and type(value).__module__ == "minillm.grading.answer_key":
                 # what a key grades with: swapping its digests or its reference would choose the verdict
                 state[f"{module_name}.{attr}"] = (id(value), *(id(getattr(value, name)) for name in (
-                    "exercise", "task", "size", "seeded", "reference", "private", "digests")))
+                    "exercise", "task", "size", "seeded", "reference", "private", "facts", "digests", "stored_facts")))
             if isinstance(value, type) and value.__module__ == module_name:
                 for name, raw in list(vars(value).items()):
                     if isinstance(raw, (types.FunctionType, property, staticmethod, classmethod)):
