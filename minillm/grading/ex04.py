@@ -258,7 +258,7 @@ def _compare_plans(make_scheduler, cases, what):
             except Exception as error:  # noqa: BLE001
                 raise Fail(f"{scenario[0]}: {type(error).__name__}: {error}") from None
         limits = f"max_num_seqs={scenario[1]}, budget={scenario[2]}, slabs={scenario[3]}"
-        case.judge([list(plan) for plan in plans], f"{scenario[0]} ({limits}): {what}'s plans",
+        case.judge(plans, f"{scenario[0]} ({limits}): {what}'s plans",
                    lambda mine, want, scenario=scenario: _plan_difference(scenario, what, mine, want))
 
 
