@@ -17,13 +17,12 @@ harness's step on whole traces as well.
 from __future__ import annotations
 
 import random
+from collections import deque
 
 from minillm import LLM, SamplingParams
 from minillm.clock import SimClock
 from minillm.config import EngineConfig
 from minillm.engine import build_engine
-from collections import deque
-
 from minillm.grading import (
     Fail,
     forbid,
