@@ -17,7 +17,7 @@ quiet (2026-12-02 14:00 UTC, load average 1.0, 5 rounds of 20 steps; 2 threads �
     float32   decode    8 / 16 / 64 rows     0.89 (0.87–1.14)  1.26 (0.86–1.63)  1.43 (1.26–1.49)
     float32   prefill  64 / 256 / 1024 tok   1.07 (0.74–1.09)  1.25 (1.07–1.43)  1.61 (1.52–1.99)
     bfloat16  decode    8 / 16 / 64 rows     0.95 (0.92–1.02)  1.02 (0.93–1.04)  0.97 (0.97–1.02)
-    bfloat16  prefill  64 tok                0.99 (0.92–1.06)
+    bfloat16  prefill  64 / 256 tok          0.99 (0.92–1.06)  1.00 (0.93–1.04)   (1024: not finished)
 
 so float32 steps of 1024 tokens or more take a second thread and everything smaller keeps one (a
 64-token prefill once ran at 0.74× on two); bfloat16 (no native bf16 matmul on this CPU) and float64
