@@ -31,12 +31,12 @@ from minillm.request import Request, RequestStatus
 from minillm.scheduler.base import ModelRunnerOutput
 from minillm.scheduler.continuous import ContinuousScheduler
 
-# Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
-# module raises when learner code calls it while a check runs.
 VICTIMS_PER_CASE = 64  # task 1: one case is 64 victim choices (one digest over a single choice could be searched)
 SEEDED_VICTIM_CASES, FRESH_VICTIM_CASES = 5, 1  # task 1: 320 seeded choices, 64 drawn at grade time
 SEEDED_SCENARIOS = 60  # tasks 2 and 4: seeded traces
 FRESH_SCENARIOS = 6  # tasks 2 and 4: traces drawn at grade time, besides the seeded ones
+# Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
+# module raises when learner code calls it while a check runs.
 LEARNER_TOOLS = ()
 _TEACHERS = (private_reference("ex06_reference"),)  # the variants' references: withheld in a student release
 
