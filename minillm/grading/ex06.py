@@ -231,8 +231,9 @@ def check_task_1(pick_victim) -> str:
             if not any(got is r for r in running):
                 raise Fail(f"{where}: you returned {got!r}, not one of the running requests")
             if policy == "priority" and got.priority != max(r.priority for r in running):
-                raise Fail(f"{where}: you picked {got.request_id} (priority={got.priority}): under \"priority\" the "
-                           "victim is one of the least important (largest priority value)")
+                raise Fail(f"{where}: you picked {got.request_id} (priority={got.priority}); under \"priority\" "
+                           f"expected one of the least important (largest priority value, "
+                           f"{max(r.priority for r in running)})")
             mine.append(got.request_id)
         case.judge(mine, f"case {case.number} ({len(choices)} choices, rebuilt by grader._victim_cases({case.number}))",
                    explain=partial(_victim_difference, case.number, choices))
