@@ -8,7 +8,7 @@ exercises. The release is the working tree as git sees it (tracked files and unt
 - `tests/known_wrong/`: near-solutions with one bug each (text edits of the solutions' code);
 - the tests of the teacher's tools, which need solutions/ or carry demo solution regions:
   test_exercises.py, test_grading*.py (test_grading_lent_tools.py stays), test_student_release.py,
-  test_chapters_hold_no_solution.py;
+  test_answer_keys.py, test_chapters_hold_no_solution.py;
 - `.ci/`: the project's CI, which runs those tests;
 - `minillm/grading/private/`: the grader-private references and the graded cells' expected outputs
   (the solutions' PASS reports). A task whose check needs a private reference grades in the release
@@ -44,7 +44,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LEFT_OUT = ("solutions/", "tests/known_wrong/", "tests/test_exercises.py", "tests/test_grading.py",
             "tests/test_grading_framework.py", "tests/test_grading_known_wrong.py", "tests/test_grading_copies.py",
-            "tests/test_chapters_hold_no_solution.py", "tests/test_student_release.py", ".ci/",
+            "tests/test_chapters_hold_no_solution.py", "tests/test_student_release.py", "tests/test_answer_keys.py", ".ci/",
             "minillm/grading/private/")
 PRIVATE = ("minillm", "grading", "private")  # grader-private: never in a release
 # A solution-region marker on a line of its own: in plain text, or inside a JSON string (a notebook's

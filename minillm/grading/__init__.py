@@ -73,7 +73,8 @@ How to add an exercise (ex08, ex09, ex10 are added this way; nothing outside you
    `LEARNER_TOOLS` what the module lends the learner during a check. A reference the library does
    not have goes in a grader-private module, `private_reference("exNN_what")` (docs/grading.md,
    "Grader-private references"): left out of a student release, compared with learner code at
-   every size. Let a learner's `NotImplementedError` through (or raise `Fail` from inside the
+   every size; give the task an answer key (`minillm.grading.answer_key.AnswerKey`, docs/grading.md
+   "Answer keys") so that a release grades it too. Let a learner's `NotImplementedError` through (or raise `Fail` from inside the
    `except`): a stub then reads "not written yet". `check_time_limit_s=` on `@task` bounds a check (default 180 s).
 
 3. `tests/known_wrong/exNN.py`: `KNOWN_WRONG = [Mutant(...), ...]` (see tests/known_wrong/__init__.py):
@@ -431,7 +432,7 @@ def snapshot(prefixes: Iterable[str] = ("minillm",), libraries: bool = True) -> 
             elif type(value).__name__ == "AnswerKey" and type(value).__module__ == "minillm.grading.answer_key":
                 # what a key grades with: swapping its digests or its reference would choose the verdict
                 state[f"{module_name}.{attr}"] = (id(value), *(id(getattr(value, name)) for name in (
-                    "exercise", "task", "size", "seeded", "reference", "private", "digests")))
+                    "exercise", "task", "size", "seeded", "reference", "private", "facts", "digests", "stored_facts")))
             if isinstance(value, type) and value.__module__ == module_name:
                 for name, raw in list(vars(value).items()):
                     if isinstance(raw, (types.FunctionType, property, staticmethod, classmethod)):
