@@ -12,13 +12,21 @@ front of simulated workers. The rule's reference is grader-private
 (`minillm.grading.private.ex13_reference`, guarded while a check runs); minillm's policies and tree
 are disabled (`forbid`) while learner code runs.
 
-Task 3 does not ask for a tie-breaking: at every request it computes from a shadow `RadixTree` (fed
-the learner's own choices) the set of workers the rule allows, and the learner's choice must be in it;
-the learner's tree must then hold what the shadow holds, after every request and every `evict()`,
-whose return value must be the characters the shadow dropped. The trace's workers are simple queues
-whose service time grows with the prompt characters their own cache (a per-worker LRU radix tree)
-does not hold; the learner's prefix hit rate and peak load imbalance must be within bounds of the
-reference rule's. Every task adds cases drawn when the check runs (`grade_time_seeds`).
+Task 3 does not ask for a tie-breaking, and its graded sequences need none: their loads are distinct
+(and the named scenarios' first requests have a worker of least load), so at every request the rule
+allows exactly one worker, computed from a shadow `RadixTree` fed the learner's own choices; the
+learner's tree must then hold what the shadow holds, after every request and every `evict()`, whose
+return value must be the characters the shadow dropped. The trace's workers are simple queues whose
+service time grows with the prompt characters their own cache (a per-worker LRU radix tree) does not
+hold; there ties are common and any tie-breaking passes: the learner's prefix hit rate and peak load
+imbalance must be within bounds of the reference rule's. Every task adds cases drawn when the check
+runs (`grade_time_seeds`).
+
+Tasks 1 and 3 grade in a student release too, with answer keys (`minillm.grading.answer_key`): one
+digest per case of the rule's whole answer on it (task 1: the overloaded sets of 20 to 100 load
+vectors; task 3: every choice of five sequences, or of all the named scenarios), and, as public facts,
+the rule's hit rate and peak imbalance on each case's trace. The tree checks need no reference and
+run in both copies.
 """
 
 from __future__ import annotations
@@ -382,10 +390,6 @@ def rule_choices(number: int) -> list[list[str]]:
     return out
 
 
-KEY_3 = AnswerKey("ex13_cache_aware_routing", 3, size=64, seeded=SEEDED_DECISION_CASES, reference=rule_choices,
-                  private=_TEACHERS[0])
-
-
 def _decisions(router_class, cases) -> list[str]:
     if not isinstance(router_class, type):
         raise Fail(f"expected a class, got {type(router_class).__name__}")
@@ -399,8 +403,8 @@ def _decisions(router_class, cases) -> list[str]:
         if case.number < KEY_3.seeded:
             decisions += sum(len(choices) for choices in mine)
         names = "the named scenarios" if case.number == 0 else ", ".join(where.split(" (")[0] for where, _, _ in sequences)
-        case.judge(mine, f"{names}: your choices {mine}",
-                   lambda got, want: f"{names}: your choices {got}, the rule's {want}")
+        case.judge(mine, f"{names}: your {sum(map(len, mine))} choices",
+                   lambda got, want, names=names: f"{names}: your choices {got}, the rule's {want}")
     drawn = len(cases) - KEY_3.seeded
     return [f"{len(SCENARIOS)} scenarios and 60 seeded random sequences ({decisions} decisions), plus "
             f"{drawn * SEQUENCES_PER_CASE} sequences drawn as the check ran: every choice the one the rule allows, "
@@ -459,29 +463,41 @@ def _serve(router, texts: list[tuple[float, str]], guard=contextlib.nullcontext)
     return TraceRun(hit / total, peak, tuple(counts[w] for w in WORKERS))
 
 
+def reference_on_trace(number: int) -> dict:
+    """Public facts of task 3's case `number` (stored in plain in the answer key: a metric, no answer): the
+    rule's router (ties to the first worker listed) on the tenant trace of seed `number`."""
+    ref = _serve(_private().Router(CacheAwareConfig(**TRACE_CONFIG)), _texts(number))
+    return {"hit_rate": ref.hit_rate, "peak_imbalance": ref.peak_imbalance}
+
+
+KEY_3 = AnswerKey("ex13_cache_aware_routing", 3, size=64, seeded=SEEDED_DECISION_CASES, reference=rule_choices,
+                  private=_TEACHERS[0], facts=reference_on_trace)
+
+
 @task(3, "match or balance", check_time_limit_s=240)
 def check_task_3(router_class) -> list[str]:
-    lines = _decisions(router_class)
-    for number, seed in enumerate([0, *grade_time_seeds(FRESH_CASES)]):
-        texts = _texts(seed)
-        ref = _serve(private.Router(CacheAwareConfig(**TRACE_CONFIG)), texts)
+    cases = KEY_3.cases(fresh=FRESH_CASES)
+    lines = _decisions(router_class, cases)
+    # the router on whole traces: the seeded one (case 0's) and those of the cases drawn now
+    for case in [case for case in cases if case.number == 0 or case.number >= KEY_3.seeded]:
+        ref = case.facts()  # the rule's hit rate and peak imbalance on this trace
         with forbid(*REFERENCE):
             router = router_class(CacheAwareConfig(**TRACE_CONFIG))
-        yours = _serve(router, texts, guard=lambda: forbid(*REFERENCE))
-        where = "the seeded trace" if number == 0 else f"a trace drawn as the check ran (seed {seed})"
-        if yours.hit_rate < ref.hit_rate - HIT_SLACK:
-            raise Fail(f"{where}: prefix hit rate {yours.hit_rate:.3f}, the reference's {ref.hit_rate:.3f} (at least "
-                       f"{ref.hit_rate - HIT_SLACK:.3f} needed): requests miss the worker that holds their prefix "
+        yours = _serve(router, _texts(case.number), guard=lambda: forbid(*REFERENCE))
+        where = "the seeded trace" if case.number == 0 else f"a trace drawn as the check ran (seed {case.number})"
+        if yours.hit_rate < ref["hit_rate"] - HIT_SLACK:
+            raise Fail(f"{where}: prefix hit rate {yours.hit_rate:.3f}, the reference's {ref['hit_rate']:.3f} (at least "
+                       f"{ref['hit_rate'] - HIT_SLACK:.3f} needed): requests miss the worker that holds their prefix "
                        "(does the match rule win when loads are even? is the tree cut back as the workers' caches are?)")
-        if yours.peak_imbalance > ref.peak_imbalance + IMBALANCE_SLACK:
+        if yours.peak_imbalance > ref["peak_imbalance"] + IMBALANCE_SLACK:
             raise Fail(f"{where}: requests in flight differed by up to {yours.peak_imbalance} between workers, the "
-                       f"reference's by {ref.peak_imbalance} (at most {ref.peak_imbalance + IMBALANCE_SLACK} allowed): "
-                       f"the hot tenants pile onto one worker (requests per worker {list(yours.per_worker)})")
-        if number == 0:
+                       f"reference's by {ref['peak_imbalance']} (at most {ref['peak_imbalance'] + IMBALANCE_SLACK} "
+                       f"allowed): the hot tenants pile onto one worker (requests per worker {list(yours.per_worker)})")
+        if case.number == 0:
             lines.append(f"seeded trace ({TRACE['num_requests']} requests, {TRACE['num_tenants']} tenants, Zipf "
                          f"{TRACE['zipf_s']:g}, {len(WORKERS)} workers): prefix hit rate {yours.hit_rate:.3f} "
-                         f"(reference {ref.hit_rate:.3f}), peak imbalance {yours.peak_imbalance} in flight "
-                         f"(reference {ref.peak_imbalance}), requests per worker {list(yours.per_worker)}")
+                         f"(reference {ref['hit_rate']:.3f}), peak imbalance {yours.peak_imbalance} in flight "
+                         f"(reference {ref['peak_imbalance']}), requests per worker {list(yours.per_worker)}")
     lines.append(f"{FRESH_CASES} traces drawn as the check ran: within {HIT_SLACK} of the reference's hit rate and "
                  f"{IMBALANCE_SLACK} of its peak imbalance")
-    return lines
+    return KEY_3.report(lines)
