@@ -270,6 +270,20 @@ KEY_1 = AnswerKey("ex09_rejection_sampler", 1, size=256, seeded=SEEDED_PAIR_CASE
                   private=_TEACHERS[0])
 
 
+def _rounding_difference(what: str, step: float, mine, want) -> str:
+    """The teacher's copy's message when the learner's floats passed the check's tolerance but round to other
+    whole steps than the rule's (a value that lies on a rounding boundary: vanishingly rare)."""
+    path, a, b = [], mine, want
+    while isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if i is None:
+            break
+        path.append(i)
+        a, b = a[i], b[i]
+    return (f"{what}: yours agree with the rule's to the check's tolerance but round to other whole {step:g}s at "
+            f"{path}: yours {a}, the rule's {b} (a value on a rounding boundary: tell your teacher)")
+
+
 def _row_hint(j: int) -> str:
     return "row 0 must be p itself" if j == 0 else (
         f"row {j} is what row {j - 1} has and q does not, normalized (row {j - 1} itself if nothing is left)")
@@ -305,7 +319,8 @@ def check_task_1(residuals) -> str:
         count += len(triples)
         names = "the named triples" if case.number == 0 else f"{triples[0][0]} to {triples[-1][0]}"
         case.judge(mine, f"{names} (p, q, n from grader._pair_case({case.number})): your rows, in whole "
-                         f"{RESIDUAL_STEP:g}s: each row normalize(max(0, previous - q)), the previous if nothing is left")
+                         f"{RESIDUAL_STEP:g}s: each row normalize(max(0, previous - q)), the previous if nothing is left",
+                   lambda got, want, names=names: _rounding_difference(f"{names}: your rows", RESIDUAL_STEP, got, want))
     within = "to 1e-12" if KEY_1.teacher else f"in whole {RESIDUAL_STEP:g}s"
     return KEY_1.report(f"{count} (p, q, n) cases, p == q, one-hot q and {FRESH_CASES * PAIR_GROUP} drawn as the check "
                         f"ran: each row normalize(max(0, previous − q)) {within}")
@@ -444,7 +459,8 @@ def check_task_2(verify) -> list[str]:
         case.judge(mine, f"{names} (p, q, n from grader._verify_case({case.number})): your exact outcomes for every "
                          f"tuple of candidates, in whole {LAW_STEP:g}s (candidate j accepted with probability "
                          "min(1, r_j/q) once the ones before it were rejected, r_j the residual after j rejections; "
-                         "after n rejections the token drawn from r_n)")
+                         "after n rejections the token drawn from r_n)",
+                   lambda got, want, names=names: _rounding_difference(f"{names}: your outcomes", LAW_STEP, got, want))
         for name, p, emitted in emitted_laws:
             if abs(float(emitted.sum()) - 1.0) > 1e-9:
                 raise Fail(f"{name}: your outputs' probabilities sum to {float(emitted.sum()):.6f}, not 1")
