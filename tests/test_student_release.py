@@ -105,6 +105,7 @@ def test_release_has_no_answers_and_make_grade_there_fails_untouched_and_passes_
     untouched = _make("grade", "EX=03", cwd=release)
     assert untouched.returncode != 0, untouched.stdout + untouched.stderr  # make: 2 (tools/grade.py: 1)
     assert "0/4 task(s) pass" in untouched.stdout and "NotImplementedError" in untouched.stdout, untouched.stdout
+    assert "NOT GRADED HERE" not in untouched.stdout, untouched.stdout  # task 3 too: a FAIL, "not written yet"
 
     notebook = release / "exercises" / EXERCISE
     solution = json.loads((REPO_ROOT / "solutions" / EXERCISE).read_text(encoding="utf-8"))

@@ -34,8 +34,9 @@ Usage:
     python tools/build_exercises.py --only 05  # just exercise 05
 
 Exit status: 0 in sync (or rebuilt), 1 out of sync or a stored output in exercises/ (--check), 2 a
-malformed solution notebook (or an answer key that could not be written). The output is byte-deterministic (nbformat's sorted keys and indent,
-execution timestamps dropped), so CI can regenerate and diff. `run_nbval()` runs nbval on one
+malformed solution notebook (or an answer key that could not be written). The output is
+byte-deterministic (nbformat's sorted keys and indent, execution timestamps dropped), so CI can
+regenerate and diff. `run_nbval()` runs nbval on one
 notebook (the chapter tests use it).
 """
 

@@ -358,4 +358,7 @@ def keyed_tasks(module: Any) -> Iterator[AnswerKey]:
 if __name__ == "__main__":  # python -m minillm.grading.answer_key exNN_topic: print its key file
     import sys
 
-    sys.stdout.write(render_keys(sys.argv[1]))
+    # The graders' AnswerKey is the package module's, not this __main__'s: render with that one.
+    from minillm.grading.answer_key import render_keys as _render_keys
+
+    sys.stdout.write(_render_keys(sys.argv[1]))

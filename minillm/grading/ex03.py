@@ -244,11 +244,14 @@ KEY_3 = AnswerKey("ex03_dynamic_batcher", 3, size=64, seeded=len(SEEDED_DELAYS_S
 def _schedule_difference(where, mine, want):
     (batches, _), (ref_batches, _) = mine, want
     first = next((i for i, (a, b) in enumerate(zip(batches, ref_batches)) if a != b), None)
-    shown = (lambda batch: None if batch is None else (batch[0] * MICROSECOND, batch[1]))
+    yours, expected = ((batches[first], ref_batches[first]) if first is not None else (None, None))
     return (f"{where}: your scheduler's batches or token times differ from the deadline rule's "
             f"({len(batches)} batches vs {len(ref_batches)}; first different batch: {first}, yours "
-            f"{shown(batches[first]) if first is not None else None}, expected "
-            f"{shown(ref_batches[first]) if first is not None else None})")
+            f"{_in_seconds(yours)}, expected {_in_seconds(expected)})")
+
+
+def _in_seconds(batch):
+    return None if batch is None else (batch[0] * MICROSECOND, batch[1])
 
 
 @task(3, "your rule in the real scheduler")

@@ -8,7 +8,7 @@ grader-private (`minillm.grading.private.ex04_reference`), and minillm's `Contin
 the KV side of task 1 and the real engine of task 4. Both are disabled while the learner's code runs.
 
 Tasks 1–3 grade in a student release too, with answer keys (`minillm.grading.answer_key`): one digest
-per pool case of the reference's whole output (ten batches' seats and slabs; ten admissions' seats,
+per pool case of the reference's whole output (25 batches' seats and slabs; 20 admissions' seats,
 queue and slabs; every step's plan of a trace). Task 2 runs the learner's `admit` on seat states the
 grader builds (in both copies), and, where the private harness is (the teacher's copy), inside the
 harness's step on whole traces as well.
@@ -17,13 +17,12 @@ harness's step on whole traces as well.
 from __future__ import annotations
 
 import random
+from collections import deque
 
 from minillm import LLM, SamplingParams
 from minillm.clock import SimClock
 from minillm.config import EngineConfig
 from minillm.engine import build_engine
-from collections import deque
-
 from minillm.grading import (
     Fail,
     forbid,
@@ -110,7 +109,7 @@ def _seated(running, rng):
     return seats
 
 
-RETIRE_BATCHES = 10  # batches in one case of task 1: one digest covers all their seats and slabs
+RETIRE_BATCHES = 25  # batches in one case of task 1: one digest covers all their seats and slabs
 
 
 def _retire_seeds(number):
@@ -138,7 +137,7 @@ def retired_batches(number):
     return out
 
 
-KEY_1 = AnswerKey("ex04_continuous_scheduler", 1, size=256, seeded=20, reference=retired_batches,
+KEY_1 = AnswerKey("ex04_continuous_scheduler", 1, size=256, seeded=8, reference=retired_batches,
                   private=_TEACHERS[0])
 
 
@@ -258,12 +257,12 @@ def _compare_plans(make_scheduler, cases, what):
             except Exception as error:  # noqa: BLE001
                 raise Fail(f"{scenario[0]}: {type(error).__name__}: {error}") from None
         limits = f"max_num_seqs={scenario[1]}, budget={scenario[2]}, slabs={scenario[3]}"
-        case.judge([list(plan) for plan in plans], f"{scenario[0]} ({limits}): {what}'s plans",
+        case.judge(plans, f"{scenario[0]} ({limits}): {what}'s plans",
                    lambda mine, want, scenario=scenario: _plan_difference(scenario, what, mine, want))
 
 
-# Task 2 in both copies: the learner's admit on seat states the grader builds (a case: ten of them).
-ADMITS = 10
+# Task 2 in both copies: the learner's admit on seat states the grader builds (a case: twenty of them).
+ADMITS = 20
 
 
 def _admit_state(seed):
