@@ -26,7 +26,6 @@ from minillm.engine import build_engine
 from minillm.grading import (
     Fail,
     forbid,
-    grade_time_seeds,
     private_reference,
     refuse_subclass,
     run_until_done,
