@@ -16,6 +16,13 @@ Tasks 3 and 4 then build the real engine on the bundled model around the learner
 compare every step with the same engine around the reference, and the tokens with plain decoding.
 Task 5 runs the learner's trace on the simulated 7B/A100 under minillm's two chunk policies, at a
 target drawn when the check runs, and grades the learner's choice of why SplitFuse loses there.
+
+Tasks 1-4 grade in a student release too, with answer keys (`minillm.grading.answer_key`): one digest
+per case of the rule's whole output on it (task 1: the orders of 20 running lists; tasks 2 and 4: every
+step's plan of four scenarios, or of all the named ones; tasks 3 and 4: every step's chunks and decodes
+of the real engine, with the seeded knobs or one of the 54 combinations a drawn case runs with). The
+harness's checks of each plan, the tokens against plain decoding and the order's membership need no
+reference and run in both copies.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from minillm.clock import SimClock
 from minillm.config import EngineConfig
 from minillm.engine import build_engine, make_kv_manager
 from minillm.grading import Fail, forbid, grade_time_seeds, private_reference, run_until_done, task
+from minillm.grading.answer_key import AnswerKey
 from minillm.llm import BUNDLED_TARGET
 from minillm.model.config import ModelConfig
 from minillm.request import Request, RequestStatus
@@ -40,13 +48,20 @@ from minillm.traces.trace import Trace, TraceRequest
 
 # Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
 # module raises when learner code calls it while a check runs.
-FRESH_CASES = 50  # task 1's cases drawn at grade time, besides the seeded ones
+FRESH_CASES = 3  # task 1's cases (of 20 running lists each) drawn at grade time, besides the seeded ones
 # task 3: the scheduler around your fill_budget; task 5: both chunk policies on your trace
 LEARNER_TOOLS = {"ChunkedHarness": (3,), "compare_policies": (5,)}
 # What learner code may not call while a check runs: the scheduler and its chunk policies
 REFERENCES = (ContinuousScheduler, SarathiChunking, SplitFuseChunking, even_share, make_chunk_policy)
-# The variants' reference (grader-private: guarded while a check runs, withheld from a student release)
-private = private_reference("ex08_reference")
+# The variants' reference (grader-private: guarded while a check runs, withheld from a student release, where
+# tasks 1-4 grade with their answer keys, minillm/grading/keys/ex08_chunked_budget.json)
+_TEACHERS = (private_reference("ex08_reference"),)
+
+
+def _private():
+    """The grader-private reference, loaded at import. Held in a tuple, not as a module global, so that
+    looking the grader's checks up never touches a withheld module."""
+    return _TEACHERS[0]
 
 TOY_MODEL = ModelConfig(model_type="llama", vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=1,
                         num_heads=1, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
@@ -176,22 +191,55 @@ def _running_case(seed: int) -> list[Request]:
     return out
 
 
-@task(1, "stall-free order")
-def check_task_1(serve_order, num_cases: int = 300) -> str:
-    for seed in [*range(num_cases), *grade_time_seeds(FRESH_CASES)]:  # fresh ones cannot be memoised
-        running = _running_case(seed)
-        expected = [r.request_id for r in private.serve_order(list(running))]
-        with forbid(*REFERENCES):
-            got = serve_order(list(running))
-        if not isinstance(got, list):
-            raise Fail(f"case {seed}: serve_order returned {type(got).__name__}, not a list of requests")
-        got_ids = [getattr(r, "request_id", r) for r in got]
+ORDER_GROUP = 20  # running lists per case of task 1: one answer is the orders of all of them
+SEEDED_ORDER_CASES = 15  # cases 0 to 14: running lists 0 to 299
+
+
+def _running_lists(number: int) -> list[tuple[int, list[Request]]]:
+    """Task 1's case `number`: the running lists of seeds 20 number to 20 number + 19."""
+    return [(seed, _running_case(seed)) for seed in range(ORDER_GROUP * number, ORDER_GROUP * (number + 1))]
+
+
+def stall_free_orders(number: int) -> list[list[str]]:
+    """Task 1's expected output on case `number`: the rule's order (request ids) of each of its running lists."""
+    return [[r.request_id for r in _private().serve_order(list(running))] for _, running in _running_lists(number)]
+
+
+KEY_1 = AnswerKey("ex08_chunked_budget", 1, size=256, seeded=SEEDED_ORDER_CASES, reference=stall_free_orders,
+                  private=_TEACHERS[0])
+
+
+def _order_difference(lists, mine, want) -> str:
+    for (seed, running), got_ids, expected in zip(lists, mine, want):
         if got_ids != expected:
             states = ", ".join(f"{r.request_id}: {r.num_computed_tokens}/{r.num_tokens} computed" for r in running)
-            raise Fail(f"case {seed}: you serve {got_ids}, expected {expected} ({states}): decodes first, in "
-                       "admission order, then the fewest missing tokens first")
-    return (f"{num_cases} seeded running lists and {FRESH_CASES} drawn as the check ran: decodes first, then the "
-            "shortest remaining prefill first, ties in admission order")
+            return (f"case {seed}: you serve {got_ids}, expected {expected} ({states}): decodes first, in "
+                    "admission order, then the fewest missing tokens first")
+    return f"your orders {mine}, expected {want}"
+
+
+@task(1, "stall-free order")
+def check_task_1(serve_order) -> str:
+    for case in KEY_1.cases(fresh=FRESH_CASES):  # fresh ones cannot be memoised
+        lists = _running_lists(case.number)
+        case.expected()  # the teacher's copy: the rule's orders, checked against the key
+        mine = []
+        for seed, running in lists:
+            with forbid(*REFERENCES):
+                got = serve_order(list(running))
+            if not isinstance(got, list):
+                raise Fail(f"case {seed}: serve_order returned {type(got).__name__}, not a list of requests")
+            got_ids = [getattr(r, "request_id", r) for r in got]
+            if sorted(map(str, got_ids)) != sorted(r.request_id for r in running):
+                raise Fail(f"case {seed}: you serve {got_ids}; serve every running request once "
+                           f"({[r.request_id for r in running]})")
+            mine.append(got_ids)
+        first, last = lists[0][0], lists[-1][0]
+        case.judge(mine, f"running lists {first} to {last} (grader._running_case(seed)): your orders",
+                   lambda got, want, lists=lists: _order_difference(lists, got, want))
+    drawn = FRESH_CASES * ORDER_GROUP
+    return KEY_1.report(f"{SEEDED_ORDER_CASES * ORDER_GROUP} seeded running lists and {drawn} drawn as the check ran: "
+                        "decodes first, then the shortest remaining prefill first, ties in admission order")
 
 
 # --- task 2: fill the budget ---------------------------------------------------------------------
@@ -243,26 +291,68 @@ def run_plans(make_scheduler: Callable, scenario, chunk_policy: str = "sarathi")
     return executor.plans
 
 
-@task(2, "fill the budget")
-def check_task_2(fill_budget, num_random: int = 80) -> str:
-    scenarios = NAMED_SCENARIOS + [_random_scenario(seed) for seed in range(num_random)]
-    scenarios += [_random_scenario(seed) for seed in grade_time_seeds(FRESH_SCENARIOS)]
-    for scenario in scenarios:
-        expected = run_plans(lambda config, kv: ChunkedHarness(config, kv, private.fill_budget), scenario)
-        limits = f"max_num_seqs={scenario[1]}, budget={scenario[2]}, threshold={scenario[3]}, block_size={scenario[5]}"
+SCENARIO_GROUP = 4  # random scenarios per case of tasks 2 and 4: one answer is every step's plan of all four
+FRESH_SCENARIO_CASES = 5  # cases drawn at grade time in tasks 2 and 4 (20 scenarios)
+SEEDED_BUDGET_CASES = 1 + 80 // SCENARIO_GROUP  # task 2: the named scenarios, then random scenarios 0 to 79
+
+
+def _scenario_group(first_seed: int) -> list[tuple]:
+    return [_random_scenario(seed) for seed in range(first_seed, first_seed + SCENARIO_GROUP)]
+
+
+def _budget_scenarios(number: int) -> list[tuple]:
+    """Task 2's case `number`: the named scenarios (0), or random scenarios 4 (number - 1) to 4 number - 1."""
+    return NAMED_SCENARIOS if number == 0 else _scenario_group(SCENARIO_GROUP * (number - 1))
+
+
+def _plans_of(fill, scenarios) -> list[list[tuple]]:
+    return [run_plans(lambda config, kv: ChunkedHarness(config, kv, fill), scenario) for scenario in scenarios]
+
+
+def budget_plans(number: int) -> list[list[tuple]]:
+    """Task 2's expected output on case `number`: every step's plan of each of its scenarios, under the rule."""
+    return _plans_of(_private().fill_budget, _budget_scenarios(number))
+
+
+KEY_2 = AnswerKey("ex08_chunked_budget", 2, size=128, seeded=SEEDED_BUDGET_CASES, reference=budget_plans,
+                  private=_TEACHERS[0])
+
+
+def _check_plans(case, fill, scenarios, target_word: str) -> int:
+    """Replay `scenarios` with the learner's `fill` in the harness (its checks of each plan run in both copies
+    of the course), compare every step with the rule's (the teacher's copy: where they part; a release: the
+    answer key's digest of all of them). Returns the number of scenarios."""
+    want = case.expected()
+    mine = []
+    for i, scenario in enumerate(scenarios):
+        limits = (f"max_num_seqs={scenario[1]}, {target_word}={scenario[2]}, threshold={scenario[3]}, "
+                  f"block_size={scenario[5]}")
         with forbid(*REFERENCES):
             try:
-                plans = run_plans(lambda config, kv: ChunkedHarness(config, kv, fill_budget), scenario)
+                plans = run_plans(lambda config, kv, fill=fill: ChunkedHarness(config, kv, fill), scenario)
             except Fail as failure:
                 raise Fail(f"{scenario[0]} ({limits}): {failure}") from None
-        for step, (mine, ref) in enumerate(zip(plans + [None] * len(expected), expected)):
-            if mine != ref:
-                raise Fail(f"{scenario[0]} ({limits}), step {step}: your plan {mine}, the rule's {ref} "
-                           "((request id, tokens) per row, decode rows first)")
-        if len(plans) != len(expected):
-            raise Fail(f"{scenario[0]}: {len(plans)} steps, the rule takes {len(expected)}")
-    return (f"{len(scenarios)} traces ({FRESH_SCENARIOS} drawn as the check ran), every step's plan the rule's: "
-            "shortest remaining prefill first, chunks ending on block boundaries")
+        if want is not None:
+            expected = want[i]
+            for step, (yours, ref) in enumerate(zip(plans + [None] * len(expected), expected)):
+                if yours != ref:
+                    raise Fail(f"{scenario[0]} ({limits}), step {step}: your plan {yours}, the rule's {ref} "
+                               "((request id, tokens) per row, decode rows first)")
+            if len(plans) != len(expected):
+                raise Fail(f"{scenario[0]}: {len(plans)} steps, the rule takes {len(expected)}")
+        mine.append(plans)
+    named = scenarios is NAMED_SCENARIOS or scenarios is SPLITFUSE_SCENARIOS
+    names = "the named scenarios" if named else ", ".join(scenario[0] for scenario in scenarios)
+    case.judge(mine, f"{names} (rebuild one with grader._random_scenario(seed) and grader.run_plans): your plans")
+    return len(scenarios)
+
+
+@task(2, "fill the budget")
+def check_task_2(fill_budget) -> str:
+    count = sum(_check_plans(case, fill_budget, _budget_scenarios(case.number), "budget")
+                for case in KEY_2.cases(fresh=FRESH_SCENARIO_CASES))
+    return KEY_2.report(f"{count} traces ({FRESH_SCENARIO_CASES * SCENARIO_GROUP} drawn as the check ran), every "
+                        "step's plan the rule's: shortest remaining prefill first, chunks ending on block boundaries")
 
 
 # --- task 3: the real engine ---------------------------------------------------------------------
@@ -273,50 +363,73 @@ PROMPT_LENS = [5, 140, 9, 3, 61, 12, 200, 7]
 OUTPUT_LENS = [20, 6, 14, 25, 8, 3, 5, 18]
 
 
+# the knobs a case drawn at grade time runs with: every block size, sequence limit, budget and cap below
+DRAWN_KNOBS = [dict(ENGINE_KNOBS, block_size=block_size, max_num_seqs=seqs, max_num_batched_tokens=budget,
+                    long_prefill_token_threshold=cap)
+               for block_size in (4, 8, 16) for seqs in (2, 3, 4) for budget in (16, 24, 32) if budget >= block_size
+               for cap in (0, max(block_size, 12))]
+
+
 def _engine_run(llm: LLM):
     rng = random.Random(8)
     prompts = [{"prompt_token_ids": [rng.randrange(6, 4096) for _ in range(n)]} for n in PROMPT_LENS]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in OUTPUT_LENS]
     outputs = llm.generate(prompts, params, use_tqdm=False)  # all waiting at t = 0: a deterministic schedule
-    steps = [(s.prefill_chunk_sizes, s.num_decode_tokens) for s in llm.engine.metrics.steps]
+    steps = [[list(s.prefill_chunk_sizes), s.num_decode_tokens] for s in llm.engine.metrics.steps]
     return [o.outputs[0].token_ids for o in outputs], steps
+
+
+def _engine_knobs(number: int) -> dict:
+    """Task 3's case `number`: the seeded knobs (0), or one of the 54 combinations of DRAWN_KNOBS."""
+    return ENGINE_KNOBS if number == 0 else DRAWN_KNOBS[(number - 1) % len(DRAWN_KNOBS)]
+
+
+def rule_engine_steps(number: int) -> list:
+    """Task 3's expected output on case `number`: every step's prefill chunks and decode count when the real
+    engine, with case `number`'s knobs, runs the rule's budget filler (the schedule does not depend on which
+    tokens the model emits: every request has a fixed output length)."""
+    return _engine_run(LLM(BUNDLED_TARGET, **_engine_knobs(number), scheduler_factory=lambda config, kv:
+                           ChunkedHarness(config, kv, _private().fill_budget)))[1]
+
+
+KEY_3 = AnswerKey("ex08_chunked_budget", 3, size=1 + len(DRAWN_KNOBS), seeded=1, reference=rule_engine_steps,
+                  private=_TEACHERS[0])
 
 
 @task(3, "real engine")
 def check_task_3(make_llm, fill_budget) -> list[str]:
     plain_tokens, _ = _engine_run(LLM(BUNDLED_TARGET, max_num_seqs=3, max_model_len=512))
-    ref_tokens, ref_steps = _engine_run(LLM(BUNDLED_TARGET, **ENGINE_KNOBS, scheduler_factory=lambda config, kv:
-                                            ChunkedHarness(config, kv, private.fill_budget)))
-    with forbid(*REFERENCES):
-        llm = make_llm(**ENGINE_KNOBS)
-        scheduler = llm.engine.scheduler
-        used = type(scheduler).__name__
-        if not isinstance(scheduler, ChunkedHarness):
-            raise Fail(f"the engine runs {used}, not a ChunkedHarness around your fill_budget")
-        tokens, steps = _engine_run(llm)
-    longest = max(max(chunks, default=0) for chunks, _ in steps)
-    lines = [f"scheduler in the engine: ChunkedHarness({fill_budget.__name__})",
-             f"greedy outputs identical to unchunked decoding: {tokens == plain_tokens}",
-             f"engine steps: yours {len(steps)}, the rule's {len(ref_steps)}; largest chunk {longest} tokens "
-             f"(threshold {ENGINE_KNOBS['long_prefill_token_threshold']}, blocks of {ENGINE_KNOBS['block_size']})",
-             f"every step's chunks and decodes identical to the rule's engine: {steps == ref_steps}"]
-    if tokens != plain_tokens or steps != ref_steps or tokens != ref_tokens:
-        raise Fail("your engine run differs from the rule's: " + "; ".join(lines[1:]))
-    # knobs drawn as the check runs: an engine that ignores **knobs (its own, or the seeded ones) fails here
-    draw = random.Random(grade_time_seeds(1)[0])
-    block_size = draw.choice([4, 8, 16])
-    knobs = dict(ENGINE_KNOBS, block_size=block_size, max_num_seqs=draw.choice([2, 3, 4]),
-                 max_num_batched_tokens=draw.choice([b for b in (16, 24, 32) if b >= block_size]),
-                 long_prefill_token_threshold=draw.choice([0, max(block_size, 12)]))
-    _, ref_steps = _engine_run(LLM(BUNDLED_TARGET, **knobs, scheduler_factory=lambda config, kv:
-                                   ChunkedHarness(config, kv, private.fill_budget)))
-    with forbid(*REFERENCES):
-        tokens, steps = _engine_run(make_llm(**knobs))
-    if tokens != plain_tokens or steps != ref_steps:
-        raise Fail(f"with knobs drawn as the check ran ({knobs}): greedy outputs identical to unchunked decoding: "
-                   f"{tokens == plain_tokens}; every step identical to the rule's engine: {steps == ref_steps} "
-                   "(are the knobs passed through to LLM?)")
-    return lines + ["and with knobs drawn as the check ran (budget, cap, block size, sequences): the same"]
+    lines = []
+    for case in KEY_3.cases(fresh=1):  # the seeded knobs, then knobs drawn as the check runs
+        knobs = _engine_knobs(case.number)
+        ref_steps = case.expected()  # the teacher's copy: the rule's engine, checked against the key
+        with forbid(*REFERENCES):
+            llm = make_llm(**knobs)
+            scheduler = llm.engine.scheduler
+            if not isinstance(scheduler, ChunkedHarness):
+                raise Fail(f"the engine runs {type(scheduler).__name__}, not a ChunkedHarness around your fill_budget")
+            tokens, steps = _engine_run(llm)
+        same = "?" if ref_steps is None else steps == ref_steps
+        if case.number != 0:  # knobs drawn as the check runs: an engine that ignores **knobs fails here
+            if tokens != plain_tokens or same is False:
+                raise Fail(f"with knobs drawn as the check ran ({knobs}): greedy outputs identical to unchunked "
+                           f"decoding: {tokens == plain_tokens}; every step identical to the rule's engine: {same} "
+                           "(are the knobs passed through to LLM?)")
+            case.judge(steps, f"with knobs drawn as the check ran ({knobs}): every step's chunks and decodes "
+                              "(are the knobs passed through to LLM?)")
+            continue
+        longest = max(max(chunks, default=0) for chunks, _ in steps)
+        lines = [f"scheduler in the engine: ChunkedHarness({fill_budget.__name__})",
+                 f"greedy outputs identical to unchunked decoding: {tokens == plain_tokens}",
+                 f"engine steps: yours {len(steps)}, the rule's {len(steps) if same == '?' else len(ref_steps)}; "
+                 f"largest chunk {longest} tokens (threshold {ENGINE_KNOBS['long_prefill_token_threshold']}, blocks "
+                 f"of {ENGINE_KNOBS['block_size']})",
+                 f"every step's chunks and decodes identical to the rule's engine: {same}"]
+        if tokens != plain_tokens or same is False:
+            raise Fail("your engine run differs from the rule's: " + "; ".join(lines[1:]))
+        case.judge(steps, f"your engine run with {knobs}: every step's chunks and decodes")
+        lines[-1] = "every step's chunks and decodes identical to the rule's engine: True"  # judged just now
+    return KEY_3.report(lines + ["and with knobs drawn as the check ran (budget, cap, block size, sequences): the same"])
 
 
 # --- task 4: Dynamic SplitFuse's step ------------------------------------------------------------
@@ -335,53 +448,64 @@ SPLITFUSE_SCENARIOS = [
     ("running prefills and new prompts share one pool", 8, 24, 0, [(45, 3, 0.0), (30, 3, 0.001), (6, 3, 0.001)], 4),
     ("the cap still cuts each chunk", 8, 32, 8, [(4, 10, 0.0), (50, 3, 0.002)], 4),
 ]
-SPLITFUSE_RANDOM = 60  # seeded random scenarios, besides the named ones and FRESH_SCENARIOS drawn at grade time
-FRESH_SCENARIOS = 20
+SPLITFUSE_RANDOM = 60  # seeded random scenarios, besides the named ones and those drawn at grade time
+SEEDED_SPLITFUSE_CASES = 2 + SPLITFUSE_RANDOM // SCENARIO_GROUP  # the engine run, the named scenarios, random 0-59
 
 SPLITFUSE_KNOBS = dict(max_num_seqs=3, max_model_len=512, enable_chunked_prefill=True, max_num_batched_tokens=24,
                        block_size=8)
 
 
+def _splitfuse_scenarios(number: int) -> list[tuple]:
+    """Task 4's case `number` >= 1: the named scenarios (1), or random scenarios 4 (number - 2) to 4 number - 5.
+    Case 0 is the real engine around the step (SPLITFUSE_KNOBS)."""
+    return SPLITFUSE_SCENARIOS if number == 1 else _scenario_group(SCENARIO_GROUP * (number - 2))
+
+
+def _splitfuse_llm(step) -> LLM:
+    return LLM(BUNDLED_TARGET, scheduler_factory=lambda config, kv: ChunkedHarness(config, kv, step), **SPLITFUSE_KNOBS)
+
+
+def splitfuse_plans(number: int) -> list:
+    """Task 4's expected output on case `number`: the real engine's steps (0), or every step's plan of each
+    scenario, under the rule (SplitFuse's even share in whole blocks, filled as in task 2)."""
+    if number == 0:
+        return _engine_run(_splitfuse_llm(_private().splitfuse_fill))[1]
+    return _plans_of(_private().splitfuse_fill, _splitfuse_scenarios(number))
+
+
+KEY_4 = AnswerKey("ex08_chunked_budget", 4, size=128, seeded=SEEDED_SPLITFUSE_CASES, reference=splitfuse_plans,
+                  private=_TEACHERS[0])
+
+
 @task(4, "SplitFuse's step")
 def check_task_4(splitfuse_fill) -> list[str]:
-    scenarios = SPLITFUSE_SCENARIOS + [_random_scenario(seed) for seed in range(SPLITFUSE_RANDOM)]
-    scenarios += [_random_scenario(seed) for seed in grade_time_seeds(FRESH_SCENARIOS)]
-    for scenario in scenarios:
-        expected = run_plans(lambda config, kv: ChunkedHarness(config, kv, private.splitfuse_fill), scenario)
-        limits = f"max_num_seqs={scenario[1]}, target={scenario[2]}, threshold={scenario[3]}, block_size={scenario[5]}"
-        with forbid(*REFERENCES):
-            try:
-                plans = run_plans(lambda config, kv: ChunkedHarness(config, kv, splitfuse_fill), scenario)
-            except Fail as failure:
-                raise Fail(f"{scenario[0]} ({limits}): {failure}") from None
-        for step, (mine, ref) in enumerate(zip(plans + [None] * len(expected), expected)):
-            if mine != ref:
-                raise Fail(f"{scenario[0]} ({limits}), step {step}: your plan {mine}, the rule's {ref} "
-                           "((request id, tokens) per row, decode rows first)")
-        if len(plans) != len(expected):
-            raise Fail(f"{scenario[0]}: {len(plans)} steps, the rule takes {len(expected)}")
-    lines = [f"{len(scenarios)} traces ({FRESH_SCENARIOS} drawn as the check ran), every step's plan the rule's: "
-             "SplitFuse's even share in whole blocks, filled as in task 2"]
-    return lines + _splitfuse_engine(splitfuse_fill)
+    cases = KEY_4.cases(fresh=FRESH_SCENARIO_CASES)
+    count = sum(_check_plans(case, splitfuse_fill, _splitfuse_scenarios(case.number), "target")
+                for case in cases if case.number != 0)
+    lines = [f"{count} traces ({FRESH_SCENARIO_CASES * SCENARIO_GROUP} drawn as the check ran), every step's plan the "
+             "rule's: SplitFuse's even share in whole blocks, filled as in task 2"]
+    return KEY_4.report(lines + _splitfuse_engine(splitfuse_fill, next(case for case in cases if case.number == 0)))
 
 
-def _splitfuse_engine(splitfuse_fill) -> list[str]:
-    """The bundled model served by the engine `LLM` builds around the learner's step, against the same
-    engine around the rule's: the same greedy tokens and the same chunks and decodes in every step."""
-    ref_tokens, ref_steps = _engine_run(LLM(BUNDLED_TARGET, **SPLITFUSE_KNOBS, scheduler_factory=lambda config, kv:
-                                            ChunkedHarness(config, kv, private.splitfuse_fill)))
+def _splitfuse_engine(splitfuse_fill, case) -> list[str]:
+    """The bundled model served by the engine `LLM` builds around the learner's step: the greedy tokens of
+    plain decoding, and the chunks and decodes of every step of the same engine around the rule's step."""
+    plain_tokens, _ = _engine_run(LLM(BUNDLED_TARGET, max_num_seqs=3, max_model_len=512))
+    ref_steps = case.expected()  # the teacher's copy: the rule's engine, checked against the key
     with forbid(*REFERENCES):
-        llm = LLM(BUNDLED_TARGET, scheduler_factory=lambda config, kv: ChunkedHarness(config, kv, splitfuse_fill),
-                  **SPLITFUSE_KNOBS)
-        tokens, steps = _engine_run(llm)
+        tokens, steps = _engine_run(_splitfuse_llm(splitfuse_fill))
     target = SPLITFUSE_KNOBS["max_num_batched_tokens"]
     sizes = [sum(chunks) + decodes for chunks, decodes in steps]
+    same = "?" if ref_steps is None else steps == ref_steps
     lines = [f"the real engine around {getattr(splitfuse_fill, '__name__', 'your step')}, target {target}: "
-             f"{len(steps)} steps (the rule's {len(ref_steps)}), step sizes {min(sizes)} to {max(sizes)} tokens",
-             f"greedy outputs identical to the rule's engine: {tokens == ref_tokens}",
-             f"every step's chunks and decodes identical: {steps == ref_steps}"]
-    if tokens != ref_tokens or steps != ref_steps:
+             f"{len(steps)} steps (the rule's {len(steps) if same == '?' else len(ref_steps)}), step sizes "
+             f"{min(sizes)} to {max(sizes)} tokens",
+             f"greedy outputs identical to unchunked decoding: {tokens == plain_tokens}",
+             f"every step's chunks and decodes identical to the rule's engine: {same}"]
+    if tokens != plain_tokens or same is False:
         raise Fail("your engine run differs from the rule's engine: " + "; ".join(lines))
+    case.judge(steps, f"the real engine around your step ({SPLITFUSE_KNOBS}): every step's chunks and decodes")
+    lines[-1] = "every step's chunks and decodes identical to the rule's engine: True"  # judged just now
     return lines
 
 

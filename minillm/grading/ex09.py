@@ -12,6 +12,12 @@ probability x), replaying the function along every path. The probabilities of th
 exact distribution of what the sampler emits, for every tuple of candidates the proposer could
 have drawn, which is then compared with the target's p to 1e-9, and with the rule's acceptance
 probabilities and final residual, candidate by candidate.
+
+Tasks 1 and 2 grade in a student release too, with answer keys (`minillm.grading.answer_key`): one
+digest per case of the rule's whole output on it, its floats in whole steps (task 1: the residual
+rows of 20 triples, or of the named ones, in 1e-8s; task 2: the exact outcomes of every tuple of
+candidates, in 1e-7s). The checks that need no reference run in both copies: the rows' shape, row 0
+= p, the first candidate accepted with probability min(1, p/q), and the emitted token following p.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from minillm.grading import Fail, forbid, grade_time_seeds, private_reference, task
+from minillm.grading.answer_key import AnswerKey, quantized
 from minillm.spec import rejection as reference
 
 # Lent to the learner during a check (minillm.grading.provenance, rule 2): every other function of this
@@ -34,8 +41,17 @@ DTYPE = torch.float64
 MAX_PATHS = 200_000
 UNIFORM_BINS = 20  # task 3 tests uniform()'s law on this many equal bins
 FRESH_CASES = 2  # tasks 1 and 2 add cases drawn when the check runs
-# The variant's reference (grader-private: guarded while a check runs, withheld from a student release)
-private = private_reference("ex09_reference")
+# The variant's reference (grader-private: guarded while a check runs, withheld from a student release, where
+# tasks 1 and 2 grade with their answer keys, minillm/grading/keys/ex09_rejection_sampler.json)
+_TEACHERS = (private_reference("ex09_reference"),)
+RESIDUAL_STEP = 1e-8  # task 1's rows in an answer key: whole multiples of this (a correct row differs in its last bits)
+LAW_STEP = 1e-7  # task 2's outcome probabilities in an answer key: the same
+
+
+def _private():
+    """The grader-private reference, loaded at import. Held in a tuple, not as a module global, so that
+    looking the grader's checks up never touches a withheld module."""
+    return _TEACHERS[0]
 
 
 # --- exact randomness ----------------------------------------------------------------------------
@@ -210,38 +226,104 @@ def _forbidden() -> tuple:
 # --- task 1: the residuals after each rejection ----------------------------------------------------
 
 
-@task(1, "residuals")
-def check_task_1(residuals, num_random: int = 200) -> str:
+PAIR_GROUP = 20  # (p, q, n) triples per case of task 1 (one answer: the rows of all of them)
+SEEDED_PAIR_CASES = 1 + 200 // PAIR_GROUP  # the named triples, then 200 seeded random ones
+
+
+def _seeded_pairs() -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
     gen = torch.Generator().manual_seed(1)
-    pairs = [("p equals q", torch.tensor([0.2, 0.3, 0.5], dtype=DTYPE), torch.tensor([0.2, 0.3, 0.5], dtype=DTYPE), 2),
-             ("q one-hot", torch.tensor([0.1, 0.6, 0.3], dtype=DTYPE), torch.tensor([0.0, 1.0, 0.0], dtype=DTYPE), 3),
-             ("q sharper than p", torch.tensor([0.3, 0.3, 0.4], dtype=DTYPE), torch.tensor([0.05, 0.05, 0.9], dtype=DTYPE),
-              3)]
-    for i in range(num_random):
+    out = []
+    for i in range(200):
         vocab = 2 + i % 7
-        pairs.append((f"random pair {i}", _dist(gen, vocab, zeros=i % 2), _dist(gen, vocab), i % 4))
-    for seed in grade_time_seeds(FRESH_CASES):
-        drawn = torch.Generator().manual_seed(seed)
-        for i in range(20):
-            vocab = 2 + (seed + i) % 7
-            pairs.append((f"a pair drawn as the check ran (seed {seed}, #{i})", _dist(drawn, vocab, zeros=i % 2),
-                          _dist(drawn, vocab, sharpness=0.5 + i % 4), 1 + i % 4))
-    for name, p, q, n in pairs:
-        expected = private.residual_chain(p, q, n)
-        with forbid(*_forbidden()):
-            got = residuals(p.clone(), q.clone(), n)
-        got = torch.as_tensor(got, dtype=DTYPE)
-        if got.shape != expected.shape:
-            raise Fail(f"{name}: residuals(p, q, n={n}) has shape {tuple(got.shape)}; expected {tuple(expected.shape)} "
-                       f"(n + 1 rows: p, then one row per rejection)")
-        for j in range(n + 1):
-            if not torch.allclose(got[j], expected[j], atol=1e-12):
-                what = "row 0 must be p itself" if j == 0 else (
-                    f"row {j} is what row {j - 1} has and q does not, normalized (row {j - 1} itself if nothing is left)")
-                raise Fail(f"{name}: p = {_fmt(p)}, q = {_fmt(q)}: row {j} of yours is {_fmt(got[j])}, expected "
-                           f"{_fmt(expected[j])}: {what}")
-    return (f"{len(pairs)} (p, q, n) cases, p == q, one-hot q and {FRESH_CASES * 20} drawn as the check ran: each row "
-            "normalize(max(0, previous − q)) to 1e-12")
+        out.append((f"random pair {i}", _dist(gen, vocab, zeros=i % 2), _dist(gen, vocab), i % 4))
+    return out
+
+
+def _pair_case(number: int) -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
+    """Task 1's case `number`: the named triples (0), 20 of the 200 seeded random ones (1 to 10), or 20 drawn
+    from the seed `number` (a pool case, or a seed drawn at grade time)."""
+    if number == 0:
+        return [("p equals q", torch.tensor([0.2, 0.3, 0.5], dtype=DTYPE), torch.tensor([0.2, 0.3, 0.5], dtype=DTYPE), 2),
+                ("q one-hot", torch.tensor([0.1, 0.6, 0.3], dtype=DTYPE), torch.tensor([0.0, 1.0, 0.0], dtype=DTYPE), 3),
+                ("q sharper than p", torch.tensor([0.3, 0.3, 0.4], dtype=DTYPE),
+                 torch.tensor([0.05, 0.05, 0.9], dtype=DTYPE), 3)]
+    if number < SEEDED_PAIR_CASES:
+        return _seeded_pairs()[PAIR_GROUP * (number - 1):PAIR_GROUP * number]
+    drawn, out = torch.Generator().manual_seed(number), []
+    for i in range(PAIR_GROUP):
+        vocab = 2 + (number + i) % 7
+        out.append((f"a pair drawn as the check ran (seed {number}, #{i})", _dist(drawn, vocab, zeros=i % 2),
+                    _dist(drawn, vocab, sharpness=0.5 + i % 4), 1 + i % 4))
+    return out
+
+
+def _quantized_rows(rows: torch.Tensor) -> list[list[int]]:
+    return [[quantized(x, RESIDUAL_STEP) for x in row] for row in rows.tolist()]
+
+
+def residual_rows(number: int) -> list[list[list[int]]]:
+    """Task 1's expected output on case `number`: the residual chain of each triple, in whole RESIDUAL_STEPs."""
+    return [_quantized_rows(_private().residual_chain(p, q, n)) for _, p, q, n in _pair_case(number)]
+
+
+KEY_1 = AnswerKey("ex09_rejection_sampler", 1, size=256, seeded=SEEDED_PAIR_CASES, reference=residual_rows,
+                  private=_TEACHERS[0])
+
+
+def _rounding_difference(what: str, step: float, mine, want) -> str:
+    """The teacher's copy's message when the learner's floats passed the check's tolerance but round to other
+    whole steps than the rule's (a value that lies on a rounding boundary: vanishingly rare)."""
+    path, a, b = [], mine, want
+    while isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if i is None:
+            break
+        path.append(i)
+        a, b = a[i], b[i]
+    return (f"{what}: yours agree with the rule's to the check's tolerance but round to other whole {step:g}s at "
+            f"{path}: yours {a}, the rule's {b} (a value on a rounding boundary: tell your teacher)")
+
+
+def _row_hint(j: int) -> str:
+    return "row 0 must be p itself" if j == 0 else (
+        f"row {j} is what row {j - 1} has and q does not, normalized (row {j - 1} itself if nothing is left)")
+
+
+@task(1, "residuals")
+def check_task_1(residuals) -> str:
+    count = 0
+    for case in KEY_1.cases(fresh=FRESH_CASES):
+        triples = _pair_case(case.number)
+        case.expected()  # the teacher's copy: the rule's rows, checked against the key
+        mine = []
+        for name, p, q, n in triples:
+            with forbid(*_forbidden()):
+                got = residuals(p.clone(), q.clone(), n)
+            got = torch.as_tensor(got, dtype=DTYPE)
+            if got.shape != (n + 1, p.shape[0]):
+                raise Fail(f"{name}: residuals(p, q, n={n}) has shape {tuple(got.shape)}; expected {(n + 1, p.shape[0])} "
+                           f"(n + 1 rows: p, then one row per rejection)")
+            shown = f"{name}: p = {_fmt(p)}, q = {_fmt(q)}"
+            for j in range(n + 1):
+                if not bool(torch.isfinite(got[j]).all()):
+                    raise Fail(f"{shown}: row {j} of yours is {_fmt(got[j])}, not a distribution: {_row_hint(j)}")
+            if not torch.allclose(got[0], p, atol=1e-12):
+                raise Fail(f"{shown}: row 0 of yours is {_fmt(got[0])}: {_row_hint(0)}")
+            if KEY_1.teacher:  # the rule's rows, to 1e-12, and where yours part from them
+                expected = _private().residual_chain(p, q, n)
+                for j in range(n + 1):
+                    if not torch.allclose(got[j], expected[j], atol=1e-12):
+                        raise Fail(f"{shown}: row {j} of yours is {_fmt(got[j])}, expected {_fmt(expected[j])}: "
+                                   f"{_row_hint(j)}")
+            mine.append(_quantized_rows(got))
+        count += len(triples)
+        names = "the named triples" if case.number == 0 else f"{triples[0][0]} to {triples[-1][0]}"
+        case.judge(mine, f"{names} (p, q, n from grader._pair_case({case.number})): your rows, in whole "
+                         f"{RESIDUAL_STEP:g}s: each row normalize(max(0, previous - q)), the previous if nothing is left",
+                   lambda got, want, names=names: _rounding_difference(f"{names}: your rows", RESIDUAL_STEP, got, want))
+    within = "to 1e-12" if KEY_1.teacher else f"in whole {RESIDUAL_STEP:g}s"
+    return KEY_1.report(f"{count} (p, q, n) cases, p == q, one-hot q and {FRESH_CASES * PAIR_GROUP} drawn as the check "
+                        f"ran: each row normalize(max(0, previous − q)) {within}")
 
 
 # --- task 2: the whole rule, graded exactly ------------------------------------------------------
@@ -267,11 +349,12 @@ def _check_rule(name: str, outcomes: dict, candidates: list[int], chain: torch.T
     """The properties that define recursive rejection sampling, for one tuple of candidates: candidate j is
     accepted (given the ones before it were rejected) with probability min(1, r_j(c) / q(c)), r_0 = p and
     r_{j+1} = normalize(max(0, r_j − q)); after n rejections the token follows r_n. (A token law equal to p
-    alone does not define it: a verifier that never reads q can get that.)"""
+    alone does not define it: a verifier that never reads q can get that.) `chain` holds r_0 … r_n, or only
+    the rows known here (a student release knows r_0 = p alone: the rest is the answer key's to judge)."""
     n = len(candidates)
     reach = 1.0
     for j, c in enumerate(candidates):
-        if reach < 1e-12:
+        if reach < 1e-12 or j >= chain.shape[0]:
             return
         accepted = sum(prob for (index, _), prob in outcomes.items() if index == j)
         rate, rx, qx = accepted / reach, float(chain[j, c]), float(q[c])
@@ -282,7 +365,7 @@ def _check_rule(name: str, outcomes: dict, candidates: list[int], chain: torch.T
                        f"{rate:.6f}, once the ones before it were rejected; the rule accepts it with min(1, r(x)/q(x)) "
                        f"= min(1, {rx:.4f}/{qx:.4f}) = {want:.6f}, r being {law} = {_fmt(chain[j])}")
         reach -= accepted
-    if reach > 1e-12:
+    if reach > 1e-12 and chain.shape[0] > n:
         law = torch.zeros(chain.shape[1], dtype=DTYPE)
         for (index, token), prob in outcomes.items():
             if index == -1:
@@ -293,39 +376,104 @@ def _check_rule(name: str, outcomes: dict, candidates: list[int], chain: torch.T
                        f"it must follow r_{n}, the residual after {n} rejections, = {_fmt(chain[n])}")
 
 
+SEEDED_VERIFY_CASES = 13  # task 2's case 0: the six named (p, q, n); cases 1 to 12: the seeded random ones
+
+
+def _verify_case(number: int) -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
+    """Task 2's case `number`: the named triples (0), one of the 12 seeded random ones (1 to 12), or one drawn
+    from the seed `number` (a pool case, or a seed drawn at grade time)."""
+    if number < SEEDED_VERIFY_CASES:
+        fixed = _cases(SEEDED_VERIFY_CASES - 1)
+        named = len(fixed) - (SEEDED_VERIFY_CASES - 1)
+        return fixed[:named] if number == 0 else [fixed[named + number - 1]]
+    return _cases(0, (number,))[-1:]
+
+
+def _law(outcomes: dict[tuple[int, int], float]) -> list[list[int]]:
+    """One tuple's outcomes as an answer key holds them: [index (-1: all rejected), token, probability in whole
+    LAW_STEPs], sorted, the ones that round to 0 left out."""
+    return sorted([index, token, quantized(prob, LAW_STEP)] for (index, token), prob in outcomes.items()
+                  if quantized(prob, LAW_STEP) != 0)
+
+
+def rule_laws(number: int) -> list[list[list[list[int]]]]:
+    """Task 2's expected output on case `number`: for each triple, for every tuple of candidates q can propose
+    (in `_candidates` order), the rule's exact outcomes: candidate j accepted with probability reach_j x min(1,
+    r_j(c_j) / q(c_j)), and after n rejections each token t with probability reach_n x r_n(t)."""
+    out = []
+    for _, p, q, n in _verify_case(number):
+        chain, laws = _private().residual_chain(p, q, n), []
+        for candidates, _ in _candidates(q, n):
+            outcomes, reach = {}, 1.0
+            for j, c in enumerate(candidates):
+                accept = min(1.0, float(chain[j, c]) / float(q[c]))
+                outcomes[(j, c)] = reach * accept
+                reach *= 1.0 - accept
+            for token in range(p.shape[0]):
+                outcomes[(-1, token)] = reach * float(chain[n, token])
+            laws.append(_law(outcomes))
+        out.append(laws)
+    return out
+
+
+KEY_2 = AnswerKey("ex09_rejection_sampler", 2, size=256, seeded=SEEDED_VERIFY_CASES, reference=rule_laws,
+                  private=_TEACHERS[0])
+
+
 @task(2, "verify several candidates, exactly")
-def check_task_2(verify, num_random: int = 12) -> list[str]:
-    cases = _cases(num_random, tuple(grade_time_seeds(FRESH_CASES)))
-    total_paths = 0
-    for name, p, q, n in cases:
-        chain = private.residual_chain(p, q, n)
-        emitted = torch.zeros(p.shape[0], dtype=DTYPE)
-        for candidates, weight in _candidates(q, n):
-            def run(rng, c=candidates, p=p, q=q):
-                answer = verify(p.clone(), q.clone(), list(c), rng)
-                if not isinstance(answer, tuple | list) or len(answer) != 2:
-                    raise Fail(f"verify returned {answer!r}: return (index of the accepted candidate or None, token)")
-                index, token = answer
-                if index is not None and not isinstance(index, int) or not isinstance(token, int):
-                    raise Fail(f"verify returned {answer!r}: the index (or None) and the token are ints")
-                return [-1 if index is None else index, token]
-            with forbid(*_forbidden()):
-                outputs = exact_outputs(run)
-            outcomes = _outcomes(name, {tuple(k): v for k, v in outputs.items()}, candidates)
-            _check_rule(name, outcomes, candidates, chain, q)
-            total_paths += len(outputs) * (not name.startswith("a case drawn"))  # the seeded cases' count
-            for (_, token), prob in outcomes.items():
-                emitted[token] += weight * prob
-        if abs(float(emitted.sum()) - 1.0) > 1e-9:
-            raise Fail(f"{name}: your outputs' probabilities sum to {float(emitted.sum()):.6f}, not 1")
-        if not torch.allclose(emitted, p, atol=1e-9):
-            raise Fail(f"{name}: the emitted token follows {_fmt(emitted)}, but the target's p is {_fmt(p)}")
-    return [f"{len(cases)} cases (q = p, disjoint, one-hot, 1 … 3 candidates, {FRESH_CASES} drawn as the check ran): "
-            f"every tuple of candidates q could propose, every path of your random choices ({total_paths} outputs in "
-            "the seeded cases)",
-            "each candidate accepted with probability min(1, r/q), r the residual after the rejections before it; "
-            "after n rejections the token drawn from r_n (to 1e-9)",
-            "the emitted token follows the target's p exactly (to 1e-9)"]
+def check_task_2(verify) -> list[str]:
+    total_paths = count = 0
+    for case in KEY_2.cases(fresh=FRESH_CASES):
+        triples = _verify_case(case.number)
+        case.expected()  # the teacher's copy: the rule's outcomes, checked against the key
+        mine, emitted_laws = [], []
+        for name, p, q, n in triples:
+            # the residuals this copy knows: all of them in the teacher's copy, r_0 = p alone in a release
+            chain = _private().residual_chain(p, q, n) if KEY_2.teacher else p.unsqueeze(0)
+            emitted, laws = torch.zeros(p.shape[0], dtype=DTYPE), []
+            for candidates, weight in _candidates(q, n):
+                def run(rng, c=candidates, p=p, q=q):
+                    answer = verify(p.clone(), q.clone(), list(c), rng)
+                    if not isinstance(answer, tuple | list) or len(answer) != 2:
+                        raise Fail(f"verify returned {answer!r}: return (index of the accepted candidate or None, token)")
+                    index, token = answer
+                    if index is not None and not isinstance(index, int) or not isinstance(token, int):
+                        raise Fail(f"verify returned {answer!r}: the index (or None) and the token are ints")
+                    return [-1 if index is None else index, token]
+                with forbid(*_forbidden()):
+                    outputs = exact_outputs(run)
+                outcomes = _outcomes(name, {tuple(k): v for k, v in outputs.items()}, candidates)
+                _check_rule(name, outcomes, candidates, chain, q)
+                if case.number < KEY_2.seeded:
+                    total_paths += len(outputs)  # the seeded cases' count
+                for (_, token), prob in outcomes.items():
+                    if not 0 <= token < p.shape[0]:
+                        raise Fail(f"{name}: with candidates {candidates} you emitted token {token}, outside the "
+                                   f"vocabulary (0 … {p.shape[0] - 1})")
+                    emitted[token] += weight * prob
+                laws.append(_law(outcomes))
+            mine.append(laws)
+            emitted_laws.append((name, p, emitted))
+        count += len(triples)
+        names = "the named triples" if case.number == 0 else triples[0][0]
+        case.judge(mine, f"{names} (p, q, n from grader._verify_case({case.number})): your exact outcomes for every "
+                         f"tuple of candidates, in whole {LAW_STEP:g}s (candidate j accepted with probability "
+                         "min(1, r_j/q) once the ones before it were rejected, r_j the residual after j rejections; "
+                         "after n rejections the token drawn from r_n)",
+                   lambda got, want, names=names: _rounding_difference(f"{names}: your outcomes", LAW_STEP, got, want))
+        for name, p, emitted in emitted_laws:
+            if abs(float(emitted.sum()) - 1.0) > 1e-9:
+                raise Fail(f"{name}: your outputs' probabilities sum to {float(emitted.sum()):.6f}, not 1")
+            if not torch.allclose(emitted, p, atol=1e-9):
+                raise Fail(f"{name}: the emitted token follows {_fmt(emitted)}, but the target's p is {_fmt(p)}")
+    within = "to 1e-9" if KEY_2.teacher else f"in whole {LAW_STEP:g}s"
+    return KEY_2.report([
+        f"{count} cases (q = p, disjoint, one-hot, 1 … 3 candidates, {FRESH_CASES} drawn as the check ran): every "
+        f"tuple of candidates q could propose, every path of your random choices ({total_paths} outputs in the "
+        "seeded cases)",
+        "each candidate accepted with probability min(1, r/q), r the residual after the rejections before it; "
+        f"after n rejections the token drawn from r_n ({within})",
+        "the emitted token follows the target's p exactly (to 1e-9)"])
 
 
 # --- task 3: a seeded random source --------------------------------------------------------------
