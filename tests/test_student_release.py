@@ -51,6 +51,13 @@ def _assert_no_answers(release: Path) -> None:
     assert not (release / "tests" / "known_wrong").exists()
     assert not (release / "minillm" / "grading" / "private").exists()  # expected outputs, private references
     assert (REPO_ROOT / "minillm" / "grading" / "private" / "expected" / f"{Path(EXERCISE).stem}.json").exists()
+    # The answer keys are released (digests only: tests/test_answer_keys.py), byte for byte the teacher's.
+    keys = sorted(p.name for p in (REPO_ROOT / "minillm" / "grading" / "keys").glob("ex*.json"))
+    assert f"{Path(EXERCISE).stem}.json" in keys
+    assert sorted(p.name for p in (release / "minillm" / "grading" / "keys").glob("ex*.json")) == keys
+    for name in keys:
+        assert (release / "minillm" / "grading" / "keys" / name).read_bytes() == \
+            (REPO_ROOT / "minillm" / "grading" / "keys" / name).read_bytes()
     notebooks = sorted((release / "exercises").glob("ex[0-9][0-9]_*.ipynb"))
     assert notebooks and not [p.name for p in notebooks
                               if any(c.get("outputs") for c in json.loads(p.read_text(encoding="utf-8"))["cells"])]
@@ -98,6 +105,7 @@ def test_release_has_no_answers_and_make_grade_there_fails_untouched_and_passes_
     untouched = _make("grade", "EX=03", cwd=release)
     assert untouched.returncode != 0, untouched.stdout + untouched.stderr  # make: 2 (tools/grade.py: 1)
     assert "0/4 task(s) pass" in untouched.stdout and "NotImplementedError" in untouched.stdout, untouched.stdout
+    assert "NOT GRADED HERE" not in untouched.stdout, untouched.stdout  # task 3 too: a FAIL, "not written yet"
 
     notebook = release / "exercises" / EXERCISE
     solution = json.loads((REPO_ROOT / "solutions" / EXERCISE).read_text(encoding="utf-8"))
@@ -105,9 +113,10 @@ def test_release_has_no_answers_and_make_grade_there_fails_untouched_and_passes_
     notebook.write_text(json.dumps(_filled(exercise, solution), indent=1), encoding="utf-8")
     correct = _make("grade", "EX=03", cwd=release)
     # Task 3's reference is grader-private (minillm/grading/private/, left out of a release): the release
-    # grades the other three and says so of task 3 — never a PASS it cannot check, never a FAIL.
-    assert "3/4 task(s) pass" in correct.stdout and "NOT GRADED HERE" in correct.stdout, correct.stdout
-    assert "FAIL" not in correct.stdout, correct.stdout
+    # grades it with its answer key (minillm/grading/keys/), so every task passes, and says how.
+    assert correct.returncode == 0, correct.stdout + correct.stderr
+    assert "4/4 task(s) pass" in correct.stdout and "NOT GRADED HERE" not in correct.stdout, correct.stdout
+    assert "FAIL" not in correct.stdout and "graded with the answer key" in correct.stdout, correct.stdout
     imported = (release / "exercises" / "imported_from.txt").read_text(encoding="utf-8").split("\n")
     assert [Path(p).resolve() for p in imported] == [release.resolve() / "minillm" / "__init__.py",
                                                      release.resolve() / "minillm" / "grading" / "ex03.py"]
@@ -157,35 +166,53 @@ def test_release_refuses_a_stale_manifest_and_finds_leaks(tmp_path: Path) -> Non
 
 
 # The tasks whose check reaches a grader-private reference (minillm/grading/private/, left out of a
-# release): NOT GRADED HERE in a student release. docs/grading.md lists them.
-WITHHELD_IN_A_RELEASE = {"03": [3], "04": [1, 2, 3], "05": [1, 2], "06": [1, 2, 3, 4], "07": [1, 2, 4],
-                         "08": [1, 2, 3, 4], "09": [1, 2], "13": [1, 3]}
+# release) and no answer key (minillm/grading/answer_key.py): NOT GRADED HERE in a student release.
+# docs/grading.md lists them; a task with a key grades in a release (tests/test_answer_keys.py grades
+# each keyed exercise as a release does).
+WITHHELD_IN_A_RELEASE = {"08": [1, 2, 3, 4], "09": [1, 2], "13": [1, 3]}
 _PRIVATE_NAMES = {"_private", "private", "_TEACHERS"}  # how a grading module holds its private_reference()
 
 
-def _tasks_reaching_private(path: Path) -> list[int]:
-    """The tasks of a grading module whose check, or a module-level function or class it names (and so
-    on), names the module's private reference."""
+def _tasks_reaching(path: Path) -> tuple[list[int], list[int]]:
+    """(the tasks of a grading module whose check, or a module-level function or class it names, and so
+    on, names the module's private reference; those among them that name an answer key, a module-level
+    `NAME = AnswerKey(...)`)."""
     import ast
 
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    names, tasks = {}, {}
+    names, tasks, keys = {}, {}, set()
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             names[node.name] = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
             for decorator in getattr(node, "decorator_list", []):
                 if isinstance(decorator, ast.Call) and getattr(decorator.func, "id", "") == "task":
                     tasks[node.name] = decorator.args[0].value
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) \
+                and getattr(node.value.func, "id", "") == "AnswerKey":  # a key reaches what its reference names
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    keys.add(target.id)
+                    names[target.id] = {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}
 
-    def reaches(name: str, seen: set[str]) -> bool:
+    def reaches(name: str, wanted: set[str], seen: set[str]) -> bool:
         seen.add(name)
         used = names.get(name, set())
-        return bool(used & _PRIVATE_NAMES) or any(reaches(n, seen) for n in used if n in names and n not in seen)
+        return bool(used & wanted) or any(reaches(n, wanted, seen) for n in used if n in names and n not in seen)
 
-    return sorted(number for name, number in tasks.items() if reaches(name, set()))
+    private = sorted(number for name, number in tasks.items() if reaches(name, _PRIVATE_NAMES, set()))
+    keyed = sorted(number for name, number in tasks.items() if number in private and reaches(name, keys, set()))
+    return private, keyed
+
+
+def _tasks_reaching_private(path: Path) -> list[int]:
+    """The tasks a release cannot grade: they reach the private reference and no answer key."""
+    private, keyed = _tasks_reaching(path)
+    return [number for number in private if number not in keyed]
 
 
 def _described(withheld: dict[str, list[int]]) -> str:
+    if not withheld:
+        return "every task grades in a student release"
     def numbers(tasks: list[int]) -> str:
         if len(tasks) == 1:
             return f"task {tasks[0]}"
@@ -201,6 +228,8 @@ def test_the_tasks_a_release_does_not_grade_are_the_documented_ones() -> None:
     found = {path.stem[2:]: tasks for path in sorted((REPO_ROOT / "minillm" / "grading").glob("ex[0-9][0-9].py"))
              if (tasks := _tasks_reaching_private(path))}
     assert found == WITHHELD_IN_A_RELEASE
-    assert "03" in found and _tasks_reaching_private(REPO_ROOT / "minillm" / "grading" / "ex02.py") == []
+    assert _tasks_reaching_private(REPO_ROOT / "minillm" / "grading" / "ex02.py") == []
+    # The analysis finds what it looks for: ex04 reaches its private reference in tasks 1-3, and has keys for them.
+    assert _tasks_reaching(REPO_ROOT / "minillm" / "grading" / "ex04.py") == ([1, 2, 3], [1, 2, 3])
     docs = " ".join((REPO_ROOT / "docs" / "grading.md").read_text(encoding="utf-8").split())
     assert _described(found) in docs, _described(found)

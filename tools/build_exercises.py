@@ -18,7 +18,13 @@ writes, per exercise,
 - `minillm/grading/private/expected/exNN_topic.json`: the graded cells' stored outputs (the
   solution's PASS reports, which may name an answer), what nbval compares a learner's graded cells
   with (`run_nbval(..., expected=...)` puts them back into a copy first). Like everything under
-  `minillm/grading/private/`, it is the teacher's: a student release leaves it out.
+  `minillm/grading/private/`, it is the teacher's: a student release leaves it out;
+- `minillm/grading/keys/exNN_topic.json`, for an exercise whose grader declares an `AnswerKey`
+  (minillm/grading/answer_key.py): one salted digest of the grader-private reference's output per
+  pool case, which a student release ships and grades with. Writing one runs the references
+  (`python -m minillm.grading.answer_key exNN_topic`, in a subprocess: this tool imports no minillm);
+  a key is stale when its fingerprint (the key format, the grading module, its private modules)
+  is not the sources' now, and `--check` says so without running anything.
 Grading itself does not trust the notebook: only the cells that hold a stub here are taken from the
 learner's notebook, every other cell from the manifest, the checks from minillm/grading/exNN.py.
 
@@ -28,8 +34,9 @@ Usage:
     python tools/build_exercises.py --only 05  # just exercise 05
 
 Exit status: 0 in sync (or rebuilt), 1 out of sync or a stored output in exercises/ (--check), 2 a
-malformed solution notebook. The output is byte-deterministic (nbformat's sorted keys and indent,
-execution timestamps dropped), so CI can regenerate and diff. `run_nbval()` runs nbval on one
+malformed solution notebook (or an answer key that could not be written). The output is
+byte-deterministic (nbformat's sorted keys and indent, execution timestamps dropped), so CI can
+regenerate and diff. `run_nbval()` runs nbval on one
 notebook (the chapter tests use it).
 """
 
@@ -225,6 +232,48 @@ def _runner():
     return sys.modules[name]
 
 
+def _answer_key():
+    # minillm/grading/answer_key.py: loaded by path, as the runner is (its top imports only the standard library).
+    name = "_minillm_grading_answer_key"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "minillm" / "grading" / "answer_key.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def keys_status(root: Path, stem: str) -> str | None:
+    """Whether `stem`'s answer key is "in sync", "out of sync" or "missing"; None when its grading
+    module (in `root`) declares no AnswerKey. Compares the key's fingerprint, runs nothing."""
+    keys = _answer_key()
+    grader = Path(root) / "minillm" / "grading" / f"{stem[:4]}.py"
+    if not grader.exists() or not keys.declares_keys(grader.read_text(encoding="utf-8")):
+        return None
+    path = keys.key_path(stem, root)
+    if not path.exists():
+        return "missing"
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return "out of sync"
+    current = document.get("format") == keys.FORMAT and document.get("fingerprint") == keys.fingerprint(stem, root)
+    return "in sync" if current else "out of sync"
+
+
+def render_keys(root: Path, stem: str) -> str:
+    """The text of `stem`'s answer key, computed by the grading module in `root` in a fresh process
+    (it imports minillm and runs the grader-private references on every pool case)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(root).resolve()), env.get("PYTHONPATH")) if p)
+    env.pop(_answer_key().AS_RELEASE_ENV, None)  # the keys are written from the references
+    done = subprocess.run([sys.executable, "-m", "minillm.grading.answer_key", stem], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise ExerciseBuildError(f"{stem}: the answer key could not be written:\n{done.stderr[-4000:]}")
+    return done.stdout
+
+
 def render_manifest(solution_path: Path) -> str:
     """The exact text of the grading manifest of `solution_path`: every code cell's id and kind, the
     source of every cell that is not the learner's (setup and graded cells), never a solution region."""
@@ -271,22 +320,24 @@ def expected_path(notebook_path: Path, root: Path = REPO_ROOT) -> Path:
 class Planned:
     """One generated file (an exercise or its grading manifest) and what regenerating it would do."""
 
-    exercise: Path  # the generated file: exercises/exNN_topic.ipynb, or its manifest or expected outputs
+    exercise: Path  # the generated file: exercises/exNN_topic.ipynb, or its manifest, expected outputs, answer key
     status: str  # "in sync" | "out of sync" | "missing" | "orphaned"
-    text: str | None  # the generated text; None for an orphan
-    kind: str = "exercise"  # or "manifest", "expected"
+    text: str | None  # the generated text; None for an orphan and for an answer key (written by apply)
+    kind: str = "exercise"  # or "manifest", "expected", "keys"
 
 
 def plan(solutions_dir: Path, exercises_dir: Path, only: str | None = None,
          cells_dir: Path | None = None, expected_dir: Path | None = None) -> list[Planned]:
     """Compare every exercise, grading manifest and expected-outputs file with what its solution
-    generates. Raises ExerciseBuildError listing every malformed solution (all of them, so one run
-    shows every problem). `cells_dir` and `expected_dir` default to minillm/grading/cells and
-    minillm/grading/private/expected beside `exercises_dir` (the course's root)."""
+    generates, and every answer key's fingerprint with its sources'. Raises ExerciseBuildError
+    listing every malformed solution (all of them, so one run shows every problem). `cells_dir` and
+    `expected_dir` default to minillm/grading/cells and minillm/grading/private/expected beside
+    `exercises_dir` (the course's root, where the graders and minillm/grading/keys are)."""
     if not Path(solutions_dir).is_dir():
         raise ExerciseBuildError(
             f"no {solutions_dir} here: exercises and grading manifests are built from the solved notebooks, "
             "which only the teacher's copy of the course has (a student release has none and needs no build)")
+    root = Path(exercises_dir).parent
     cells_dir = Path(cells_dir) if cells_dir is not None else Path(exercises_dir).parent / CELLS_SUBDIR
     expected_dir = Path(expected_dir) if expected_dir is not None else Path(exercises_dir).parent / EXPECTED_SUBDIR
     pattern = f"ex{only}_*" if only else NOTEBOOK_GLOB.removesuffix(".ipynb")
@@ -306,22 +357,33 @@ def plan(solutions_dir: Path, exercises_dir: Path, only: str | None = None,
             else:
                 status = "in sync" if path.read_bytes() == text.encode("utf-8") else "out of sync"
             planned.append(Planned(path, status, text, kind))
+        keyed = keys_status(root, solution.stem)
+        if keyed is not None:
+            planned.append(Planned(_answer_key().key_path(solution.stem, root), keyed, None, "keys"))
     if errors:
         raise ExerciseBuildError("\n".join(errors))
     stems = {solution.stem for solution in solutions}
-    for folder, suffix, kind in ((Path(exercises_dir), ".ipynb", "exercise"), (cells_dir, ".json", "manifest"),
-                                 (expected_dir, ".json", "expected")):
+    keyed_stems = {item.exercise.stem for item in planned if item.kind == "keys"}
+    for folder, suffix, kind, wanted in ((Path(exercises_dir), ".ipynb", "exercise", stems),
+                                         (cells_dir, ".json", "manifest", stems),
+                                         (expected_dir, ".json", "expected", stems),
+                                         (root / "minillm" / "grading" / "keys", ".json", "keys", keyed_stems)):
         for path in sorted(folder.glob(f"{pattern}{suffix}")):
-            if path.stem not in stems:
+            if path.stem not in wanted:
                 planned.append(Planned(path, "orphaned", None, kind))
     return planned
 
 
 def apply(planned: list[Planned]) -> None:
-    """Write missing and stale exercises; remove orphans (exercises/ is generated, never hand-edited)."""
+    """Write missing and stale exercises (answer keys: by running their references); remove orphans
+    (exercises/ is generated, never hand-edited)."""
     for item in planned:
         if item.status == "orphaned":
             item.exercise.unlink()
+        elif item.status != "in sync" and item.kind == "keys":
+            text = render_keys(item.exercise.parent.parent.parent.parent, item.exercise.stem)
+            item.exercise.parent.mkdir(parents=True, exist_ok=True)
+            item.exercise.write_bytes(text.encode("utf-8"))
         elif item.status != "in sync" and item.text is not None:
             item.exercise.parent.mkdir(parents=True, exist_ok=True)
             item.exercise.write_bytes(item.text.encode("utf-8"))
@@ -367,14 +429,18 @@ def main(argv: list[str] | None = None) -> int:
         if stale or dirty:
             print(f"run `python tools/build_exercises.py` to regenerate {len(stale) + len(dirty)} file(s)")
             return 1
-        print(f"{exercises} exercise(s) in sync and clean, with their grading manifests and expected outputs")
+        print(f"{exercises} exercise(s) in sync and clean, with their grading manifests, expected outputs and answer keys")
         return 0
-    apply(planned)
+    try:
+        apply(planned)
+    except ExerciseBuildError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     for item in stale:
         action = "removed orphan" if item.status == "orphaned" else "wrote"
         print(f"{action}: {_show(item.exercise)}")
     print(f"{len(planned) - len(stale)} file(s) already in sync, {len(stale)} updated "
-          f"({exercises} exercise(s), their grading manifests and expected outputs)")
+          f"({exercises} exercise(s), their grading manifests, expected outputs and answer keys)")
     return 0
 
 

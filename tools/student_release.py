@@ -8,18 +8,21 @@ exercises. The release is the working tree as git sees it (tracked files and unt
 - `tests/known_wrong/`: near-solutions with one bug each (text edits of the solutions' code);
 - the tests of the teacher's tools, which need solutions/ or carry demo solution regions:
   test_exercises.py, test_grading*.py (test_grading_lent_tools.py stays), test_student_release.py,
-  test_chapters_hold_no_solution.py;
+  test_answer_keys.py, test_chapters_hold_no_solution.py;
 - `.ci/`: the project's CI, which runs those tests;
 - `minillm/grading/private/`: the grader-private references and the graded cells' expected outputs
-  (the solutions' PASS reports); a task whose check needs a private reference reports "not graded
-  here" in the release, and the teacher grades it in this copy.
+  (the solutions' PASS reports). A task whose check needs a private reference grades in the release
+  with its answer key, `minillm/grading/keys/exNN_topic.json` (released: one salted digest of the
+  expected output per pool case, no answer; see minillm/grading/answer_key.py); a task with a
+  private reference and no key would report "not graded here".
 
 In the release the chapters run, `make lab` opens them, and `make grade` grades: it reads the
 non-learner cells from `minillm/grading/cells/` (see minillm/grading/runner.py), never solutions/.
 Before anything is written, the exercises and their grading manifests must be in step with
 solutions/ (`make exercises`). The copy is built beside DIR and moved into place only after it is
 checked: no `solutions` path, nothing grader-private, no solution-region marker line in any file
-(also inside notebook or JSON strings), a manifest for every exercise.
+(also inside notebook or JSON strings), a manifest for every exercise and an answer key for every
+grader that declares one (in step with its sources: `make exercises` writes it).
 
 Usage:
     python tools/student_release.py DIR     # DIR: a new or empty folder outside this repository
@@ -41,7 +44,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LEFT_OUT = ("solutions/", "tests/known_wrong/", "tests/test_exercises.py", "tests/test_grading.py",
             "tests/test_grading_framework.py", "tests/test_grading_known_wrong.py", "tests/test_grading_copies.py",
-            "tests/test_chapters_hold_no_solution.py", "tests/test_student_release.py", ".ci/",
+            "tests/test_chapters_hold_no_solution.py", "tests/test_student_release.py", "tests/test_answer_keys.py", ".ci/",
             "minillm/grading/private/")
 PRIVATE = ("minillm", "grading", "private")  # grader-private: never in a release
 # A solution-region marker on a line of its own: in plain text, or inside a JSON string (a notebook's
@@ -133,9 +136,17 @@ def leaks(copy: Path) -> list[str]:
 
 
 def missing_manifests(copy: Path) -> list[str]:
+    """Each exercise's grading manifest, and the answer key of each grader that declares one."""
     exercises = sorted((copy / "exercises").glob("ex[0-9][0-9]_*.ipynb"))
-    return [f"{e.relative_to(copy)} has no minillm/grading/cells/{e.stem}.json (is it tracked by git?)"
-            for e in exercises if not (copy / "minillm" / "grading" / "cells" / f"{e.stem}.json").exists()]
+    found = [f"{e.relative_to(copy)} has no minillm/grading/cells/{e.stem}.json (is it tracked by git?)"
+             for e in exercises if not (copy / "minillm" / "grading" / "cells" / f"{e.stem}.json").exists()]
+    for e in exercises:
+        grader = copy / "minillm" / "grading" / f"{e.stem[:4]}.py"
+        key = copy / "minillm" / "grading" / "keys" / f"{e.stem}.json"
+        if grader.exists() and "AnswerKey(" in grader.read_text(encoding="utf-8") and not key.exists():
+            found.append(f"{e.relative_to(copy)} has no answer key minillm/grading/keys/{e.stem}.json "
+                         "(make exercises writes it; is it tracked by git?)")
+    return found
 
 
 def write_release(target: Path, root: Path = REPO_ROOT) -> tuple[list[str], list[str]]:

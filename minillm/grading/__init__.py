@@ -73,7 +73,8 @@ How to add an exercise (ex08, ex09, ex10 are added this way; nothing outside you
    `LEARNER_TOOLS` what the module lends the learner during a check. A reference the library does
    not have goes in a grader-private module, `private_reference("exNN_what")` (docs/grading.md,
    "Grader-private references"): left out of a student release, compared with learner code at
-   every size. Let a learner's `NotImplementedError` through (or raise `Fail` from inside the
+   every size; give the task an answer key (`minillm.grading.answer_key.AnswerKey`, docs/grading.md
+   "Answer keys") so that a release grades it too. Let a learner's `NotImplementedError` through (or raise `Fail` from inside the
    `except`): a stub then reads "not written yet". `check_time_limit_s=` on `@task` bounds a check (default 180 s).
 
 3. `tests/known_wrong/exNN.py`: `KNOWN_WRONG = [Mutant(...), ...]` (see tests/known_wrong/__init__.py):
@@ -134,10 +135,15 @@ def private_reference(name: str) -> types.ModuleType:
     """The grader-private module `minillm.grading.private.<name>` (docs/grading.md, "Grader-private
     references"), imported now: call it at a grading module's import time, before learner code runs,
     and use its attributes only inside checks. In a student release, where it is left out, a stand-in
-    whose attributes raise ReferenceWithheld: the check that needs it reports "not graded here"."""
+    whose attributes raise ReferenceWithheld: a check with an answer key (minillm.grading.answer_key)
+    grades with the key there, another reports "not graded here"."""
     import importlib
 
+    from minillm.grading.answer_key import as_release
+
     full = f"{__name__}.private.{name}"
+    if as_release():  # MINILLM_GRADING_AS_RELEASE=1: grade as a student release does (answer keys only)
+        return _Withheld(full)
     try:
         return importlib.import_module(full)
     except ModuleNotFoundError as error:
@@ -423,6 +429,10 @@ def snapshot(prefixes: Iterable[str] = ("minillm",), libraries: bool = True) -> 
         for attr, value in list(vars(module).items()):
             if isinstance(value, (types.FunctionType, type)):
                 state[f"{module_name}.{attr}"] = _identity(value)
+            elif type(value).__name__ == "AnswerKey" and type(value).__module__ == "minillm.grading.answer_key":
+                # what a key grades with: swapping its digests or its reference would choose the verdict
+                state[f"{module_name}.{attr}"] = (id(value), *(id(getattr(value, name)) for name in (
+                    "exercise", "task", "size", "seeded", "reference", "private", "facts", "digests", "stored_facts")))
             if isinstance(value, type) and value.__module__ == module_name:
                 for name, raw in list(vars(value).items()):
                     if isinstance(raw, (types.FunctionType, property, staticmethod, classmethod)):

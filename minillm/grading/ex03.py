@@ -7,6 +7,10 @@ Everything runs on a simulated clock. The references are minillm's `DynamicSched
 per request (a variant chapter 03 does not show), the grader-private `DeadlineScheduler`
 (`minillm.grading.private.ex03_reference`); all are disabled while the learner's code runs. Task 4 is graded by the simulator: the
 learner's knobs run Poisson traces through the engine with a Llama-7B on an A100, costed step by step.
+
+Task 3 grades in a student release too, with an answer key (`minillm.grading.answer_key`): one digest
+per trace of the deadline scheduler's whole schedule (every batch's start and members, every token's
+time, to the microsecond).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from minillm.clock import SimClock
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine, build_engine, make_kv_manager
 from minillm.grading import Fail, forbid, grade_time_seeds, private_reference, task
+from minillm.grading.answer_key import AnswerKey, quantized
 from minillm.model.config import ModelConfig
 from minillm.request import Request
 from minillm.scheduler.base import ModelRunnerOutput
@@ -206,36 +211,71 @@ def _priorities(seed, n):
     return [int(p) for p in rng.choice([0, 1], size=n, p=[0.3, 0.7])]
 
 
+SEEDED_DELAYS_S = (0.05, 0.5, 2.0)  # the seeded trace's three runs
+MICROSECOND = 1e-6  # times are compared to the microsecond (a correct timer may differ in the last bits)
+
+
+def _deadline_case(number):
+    """Case `number` of task 3: (requests, priorities, delay): the seeded trace with each seeded delay
+    first, then other traces, each with its own priorities and one of the delays."""
+    seed, priority_seed = (TRACE["seed"], 13) if number < len(SEEDED_DELAYS_S) else (number, number)
+    requests = [(r.arrival_time_s, r.prompt_len, r.max_tokens) for r in make_trace(**dict(TRACE, seed=seed))]
+    return requests, _priorities(priority_seed, len(requests)), SEEDED_DELAYS_S[number % len(SEEDED_DELAYS_S)]
+
+
+def _schedule(engine, num_requests):
+    """What a run did, as plain data: every batch (start in µs, members) and every request's token times (µs)."""
+    return [[[quantized(start, MICROSECOND), ids] for start, ids in batches_of(engine)],
+            [[quantized(t, MICROSECOND) for t in times] for times in _token_times(engine, num_requests)]]
+
+
+def deadline_schedule(number):
+    """Task 3's expected output on case `number`: the deadline rule's schedule of that trace."""
+    requests, priorities, delay_s = _deadline_case(number)
+    engine = run_engine(_private().DeadlineScheduler, SimExecutor(A100_80GB, LLAMA_7B, token_id=7), requests, 8,
+                        delay_s, priorities)
+    return _schedule(engine, len(requests))
+
+
+KEY_3 = AnswerKey("ex03_dynamic_batcher", 3, size=64, seeded=len(SEEDED_DELAYS_S), reference=deadline_schedule,
+                  private=_TEACHERS[0])
+
+
+def _schedule_difference(where, mine, want):
+    (batches, _), (ref_batches, _) = mine, want
+    first = next((i for i, (a, b) in enumerate(zip(batches, ref_batches)) if a != b), None)
+    yours, expected = ((batches[first], ref_batches[first]) if first is not None else (None, None))
+    return (f"{where}: your scheduler's batches or token times differ from the deadline rule's "
+            f"({len(batches)} batches vs {len(ref_batches)}; first different batch: {first}, yours "
+            f"{_in_seconds(yours)}, expected {_in_seconds(expected)})")
+
+
+def _in_seconds(batch):
+    return None if batch is None else (batch[0] * MICROSECOND, batch[1])
+
+
 @task(3, "your rule in the real scheduler")
 def check_task_3(scheduler_class) -> list[str]:
     missing = [name for name in ("should_fire", "next_wakeup") if name not in vars(scheduler_class)]
     if missing:
         raise Fail(f"{scheduler_class.__name__} does not override {' and '.join(missing)}")
-    requests = [(r.arrival_time_s, r.prompt_len, r.max_tokens) for r in make_trace(**TRACE)]
-    runs = [(delay_s, requests, _priorities(13, len(requests)), True) for delay_s in (0.05, 0.5, 2.0)]
-    fresh = grade_time_seeds(1)[0]  # a trace and its priorities drawn now: they cannot be answered in advance
-    fresh_requests = [(r.arrival_time_s, r.prompt_len, r.max_tokens) for r in make_trace(**dict(TRACE, seed=fresh))]
-    runs.append((0.5, fresh_requests, _priorities(fresh, len(fresh_requests)), False))
     lines = []
-    for delay_s, trace, priorities, seeded in runs:
-        ref = run_engine(_private().DeadlineScheduler, SimExecutor(A100_80GB, LLAMA_7B, token_id=7), trace, 8, delay_s,
-                         priorities)
+    for case in KEY_3.cases(fresh=1):  # a trace and its priorities drawn now: they cannot be answered in advance
+        requests, priorities, delay_s = _deadline_case(case.number)
+        seeded = case.number < KEY_3.seeded
+        where = f"{'seeded trace' if seeded else f'trace drawn now (case {case.number})'}, delay {delay_s * 1e3:.0f} ms"
+        case.expected()
         with forbid(*FIRING_RULES):
-            mine = run_engine(scheduler_class, SimExecutor(A100_80GB, LLAMA_7B, token_id=7), trace, 8, delay_s,
+            mine = run_engine(scheduler_class, SimExecutor(A100_80GB, LLAMA_7B, token_id=7), requests, 8, delay_s,
                               priorities)
-        if batches_of(mine) != batches_of(ref) or _token_times(mine, len(trace)) != _token_times(ref, len(trace)):
-            first = next((i for i, (a, b) in enumerate(zip(batches_of(mine), batches_of(ref))) if a != b), None)
-            raise Fail(f"{'seeded trace' if seeded else 'trace drawn now'}, delay {delay_s * 1e3:.0f} ms: your "
-                       f"scheduler's batches or token times differ from the deadline rule's "
-                       f"({len(batches_of(mine))} batches vs {len(batches_of(ref))}; first different batch: "
-                       f"{first}, yours {batches_of(mine)[first] if first is not None else None}, expected "
-                       f"{batches_of(ref)[first] if first is not None else None})")
+        case.judge(_schedule(mine, len(requests)), f"{where}: your scheduler's batches and token times",
+                   lambda got, want, where=where: _schedule_difference(where, got, want))
         if seeded:
             batches, summary = batches_of(mine), mine.metrics.summary()
-            lines.append(f"delay {delay_s * 1e3:4.0f} ms: {len(batches)} batches of {len(trace) / len(batches):.1f} "
+            lines.append(f"delay {delay_s * 1e3:4.0f} ms: {len(batches)} batches of {len(requests) / len(batches):.1f} "
                          f"requests on average, mean TTFT {summary.ttft.mean_ms:.0f} ms, "
                          f"p99 TTFT {summary.ttft.percentiles_ms[99]:.0f} ms")
-    return lines + ["and a trace drawn now, with its own priorities: the same batches and token times"]
+    return KEY_3.report(lines + ["and a trace drawn now, with its own priorities: the same batches and token times"])
 
 
 # --- task 4: knobs for an SLO ---------------------------------------------------------------------

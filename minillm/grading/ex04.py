@@ -6,11 +6,18 @@ each step takes 1 ms of simulated time, so only the scheduling is exercised. The
 keeps fixed seats (a variant chapter 04 does not show); its reference, `SeatScheduler`, is
 grader-private (`minillm.grading.private.ex04_reference`), and minillm's `ContinuousScheduler` checks
 the KV side of task 1 and the real engine of task 4. Both are disabled while the learner's code runs.
+
+Tasks 1–3 grade in a student release too, with answer keys (`minillm.grading.answer_key`): one digest
+per pool case of the reference's whole output (25 batches' seats and slabs; 20 admissions' seats,
+queue and slabs; every step's plan of a trace). Task 2 runs the learner's `admit` on seat states the
+grader builds (in both copies), and, where the private harness is (the teacher's copy), inside the
+harness's step on whole traces as well.
 """
 
 from __future__ import annotations
 
 import random
+from collections import deque
 
 from minillm import LLM, SamplingParams
 from minillm.clock import SimClock
@@ -19,12 +26,12 @@ from minillm.engine import build_engine
 from minillm.grading import (
     Fail,
     forbid,
-    grade_time_seeds,
     private_reference,
     refuse_subclass,
     run_until_done,
     task,
 )
+from minillm.grading.answer_key import AnswerKey
 from minillm.grading.plug_in import knobs_reach_the_engine
 from minillm.kv.slab import SlabKVManager
 from minillm.llm import BUNDLED_TARGET
@@ -101,32 +108,74 @@ def _seated(running, rng):
     return seats
 
 
-@task(1, "retire")
-def check_task_1(retire, num_cases: int = 200) -> str:
-    for seed in [*range(num_cases), *grade_time_seeds(FRESH_CASES)]:  # fresh ones cannot be memoised
-        mine_running, mine_kv = _retire_case(seed)
-        ref_running, ref_kv = _retire_case(seed)
-        reference = ContinuousScheduler(EngineConfig(kv_layout="slab").resolve(256), ref_kv)
-        reference.running = list(ref_running)
-        for req in ref_running:
+RETIRE_BATCHES = 25  # batches in one case of task 1: one digest covers all their seats and slabs
+
+
+def _retire_seeds(number):
+    return [number * RETIRE_BATCHES + j for j in range(RETIRE_BATCHES)]
+
+
+def _kv_state(kv):
+    return [sorted(kv.slab_of.items()), sorted(kv.free_slabs)]
+
+
+def retired_batches(number):
+    """Task 1's expected output on case `number`: per batch, the seats' request ids after retire
+    (None: an empty seat) and the slabs held and free afterwards (as ContinuousScheduler.finish leaves them)."""
+    out = []
+    for seed in _retire_seeds(number):
+        running, kv = _retire_case(seed)
+        seats = _seated(running, random.Random(seed))
+        expected = [getattr(r, "request_id", None) for r in _private().retired(seats)]
+        reference = ContinuousScheduler(EngineConfig(kv_layout="slab").resolve(256), kv)
+        reference.running = list(running)
+        for req in running:
             if req.status.finished:
                 reference.finish(req)  # update_from_output calls finish() for every request that finished
-        seats = _seated(mine_running, random.Random(seed))
-        expected = [getattr(r, "request_id", None) for r in _private().retired(seats)]
-        with forbid(ContinuousScheduler):
-            kept = retire(list(seats), mine_kv)
-        if not isinstance(kept, list):
-            raise Fail(f"case {seed}: retire returned {type(kept).__name__}, not the list of seats")
-        got = [getattr(r, "request_id", r) for r in kept]
-        if got != expected:
-            raise Fail(f"case {seed}: seats before {[getattr(r, 'request_id', None) for r in seats]} "
-                       f"(finished: {[r.request_id for r in seats if r is not None and r.status.finished]}); "
-                       f"you left {got}, expected {expected} (a finished request's seat empty, every other "
-                       "request in its own seat)")
-        if mine_kv.slab_of != ref_kv.slab_of or sorted(mine_kv.free_slabs) != sorted(ref_kv.free_slabs):
-            raise Fail(f"case {seed}: KV slabs held afterwards {sorted(mine_kv.slab_of)}, expected "
-                       f"{sorted(ref_kv.slab_of)}: free every finished request's slab, and only theirs")
-    return f"{num_cases} seeded batches and {FRESH_CASES} drawn now: seats emptied, slabs freed as by ContinuousScheduler.finish"
+        out.append([expected, *_kv_state(kv)])
+    return out
+
+
+KEY_1 = AnswerKey("ex04_continuous_scheduler", 1, size=256, seeded=8, reference=retired_batches,
+                  private=_TEACHERS[0])
+
+
+def _retire_difference(number, mine, want):
+    for seed, (ids, *kv), (ref_ids, *ref_kv) in zip(_retire_seeds(number), mine, want):
+        seats = _seated(_retire_case(seed)[0], random.Random(seed))
+        if ids != ref_ids:
+            return (f"case {seed}: seats before {[getattr(r, 'request_id', None) for r in seats]} "
+                    f"(finished: {[r.request_id for r in seats if r is not None and r.status.finished]}); "
+                    f"you left {ids}, expected {ref_ids} (a finished request's seat empty, every other "
+                    "request in its own seat)")
+        if kv != ref_kv:
+            return (f"case {seed}: KV slabs held afterwards {[rid for rid, _ in kv[0]]}, expected "
+                    f"{[rid for rid, _ in ref_kv[0]]}: free every finished request's slab, and only theirs")
+    return f"cases {_retire_seeds(number)[0]}..{_retire_seeds(number)[-1]}: your seats or slabs differ"
+
+
+@task(1, "retire")
+def check_task_1(retire) -> str | list[str]:
+    for case in KEY_1.cases(fresh=FRESH_CASES // RETIRE_BATCHES):  # fresh ones cannot be memoised
+        case.expected()
+        mine = []
+        for seed in _retire_seeds(case.number):
+            running, kv = _retire_case(seed)
+            seats = _seated(running, random.Random(seed))
+            with forbid(ContinuousScheduler):
+                kept = retire(list(seats), kv)
+            if not isinstance(kept, list):
+                raise Fail(f"case {seed}: retire returned {type(kept).__name__}, not the list of seats")
+            if len(kept) != len(seats):
+                raise Fail(f"case {seed}: {len(seats)} seats went in, {len(kept)} came back: every seat stays (a "
+                           "finished request's empty, None), every other request in its own seat")
+            mine.append([[getattr(r, "request_id", r) for r in kept], *_kv_state(kv)])
+        seeds = _retire_seeds(case.number)
+        case.judge(mine, f"cases {seeds[0]}..{seeds[-1]} (seats and slabs after retire)",
+                   lambda mine, want, number=case.number: _retire_difference(number, mine, want))
+    seeded = KEY_1.seeded * RETIRE_BATCHES
+    return KEY_1.report(f"{seeded} seeded batches and {FRESH_CASES} drawn now: seats emptied, slabs freed as by "
+                        "ContinuousScheduler.finish")
 
 
 # Named scenarios first (each stresses one rule), then random ones. A scenario is
@@ -167,11 +216,38 @@ def run_plans(make_scheduler, scenario):
     return executor.plans
 
 
-def _compare_plans(make_scheduler, num_random, what):
-    scenarios = NAMED_SCENARIOS + [_random_scenario(seed) for seed in range(num_random)]
-    scenarios += [_random_scenario(seed) for seed in grade_time_seeds(FRESH_SCENARIOS)]  # cannot be memoised
-    for scenario in scenarios:
-        expected = run_plans(_private().SeatScheduler, scenario)
+def _scenario(number):
+    """The scenario built from `number`: the named ones first, then random ones."""
+    if number < len(NAMED_SCENARIOS):
+        return NAMED_SCENARIOS[number]
+    return _random_scenario(number - len(NAMED_SCENARIOS))
+
+
+SEEDED_SCENARIOS = len(NAMED_SCENARIOS) + 64
+
+
+def seat_plans(number):
+    """Tasks 2 and 3's expected output on scenario `number`: every step's plan by the seat rules."""
+    return run_plans(_private().SeatScheduler, _scenario(number))
+
+
+KEY_3 = AnswerKey("ex04_continuous_scheduler", 3, size=256, seeded=SEEDED_SCENARIOS, reference=seat_plans,
+                  private=_TEACHERS[0])
+
+
+def _plan_difference(scenario, what, mine, want):
+    limits = f"max_num_seqs={scenario[1]}, budget={scenario[2]}, slabs={scenario[3]}"
+    for step, (plan, ref) in enumerate(zip(mine + [None] * len(want), want)):
+        if plan != ref:
+            return (f"{scenario[0]} ({limits}), step {step}: {what} planned {plan}, "
+                    f"the seat rules plan {ref} (request ids, new tokens, statuses, admitted)")
+    return f"{scenario[0]}: {len(mine)} steps, the seat rules take {len(want)}"
+
+
+def _compare_plans(make_scheduler, cases, what):
+    for case in cases:
+        scenario = _scenario(case.number)
+        case.expected()
         with forbid(ContinuousScheduler):
             try:
                 plans = run_plans(make_scheduler, scenario)
@@ -180,30 +256,95 @@ def _compare_plans(make_scheduler, num_random, what):
             except Exception as error:  # noqa: BLE001
                 raise Fail(f"{scenario[0]}: {type(error).__name__}: {error}") from None
         limits = f"max_num_seqs={scenario[1]}, budget={scenario[2]}, slabs={scenario[3]}"
-        for step, (mine, ref) in enumerate(zip(plans + [None] * len(expected), expected)):
-            if mine != ref:
-                raise Fail(f"{scenario[0]} ({limits}), step {step}: {what} planned {mine}, "
-                           f"the seat rules plan {ref} (request ids, new tokens, statuses, admitted)")
-        if len(plans) != len(expected):
-            raise Fail(f"{scenario[0]}: {len(plans)} steps, the seat rules take {len(expected)}")
-    return len(scenarios) - FRESH_SCENARIOS
+        case.judge(plans, f"{scenario[0]} ({limits}): {what}'s plans",
+                   lambda mine, want, scenario=scenario: _plan_difference(scenario, what, mine, want))
+
+
+# Task 2 in both copies: the learner's admit on seat states the grader builds (a case: twenty of them).
+ADMITS = 20
+
+
+def _admit_state(seed):
+    """A seat scheduler's state before admit: some seats taken (their slabs held), a queue, a budget."""
+    rng = random.Random(seed)
+    max_num_seqs, num_slabs = rng.randint(1, 8), rng.randint(1, 8)
+    config = EngineConfig(batching="continuous", kv_layout="slab", max_num_seqs=max_num_seqs, max_model_len=64,
+                          max_num_batched_tokens=256).resolve(TOY_MODEL.max_position_embeddings)
+    kv = SlabKVManager(1, 1, 8, num_slabs=num_slabs, slab_len=64, allocate_pool=False)
+    seats = [None] * max_num_seqs
+    for seat in sorted(rng.sample(range(max_num_seqs), rng.randint(0, min(max_num_seqs, num_slabs)))):
+        req = _request(f"s{seat}", rng.randint(1, 40))
+        kv.allocate(req, req.num_prompt_tokens)
+        req.status, req.num_computed_tokens = RequestStatus.RUNNING, req.num_prompt_tokens
+        seats[seat] = req
+    waiting = [_request(f"w{i}", rng.randint(1, 52)) for i in range(rng.randint(0, 6))]
+    return config, kv, seats, waiting, rng.choice([0, 4, 16, 40, 64, 128, 256])
+
+
+def _admit_seeds(number):
+    return [number * ADMITS + j for j in range(ADMITS)]
+
+
+def _admit_once(make_scheduler, seed):
+    config, kv, seats, waiting, budget = _admit_state(seed)
+    scheduler = make_scheduler(config, kv)
+    scheduler.seats, scheduler.waiting = seats, deque(waiting)
+    admitted = scheduler.admit(budget)
+    return [[[getattr(req, "request_id", req), n] for req, n in admitted],
+            [getattr(r, "request_id", r) for r in scheduler.seats], [r.request_id for r in scheduler.waiting],
+            [r.status.name for r in waiting], *_kv_state(kv)]
+
+
+def admissions(number):
+    """Task 2's expected output on case `number`: for each of its seat states, what the seat rules' admit
+    returns and leaves (seats, queue, statuses, slabs)."""
+    return [_admit_once(_private().SeatScheduler, seed) for seed in _admit_seeds(number)]
+
+
+KEY_2 = AnswerKey("ex04_continuous_scheduler", 2, size=256, seeded=20, reference=admissions, private=_TEACHERS[0])
+
+
+def _admit_difference(number, mine, want):
+    for seed, got, ref in zip(_admit_seeds(number), mine, want):
+        if got != ref:
+            config, _, seats, waiting, budget = _admit_state(seed)
+            return (f"seat state {seed} (max_num_seqs={config.max_num_seqs}, seats "
+                    f"{[getattr(r, 'request_id', None) for r in seats]}, queue "
+                    f"{[(r.request_id, r.num_prompt_tokens) for r in waiting]}, budget {budget}): your admit "
+                    f"returned {got[0]} and left seats {got[1]}, queue {got[2]}; the seat rules: {ref[0]}, seats "
+                    f"{ref[1]}, queue {ref[2]} (statuses and slabs too)")
+    return f"seat states {_admit_seeds(number)[0]}..{_admit_seeds(number)[-1]}: your admissions differ"
 
 
 @task(2, "admit")
-def check_task_2(scheduler_class, num_random: int = 64) -> str:
+def check_task_2(scheduler_class) -> str | list[str]:
     refuse_subclass(scheduler_class, ContinuousScheduler)
     if "admit" not in {name for klass in scheduler_class.__mro__ for name in vars(klass)}:
         raise Fail(f"{scheduler_class.__name__} has no admit method")
-    probe = type("YourAdmit", (_private().AdmitHarness, scheduler_class), {})  # the harness's step, your admit
-    count = _compare_plans(probe, num_random, "your admit")
-    return f"{count} seeded traces and {FRESH_SCENARIOS} drawn now, every step's admissions as the seat rules say"
+    lines = []
+    if KEY_2.teacher:  # the harness (the seat step without admit) is grader-private: whole traces here only
+        probe = type("YourAdmit", (_private().AdmitHarness, scheduler_class), {})  # the harness's step, your admit
+        _compare_plans(probe, KEY_3.cases(fresh=FRESH_SCENARIOS), "your admit")
+        lines.append(f"{SEEDED_SCENARIOS} seeded traces and {FRESH_SCENARIOS} drawn now, every step's admissions "
+                     "as the seat rules say")
+    for case in KEY_2.cases(fresh=FRESH_SCENARIOS // 4):
+        case.expected()
+        with forbid(ContinuousScheduler):
+            mine = [_admit_once(scheduler_class, seed) for seed in _admit_seeds(case.number)]
+        seeds = _admit_seeds(case.number)
+        case.judge(mine, f"seat states {seeds[0]}..{seeds[-1]} (what admit returns and leaves)",
+                   lambda mine, want, number=case.number: _admit_difference(number, mine, want))
+    lines.append(f"{KEY_2.seeded * ADMITS} seeded seat states and {FRESH_SCENARIOS // 4 * ADMITS} drawn now: admit "
+                 "alone returns and leaves what the seat rules say")
+    return KEY_2.report(lines)
 
 
 @task(3, "the whole step")
-def check_task_3(scheduler_class, num_random: int = 64) -> str:
+def check_task_3(scheduler_class) -> str | list[str]:
     refuse_subclass(scheduler_class, ContinuousScheduler)
-    count = _compare_plans(scheduler_class, num_random, "your schedule")
-    return f"{count} seeded traces and {FRESH_SCENARIOS} drawn now, every step's plan as the seat rules say"
+    _compare_plans(scheduler_class, KEY_3.cases(fresh=FRESH_SCENARIOS), "your schedule")
+    return KEY_3.report(f"{SEEDED_SCENARIOS} seeded traces and {FRESH_SCENARIOS} drawn now, every step's plan as "
+                        "the seat rules say")
 
 
 PROMPTS = ["Once upon a time", "The little robot", "In the morning the market", "She opened the door and",

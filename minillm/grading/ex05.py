@@ -12,10 +12,17 @@ a Python loop over rows or tokens. The C methods under torch.Tensor's (`torch._C
 `.numpy`, `.data_ptr`, `.untyped_storage`, dlpack) are refused too, whichever way they are called, and
 so is a tensor built from a list of Python numbers (`torch.tensor(rows)`): the way back into torch
 after a Python loop.
+
+Tasks 1 and 2 grade in a student release too, with answer keys (`minillm.grading.answer_key`): a case
+is four operation sequences (task 1) or four traces (task 2), and its digest covers every operation's
+result and the state after it. The sequences are driven by what the code under test returns (a
+release block is one the allocator handed out), so the learner's and the reference's runs are the
+same sequence exactly when every answer is right.
 """
 
 from __future__ import annotations
 
+import operator
 import random
 import sys
 import threading
@@ -35,6 +42,7 @@ from minillm.grading import (
     run_until_done,
     task,
 )
+from minillm.grading.answer_key import AnswerKey
 from minillm.grading.plug_in import knobs_reach_the_engine
 from minillm.kv.block_allocator import BlockAllocator
 from minillm.kv.block_manager import BlockManager
@@ -73,98 +81,186 @@ def _allocator_state(allocator):
     return sorted(allocator.free_blocks), list(allocator.ref_counts), allocator.num_free
 
 
+SEQUENCES = 4  # operation sequences (task 1) or traces (task 2) in one case: one digest covers them all
+
+
+def _sequence_seeds(number):
+    return [number * SEQUENCES + j for j in range(SEQUENCES)]
+
+
+def _operations(make_allocator, seed, state):
+    """Run operation sequence `seed` on a fresh allocator: [operation, outcome, state after] per step.
+    Which block a share or release names comes from the blocks the allocator handed out (its own
+    answers), so a right allocator sees the very sequence the reference sees."""
+    rng = random.Random(seed)
+    num_blocks = rng.randint(1, 12)
+    allocator = make_allocator(num_blocks)
+    readers: dict[int, int] = {}  # what the results said: block -> holders
+    out = []
+    for _ in range(rng.randint(1, 40)):
+        in_use = sorted(b for b, n in readers.items() if n > 0)
+        roll = rng.random()
+        if roll < 0.45 or not in_use:
+            op = ("allocate",)
+        elif roll < 0.6:
+            op = ("share", rng.choice(in_use))
+        elif roll < 0.95:
+            op = ("release", rng.choice(in_use))
+        else:  # releasing a block nobody holds is a bug the allocator must refuse
+            free = [b for b in range(num_blocks) if readers.get(b, 0) == 0]
+            op = ("release", rng.choice(free)) if free else ("allocate",)
+        args = (op[1], False) if op[0] == "release" else op[1:]  # release(block, keep_cached=False)
+        outcome = _outcome(getattr(allocator, op[0]), *args)
+        if outcome[0] == "ok":
+            block = outcome[1] if op[0] == "allocate" else op[1]
+            try:
+                block = operator.index(block)
+            except TypeError:  # not a block id: the transcript says so, the bookkeeping skips it
+                block = None
+            if block is not None:
+                readers[block] = 1 if op[0] == "allocate" else readers.get(block, 0) + (1 if op[0] == "share" else -1)
+        try:
+            after = state(allocator)
+        except Exception as error:  # noqa: BLE001
+            after = f"{type(error).__name__}: {error}"
+        out.append([list(op), list(outcome), list(after) if isinstance(after, tuple) else after])
+    return [num_blocks, out]
+
+
+def _lowest_first_state(allocator):
+    return allocator.free_ids, list(allocator.ref_counts), len(allocator.free_ids)
+
+
+def lowest_first_operations(number):
+    """Task 1's expected output on case `number`: each of its sequences run on the lowest-first allocator."""
+    return [_operations(_private().LowestFirstAllocator, seed, _lowest_first_state) for seed in _sequence_seeds(number)]
+
+
+KEY_1 = AnswerKey("ex05_block_allocator", 1, size=256, seeded=50, reference=lowest_first_operations,
+                  private=_TEACHERS[0])
+
+
+def _operations_difference(number, mine, want):
+    for seed, (num_blocks, steps), (_, ref_steps) in zip(_sequence_seeds(number), mine, want):
+        for index, (step, ref) in enumerate(zip(steps + [None] * len(ref_steps), ref_steps)):
+            if step != ref:
+                history = [tuple(s[0]) for s in ref_steps[:index + 1]][-6:]
+                got, state = (tuple(step[1]), step[2]) if step is not None else (None, None)
+                return (f"seed {seed}, {num_blocks} blocks, after {history} (last 6 operations): yours returned "
+                        f"{got}, state (free blocks sorted, ref counts, num_free) {state}; expected "
+                        f"{tuple(ref[1])}, state {ref[2]} (allocate takes the lowest free block)")
+    return f"seeds {_sequence_seeds(number)[0]}..{_sequence_seeds(number)[-1]}: your results differ"
+
+
 @task(1, "allocator")
-def check_task_1(make_allocator, num_sequences: int = 200) -> str:
+def check_task_1(make_allocator) -> str | list[str]:
     if isinstance(make_allocator, type):
         refuse_subclass(make_allocator, BlockAllocator)
-    for seed in [*range(num_sequences), *grade_time_seeds(FRESH_CASES)]:  # fresh ones cannot be memoised
-        rng = random.Random(seed)
-        num_blocks = rng.randint(1, 12)
-        ref = _private().LowestFirstAllocator(num_blocks)
+    for case in KEY_1.cases(fresh=FRESH_CASES // SEQUENCES):  # fresh ones cannot be memoised
+        case.expected()
         with forbid(BlockAllocator):
-            mine = make_allocator(num_blocks)
-        history = []
-        for _ in range(rng.randint(1, 40)):
-            in_use = [b for b in range(num_blocks) if ref.ref_counts[b] > 0]
-            roll = rng.random()
-            if roll < 0.45 or not in_use:
-                op = ("allocate",)
-            elif roll < 0.6:
-                op = ("share", rng.choice(in_use))
-            elif roll < 0.95:
-                op = ("release", rng.choice(in_use))
-            else:  # releasing a block nobody holds is a bug the allocator must refuse
-                free = [b for b in range(num_blocks) if ref.ref_counts[b] == 0]
-                op = ("release", rng.choice(free)) if free else ("allocate",)
-            history.append(op)
-            args = (op[1], False) if op[0] == "release" else op[1:]  # release(block, keep_cached=False)
-            expected = _outcome(getattr(ref, op[0]), *args)
-            with forbid(BlockAllocator):
-                got = _outcome(getattr(mine, op[0]), *args)
-                try:
-                    state = _allocator_state(mine)
-                except Exception as error:  # noqa: BLE001
-                    state = f"{type(error).__name__}: {error}"
-            want = (ref.free_ids, list(ref.ref_counts), len(ref.free_ids))
-            if got != expected or state != want:
-                raise Fail(f"seed {seed}, {num_blocks} blocks, after {history[-6:]} (last 6 operations): "
-                           f"yours returned {got}, state (free blocks sorted, ref counts, num_free) {state}; "
-                           f"expected {expected}, state {want} (allocate takes the lowest free block)")
-    return (f"{num_sequences} seeded operation sequences and {FRESH_CASES} drawn now: results, free blocks and "
-            "ref counts as the lowest-first rules say")
+            mine = [_operations(make_allocator, seed, _allocator_state) for seed in _sequence_seeds(case.number)]
+        seeds = _sequence_seeds(case.number)
+        case.judge(mine, f"operation sequences {seeds[0]}..{seeds[-1]} (every result and the state after it)",
+                   lambda mine, want, number=case.number: _operations_difference(number, mine, want))
+    return KEY_1.report(f"{KEY_1.seeded * SEQUENCES} seeded operation sequences and {FRESH_CASES} drawn now: results, "
+                        "free blocks and ref counts as the lowest-first rules say")
+
+
+def _ring_grow(table, num_tokens, block_size, max_blocks, allocator):
+    """The ring table's growth, as the reference does it: to ring_length blocks, all or nothing."""
+    extra = max(0, _private().ring_length(num_tokens, block_size, max_blocks) - len(table))
+    if extra > allocator.num_free:
+        return False
+    table.extend(allocator.allocate() for _ in range(extra))
+    return True
+
+
+def _ring_slots(table, start, n, block_size):
+    return [_private().ring_slot(table, p, block_size) for p in range(start, start + n)]
+
+
+def _tables(grow_table, slots_for, seed):
+    """Run trace `seed`: requests grow their ring tables on one BlockAllocator, read their new tokens'
+    and their window's slots, and finish (their blocks back). Per step: the request, where it was, how
+    many tokens, what grow_table returned, the table after, the slots of the new tokens and the window's."""
+    rng = random.Random(1000 + seed)
+    block_size, num_blocks, max_blocks = rng.choice([1, 2, 4, 8]), rng.randint(1, 24), rng.randint(2, 6)
+    window = (max_blocks - 1) * block_size  # the tokens a query reads: always held by the ring
+    allocator = BlockAllocator(num_blocks)
+    tables: dict[str, list[int]] = {}
+    computed: dict[str, int] = {}
+    out: list[list] = [[block_size, num_blocks, max_blocks]]
+    for _ in range(rng.randint(1, 30)):
+        rid = f"r{rng.randint(0, 4)}"
+        start = computed.get(rid, 0)
+        if start and rng.random() < 0.15:  # the request finishes (or is preempted): all its blocks go back
+            try:
+                for block in reversed(tables.pop(rid, [])):
+                    allocator.release(block, keep_cached=False)
+            except Exception as error:  # noqa: BLE001  (a table that holds what was never handed out)
+                return [*out, ["finish", rid, f"{type(error).__name__}: {error}"]]
+            computed.pop(rid)
+            out.append(["finish", rid])
+            continue
+        n = rng.randint(1, window) if start == 0 else rng.choice([1, 1, 1, rng.randint(1, window)])
+        table = tables.setdefault(rid, [])
+        grown = grow_table(table, start + n, block_size, max_blocks, allocator)
+        step = [rid, start, n, grown, list(table)]
+        out.append(step)
+        if not grown:
+            if not table:
+                del tables[rid]
+            continue
+        end = start + n
+        first = max(0, end - window)
+        step += [list(slots_for(table, start, n, block_size)), list(slots_for(table, first, end - first, block_size))]
+        computed[rid] = end
+    return out
+
+
+def ring_tables(number):
+    """Task 2's expected output on case `number`: each of its traces with the reference's ring tables."""
+    return [_tables(_ring_grow, _ring_slots, seed) for seed in _sequence_seeds(number)]
+
+
+KEY_2 = AnswerKey("ex05_block_allocator", 2, size=256, seeded=25, reference=ring_tables, private=_TEACHERS[0])
+
+
+def _tables_difference(number, mine, want):
+    for seed, trace, ref_trace in zip(_sequence_seeds(number), mine, want):
+        block_size, num_blocks, max_blocks = ref_trace[0]
+        for step, ref in zip(trace[1:] + [None] * len(ref_trace), ref_trace[1:]):
+            if step == ref:
+                continue
+            if ref[0] == "finish" or step is None or step[0] == "finish":
+                return f"seed {seed}: your tables differ from the ring tables' ({step} vs {ref})"
+            rid, start, n, got, table, *slots = step
+            _, _, _, grown, ref_table, *ref_slots = ref
+            where = (f"seed {seed} (block_size {block_size}, {num_blocks} blocks, max_blocks {max_blocks}), "
+                     f"request {rid} at {start} + {n} tokens")
+            if (got, table) != (grown, ref_table):
+                return (f"{where}: grow_table returned {got} and left the table {table}; expected {grown}, "
+                        f"table {ref_table} (at most max_blocks blocks, or nothing changed)")
+            if slots[:1] != ref_slots[:1]:
+                return f"{where}: table {table}: your slots for the new tokens {slots[0]}, expected {ref_slots[0]}"
+            end = start + n
+            return (f"{where}: table {table}: your slots for the window, positions {max(0, end - block_size * (max_blocks - 1))}"
+                    f"..{end - 1}, {slots[1] if len(slots) > 1 else None}, expected {ref_slots[1]}")
+    return f"seeds {_sequence_seeds(number)[0]}..{_sequence_seeds(number)[-1]}: your tables differ"
 
 
 @task(2, "block tables")
-def check_task_2(grow_table, slots_for, num_traces: int = 100) -> str:
-    for seed in [*range(num_traces), *grade_time_seeds(FRESH_CASES)]:  # fresh ones cannot be memoised
-        rng = random.Random(1000 + seed)
-        block_size, num_blocks, max_blocks = rng.choice([1, 2, 4, 8]), rng.randint(1, 24), rng.randint(2, 6)
-        window = (max_blocks - 1) * block_size  # the tokens a query reads: always held by the ring
-        mine, ref = BlockAllocator(num_blocks), BlockAllocator(num_blocks)  # the same ids, if the same calls
-        tables: dict[str, list[int]] = {}
-        ref_tables: dict[str, list[int]] = {}
-        computed: dict[str, int] = {}
-        for _ in range(rng.randint(1, 30)):
-            rid = f"r{rng.randint(0, 4)}"
-            start = computed.get(rid, 0)
-            if start and rng.random() < 0.15:  # the request finishes (or is preempted): all its blocks go back
-                for block in reversed(tables.pop(rid, [])):
-                    mine.release(block, keep_cached=False)
-                for block in reversed(ref_tables.pop(rid, [])):
-                    ref.release(block, keep_cached=False)
-                computed.pop(rid)
-                continue
-            n = rng.randint(1, window) if start == 0 else rng.choice([1, 1, 1, rng.randint(1, window)])
-            ref_table = ref_tables.setdefault(rid, [])
-            extra = max(0, _private().ring_length(start + n, block_size, max_blocks) - len(ref_table))
-            expected = extra <= ref.num_free
-            ref_table.extend(ref.allocate() for _ in range(extra * expected))
-            table = tables.setdefault(rid, [])
-            where = (f"seed {seed} (block_size {block_size}, {num_blocks} blocks, max_blocks {max_blocks}), "
-                     f"request {rid} at {start} + {n} tokens")
-            with forbid(BlockManager, BlockTableBuffer):
-                got = grow_table(table, start + n, block_size, max_blocks, mine)
-            if got != expected or table != ref_table:
-                raise Fail(f"{where}: grow_table returned {got} and left the table {table}; expected {expected}, "
-                           f"table {ref_table} (at most max_blocks blocks, or nothing changed)")
-            if not expected:
-                if not table:
-                    del tables[rid], ref_tables[rid]
-                continue
-            end = start + n
-            ref_slots = [_private().ring_slot(table, p, block_size) for p in range(start, end)]
-            first = max(0, end - window)
-            ref_keys = [_private().ring_slot(table, p, block_size) for p in range(first, end)]
-            with forbid(BlockManager, BlockTableBuffer):
-                slots = list(slots_for(table, start, n, block_size))
-                keys = list(slots_for(table, first, end - first, block_size))
-            if slots != ref_slots:
-                raise Fail(f"{where}: table {table}: your slots for the new tokens {slots}, expected {ref_slots}")
-            if keys != ref_keys:
-                raise Fail(f"{where}: table {table}: your slots for the window, positions {first}..{end - 1}, "
-                           f"{keys}, expected {ref_keys}")
-            computed[rid] = end
-    return f"{num_traces} seeded traces and {FRESH_CASES} drawn now: ring tables, new tokens' slots and windows' slots"
+def check_task_2(grow_table, slots_for) -> str | list[str]:
+    for case in KEY_2.cases(fresh=FRESH_CASES // SEQUENCES):  # fresh ones cannot be memoised
+        case.expected()
+        with forbid(BlockManager, BlockTableBuffer):
+            mine = [_tables(grow_table, slots_for, seed) for seed in _sequence_seeds(case.number)]
+        seeds = _sequence_seeds(case.number)
+        case.judge(mine, f"traces {seeds[0]}..{seeds[-1]} (every table, its new tokens' slots and its window's)",
+                   lambda mine, want, number=case.number: _tables_difference(number, mine, want))
+    return KEY_2.report(f"{KEY_2.seeded * SEQUENCES} seeded traces and {FRESH_CASES} drawn now: ring tables, new "
+                        "tokens' slots and windows' slots")
 
 
 PROMPTS = ["Once upon a time", "The little robot", "In the morning the market", "She opened the door and",

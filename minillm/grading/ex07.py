@@ -2,20 +2,26 @@
 buckets with its token and parent checks, predicting the engine's hits, and a token-granular radix
 cache with split and LRU.
 
-Unsalted chains and lookups are compared with minillm's `HashChain` and `BlockManager` (without K/V
-tensors); the variants the chapter does not show (the salt, the buckets, the radix cache) with the
-grader-private references of `minillm.grading.private.ex07_reference`. All of them are disabled
-(`forbid`, or guarded as grader code) while the learner's code runs. Task 3 runs the bundled model
-on a seeded trace and on one drawn at grade time.
+Chains and lookups, salted or not, are compared with minillm's `HashChain` and `BlockManager` (without
+K/V tensors): `HashChain.insert` continues a chain from any cursor, so started from `(salt, None)` it
+gives the salted chain, and a tenant's prompts served behind a salt block (the hash of that block is
+then the salt) give minillm's own answer to a salted lookup. The radix cache (task 4), which minillm
+does not ship, is compared with the grader-private reference of `minillm.grading.private.ex07_reference`;
+a student release, which has no private reference, compares it by answer key (`minillm.grading.answer_key`:
+a digest of each case's transcript, every operation's result and the tree's shape after it, over five
+sequences). All of them are disabled (`forbid`, or guarded as grader code) while the learner's code runs.
+Task 3 runs the bundled model on a seeded trace and on one drawn at grade time.
 """
 
 from __future__ import annotations
 
 import random
+from functools import partial
 
 from minillm import LLM, SamplingParams
 from minillm.grading import Fail, forbid, grade_time_seeds, private_reference, task
-from minillm.kv.block_manager import BlockManager, HashChain
+from minillm.grading.answer_key import AnswerKey
+from minillm.kv.block_manager import BlockManager, HashChain, block_hash
 from minillm.kv.radix import RadixNode, RadixTree
 from minillm.llm import BUNDLED_TARGET
 from minillm.request import Request
@@ -26,7 +32,7 @@ from minillm.traces.synthetic import LengthDist, make_trace
 FRESH_CASES = 20  # cases drawn at grade time, besides the seeded ones (memoised answers fail)
 LEARNER_TOOLS = ()
 
-_TEACHERS = (private_reference("ex07_reference"),)  # salts, buckets, the radix tree: withheld in a student release
+_TEACHERS = (private_reference("ex07_reference"),)  # the radix tree: withheld in a student release
 
 
 def _private():
@@ -39,11 +45,10 @@ PREFIX_CACHE = (HashChain, BlockManager, RadixTree, RadixNode)
 
 
 def _reference_hashes(tokens, block_size, salt=None):
-    if salt is not None:
-        return _private().salted_hashes(tokens, block_size, salt)
-    chain = HashChain(block_size)  # the library's chain: no salt
+    # The library's chain, started from the cursor (salt, None): block 0's parent hash is the salt.
+    chain = HashChain(block_size)
     blocks = list(range(len(tokens) // block_size))
-    chain.insert(tokens, blocks)
+    chain.insert(tokens, blocks, cursor=(salt, None))
     return [chain.hash_of_block[b] for b in blocks]
 
 
@@ -105,6 +110,48 @@ def _buckets(kv):
     return {h: [(b, chain.parent_of_block[b], chain.tokens_of_block[b])] for h, b in chain.cached_block_of.items()}
 
 
+def _tenant_cache(rng):
+    """One of task 2's drawn cases, grown by minillm's HashChain: prompts sharing prefixes, some served
+    behind a tenant's salt block (tokens no prompt uses; its hash is the tenant's salt), shown in task
+    2's shape with the salt block left out and its children's parent None, and with colliding entries
+    (other tokens, or the same tokens after another parent) added to some buckets, first or last.
+    Returns (cache, tokens, block_size, salt, expected): the expected blocks are HashChain's own match
+    of the salt block and the prompt, the salt block dropped."""
+    bs = rng.choice([2, 4, 8])
+    salt_block = tuple(rng.randrange(40, 60) for _ in range(bs))  # prompts use ids 6-39: never a salt block
+    heads = {None: (), block_hash(None, salt_block): salt_block}
+    prefixes = [[rng.randrange(6, 40) for _ in range(rng.randint(0, 4 * bs))] for _ in range(3)]
+    chain, next_block, served = HashChain(bs), 0, []
+    for _ in range(rng.randint(1, 6)):
+        tokens = rng.choice(prefixes) + [rng.randrange(6, 40) for _ in range(rng.randint(1, 3 * bs))]
+        salt = rng.choice(list(heads))
+        full = [*heads[salt], *tokens]
+        count = len(full) // bs
+        chain.insert(full, list(range(next_block, next_block + count)))  # a cached prefix keeps its blocks
+        next_block += count
+        served.append((tokens, salt))
+    salt_blocks = {chain.cached_block_of[h] for h in heads if h is not None and h in chain.cached_block_of}
+    cache = {}
+    for h, block in chain.cached_block_of.items():
+        if block not in salt_blocks:
+            parent = chain.parent_of_block[block]
+            cache[h] = [(block, None if parent in salt_blocks else parent, chain.tokens_of_block[block])]
+    for bucket in cache.values():
+        if rng.random() < 0.3:
+            block, parent, chunk = bucket[0]
+            fake = (1000 + block, parent, tuple(t + 1 for t in chunk)) if rng.random() < 0.5 else \
+                (2000 + block, 3000 + (parent or 0), chunk)
+            bucket.insert(0, fake) if rng.random() < 0.5 else bucket.append(fake)
+    tokens, salt = rng.choice(served)
+    if rng.random() < 0.5:
+        tokens = tokens + [rng.randrange(6, 40) for _ in range(rng.randint(0, 2 * bs))]
+    if rng.random() < 0.2:
+        salt = rng.choice(list(heads))  # sometimes another tenant asks
+    full = [*heads[salt], *tokens]
+    matched = chain.match_prefix(full[: (len(full) - 1) // bs * bs], touch=False)  # >= 1 token left to compute
+    return cache, tokens, bs, salt, matched[len(heads[salt]) // bs :]
+
+
 def _crafted_cases():
     # By construction: (name, cache, tokens, block_size, salt, expected blocks).
     bs, salt = 4, 12345
@@ -157,8 +204,7 @@ def check_task_2(lookup) -> str:
                        f"BlockManager reuses blocks {want}, your lookup returned {got}")
         cases += 1
     for seed in [*range(50), *grade_time_seeds(FRESH_CASES)]:  # buckets with collisions; the fresh ones are new
-        cache, tokens, bs, salt = _private().random_buckets(random.Random(seed))
-        want = _private().bucket_lookup(cache, tokens, bs, salt)
+        cache, tokens, bs, salt, want = _tenant_cache(random.Random(seed))
         with forbid(*PREFIX_CACHE):
             got = list(lookup({h: list(b) for h, b in cache.items()}, list(tokens), bs, salt))
         if got != want:
@@ -218,29 +264,84 @@ def _shape(node, depth=0):
     return (tuple(getattr(node, "tokens", ())), tuple(_shape(children[k], depth + 1) for k in sorted(children)))
 
 
-@task(4, "radix cache with split and LRU")
-def check_task_4(radix_class, num_sequences: int = 150) -> str:
-    operations = 0
-    for seed in [*range(num_sequences), *grade_time_seeds(FRESH_CASES)]:  # fresh ones cannot be memoised
-        rng = random.Random(700 + seed)
-        ref = _private().ReferenceRadix()
-        with forbid(*PREFIX_CACHE):
-            mine = radix_class()
-        history = []
-        for _ in range(rng.randint(1, 25)):
-            roll = rng.random()
-            tokens = [rng.randint(1, 3) for _ in range(rng.randint(0, 8))]
-            op = ("insert", tokens) if roll < 0.5 else ("match", tokens) if roll < 0.8 else ("evict", rng.randint(1, 6))
-            history.append(op)
-            expected = getattr(ref, op[0])(op[1])
-            with forbid(*PREFIX_CACHE):
-                got = getattr(mine, op[0])(list(op[1]) if op[0] != "evict" else op[1])
-                shape = _shape(mine.root)
-            operations += seed < num_sequences  # the PASS line counts the seeded sequences' operations
-            where = f"sequence {seed}, after {history[-4:]} (last 4 operations)"
+SEQUENCES_PER_CASE = 5  # task 4: one case is five sequences of operations (a digest over a short one could be searched)
+SEEDED_RADIX_CASES = 30  # sequences 0-149
+
+
+def _radix_operations(sequence):
+    # Task 4's sequence `sequence`: 1-25 inserts, matches and evictions over tokens 1-3 (many shared prefixes).
+    rng, operations = random.Random(700 + sequence), []
+    for _ in range(rng.randint(1, 25)):
+        roll = rng.random()
+        tokens = tuple(rng.randint(1, 3) for _ in range(rng.randint(0, 8)))
+        operations.append(("insert", tokens) if roll < 0.5 else ("match", tokens) if roll < 0.8
+                          else ("evict", rng.randint(1, 6)))
+    return operations
+
+
+def _sequences(number):
+    return range(number * SEQUENCES_PER_CASE, (number + 1) * SEQUENCES_PER_CASE)
+
+
+def radix_transcripts(number):
+    """Task 4's expected output on case `number`: for each of its sequences, every operation's result
+    and the tree's shape after it, as the reference radix cache gives them."""
+    out = []
+    for sequence in _sequences(number):
+        tree, transcript = _private().ReferenceRadix(), []
+        for op, arg in _radix_operations(sequence):
+            transcript.append((getattr(tree, op)(arg), _shape(tree.root)))
+        out.append(transcript)
+    return out
+
+
+KEY_4 = AnswerKey("ex07_prefix_lookup", 4, size=256, seeded=SEEDED_RADIX_CASES, reference=radix_transcripts,
+                  private=_TEACHERS[0])
+
+
+def _radix_difference(number, mine, want):
+    for sequence, ours, ref in zip(_sequences(number), mine, want):
+        operations = _radix_operations(sequence)
+        for index, ((got, shape), (expected, ref_shape)) in enumerate(zip(ours, ref)):
+            where = f"sequence {sequence}, after {operations[max(0, index - 3) : index + 1]} (last 4 operations)"
             if got != expected:
-                raise Fail(f"{where}: {op[0]} returned {got}, expected {expected}")
-            if shape != _shape(ref.root):
-                raise Fail(f"{where}: your tree {shape}, expected {_shape(ref.root)} "
-                           "((edge, children) from the root)")
-    return f"{num_sequences} seeded sequences, {operations} operations: results and tree shape agree"
+                return f"{where}: {operations[index][0]} returned {got}, expected {expected}"
+            if shape != ref_shape:
+                return f"{where}: your tree {shape}, expected {ref_shape} ((edge, children) from the root)"
+    return f"case {number}: your transcript differs from the reference's"
+
+
+def _checked_result(op, arg, got, tree, where):
+    # What any correct radix cache returns, checked before the transcript is compared: clearer messages.
+    if type(got) is not int:
+        raise Fail(f"{where}: {op} returned {got!r}, not an int (a number of tokens)")
+    if op != "evict" and not 0 <= got <= len(arg):
+        raise Fail(f"{where}: {op} of {len(arg)} tokens returned {got}: a number of those tokens")
+    if op == "evict" and (got < 0 or (got < arg and getattr(tree.root, "children", None))):
+        raise Fail(f"{where}: evict({arg}) returned {got} while the tree still holds tokens: "
+                   "evict removes leaves until at least that many tokens are gone, or the tree is empty")
+
+
+@task(4, "radix cache with split and LRU")
+def check_task_4(radix_class) -> str:
+    operations = 0
+    for case in KEY_4.cases(fresh=FRESH_CASES // SEQUENCES_PER_CASE):  # drawn ones cannot be memoised
+        case.expected()  # the teacher's copy runs the reference first, before any learner code
+        mine = []
+        for sequence in _sequences(case.number):
+            with forbid(*PREFIX_CACHE):
+                tree = radix_class()
+            transcript, history = [], []
+            for op, arg in _radix_operations(sequence):
+                history.append((op, arg))
+                with forbid(*PREFIX_CACHE):
+                    got = getattr(tree, op)(list(arg) if op != "evict" else arg)
+                    shape = _shape(tree.root)
+                _checked_result(op, arg, got, tree, f"sequence {sequence}, after {history[-4:]} (last 4 operations)")
+                transcript.append((got, shape))
+            operations += len(transcript) if case.number < KEY_4.seeded else 0
+            mine.append(transcript)
+        case.judge(mine, f"case {case.number} (sequences {_sequences(case.number)[0]}-{_sequences(case.number)[-1]}, "
+                   "rebuilt by grader._radix_operations(sequence))", explain=partial(_radix_difference, case.number))
+    return KEY_4.report(f"{SEEDED_RADIX_CASES * SEQUENCES_PER_CASE} seeded sequences, {operations} operations: "
+                        "results and tree shape agree")

@@ -639,10 +639,12 @@ def _grader_functions(module: types.ModuleType, task: int | None) -> Iterator[tu
 
 
 def grading_modules() -> list[types.ModuleType]:
-    """The grading modules (minillm.grading.exNN) and the grader-private ones they loaded
-    (minillm.grading.private.*): what rule 2 guards."""
+    """The grading modules (minillm.grading.exNN), the grader-private ones they loaded
+    (minillm.grading.private.*) and the answer keys' module (its digests and canonical form are no
+    tool for learner code): what rule 2 guards."""
     return [m for n, m in list(sys.modules.items()) if m is not None
-            and (n.startswith("minillm.grading.ex") or n.startswith("minillm.grading.private."))]
+            and (n.startswith("minillm.grading.ex") or n.startswith("minillm.grading.private.")
+                 or n == "minillm.grading.answer_key")]
 
 
 class guard_graders:

@@ -39,6 +39,9 @@ KNOWN_WRONG = [
                                                             "LearnerScheduler(config, kv), **grader.ENGINE_KNOBS)"),),
            expect="a size drawn now"),
     Mutant(3, "preemptions not counted on the scheduler", edits=(("        self.num_preemptions += 1\n", ""),)),
+    Mutant(3, "a knob of its own: a 10 % watermark the check did not ask for", edits=((
+        "LearnerScheduler(config, kv), **knobs)", "LearnerScheduler(config, kv), **{\"kv_watermark\": 0.1, **knobs})"),),
+        expect="differ"),
     # task 4: the whole step with a bulk retraction
     Mutant(4, "admits newcomers in a step that preempted", edits=(("        if not plan.preempted:\n            while self.waiting",
                                                                    "        if True:\n            while self.waiting"),)),

@@ -13,7 +13,8 @@ What lives here is left out of a student release (`tools/student_release.py` dro
   class inheriting one of its classes FAILs, and the copy detector compares learner code with it.
 
 In a student release the module is absent: `private_reference` returns a stand-in whose attributes
-raise `ReferenceWithheld`, and the task that needed it reports "not graded here: your teacher grades
-it" instead of a verdict (still not a PASS). Keep in a private module only what a learner must not
+raise `ReferenceWithheld`; a task with an answer key (minillm/grading/answer_key.py) grades there with
+the key's digests, one without reports "not graded here: your teacher grades it" instead of a
+verdict (still not a PASS). Keep in a private module only what a learner must not
 read; what can be built from the library (forbidden while learner code runs) belongs in the grader.
 """

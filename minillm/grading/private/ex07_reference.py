@@ -1,8 +1,10 @@
 """Exercise 07's references (chapter 07: prefix caching), private to its grader (see the package docstring).
 
-The salted hash chain (task 1), the lookup through hash buckets (task 2) and the bucket caches its
-check draws (their registration is task 3's), and the token-granular radix cache with edge splits
-and LRU eviction (task 4).
+The token-granular radix cache with edge splits and LRU eviction (task 4), which the check compares
+with. The salted hash chain (task 1), the lookup through hash buckets (task 2) and a bucket cache
+generator (its registration is task 3's) are no check's reference any more: tasks 1 and 2 take their
+expected answers from minillm's HashChain (ex07.py says how), which a student release has too. They
+stay here as answers the copy detector compares a learner's chain and lookup with.
 """
 
 from __future__ import annotations
