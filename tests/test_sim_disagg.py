@@ -180,3 +180,30 @@ def test_ttft_counts_the_wait_for_room_on_the_decode_side() -> None:
     waited = [t.ttft - r.ttft for r, t in zip(roomy.requests, tight.requests)]
     assert max(waited) > 0.1  # the last ones wait for two requests' 50 tokens each to finish first
     assert sorted(waited)[:2] == pytest.approx([0.0, 0.0], abs=1e-9)  # the first two find seats at once
+
+
+def test_a_prefill_cache_runs_the_prefill_side_once_and_changes_nothing(monkeypatch) -> None:
+    """`prefill_cache` keeps the prefill side's results by everything that side reads: another link or
+    decode side at the same rate finds them again; another rate, prefill engine or prompt does not."""
+    import minillm.sim.disagg as disagg
+
+    calls = []
+    real = disagg.run_prefill_instances
+    monkeypatch.setattr(disagg, "run_prefill_instances", lambda *a, **k: calls.append(1) or real(*a, **k))
+    trace, cache = at_rate(CODE_LIKE, 2.0), {}
+    fresh = [simulate_disaggregated(trace, hardware=HW, link=link) for link in (NVLINK3_A100, TEN_GBE)]
+    assert len(calls) == 2
+    cached = [simulate_disaggregated(trace, hardware=HW, link=link, prefill_cache=cache)
+              for link in (NVLINK3_A100, TEN_GBE)]
+    assert len(calls) == 3 and len(cache) == 1  # one run served both links
+    for a, b in zip(fresh, cached):
+        assert a.handed_s == b.handed_s and a.transfer_s == b.transfer_s
+        assert [(m.ttft, m.token_times) for m in a.requests] == [(m.ttft, m.token_times) for m in b.requests]
+    simulate_disaggregated(trace, hardware=HW, decode_engine_config={"max_num_seqs": 2}, prefill_cache=cache)
+    assert len(calls) == 3  # another decode side: the same prefills
+    simulate_disaggregated(at_rate(CODE_LIKE, 3.0), hardware=HW, prefill_cache=cache)
+    simulate_disaggregated(trace, hardware=HW, engine_config={"max_num_seqs": 4}, prefill_cache=cache)
+    other_prompt = Trace([dataclasses.replace(trace[0], prompt_token_ids=[7] * trace[0].prompt_len),
+                          *trace.requests[1:]], trace.meta)
+    simulate_disaggregated(other_prompt, hardware=HW, prefill_cache=cache)
+    assert len(calls) == 6 and len(cache) == 4  # a new rate, prefill config and prompt each run it again

@@ -33,6 +33,8 @@ kinds into goodput (DistServe's definition) and the comparison tables.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -229,6 +231,16 @@ def simulate_colocated(trace: Trace, *, hardware: str | Hardware = "A100-80GB-pr
     return ServingResult("colocated", num_gpus, requests, summarize(requests, slo=slo))
 
 
+def _requests_digest(trace: Trace) -> bytes:
+    """A fingerprint of everything in `trace`'s requests the prefill side reads (ids, arrivals, priorities,
+    prompt tokens, output lengths): a short key for `prefill_cache` in place of the tokens themselves."""
+    digest = hashlib.blake2b(digest_size=20)
+    for r in trace:
+        digest.update(repr((r.request_id, r.arrival_time_s, r.priority, r.max_tokens, r.prompt_len)).encode())
+        digest.update(array("q", r.prompt_token_ids).tobytes())
+    return digest.digest()
+
+
 def run_prefill_instances(trace: Trace, hw: Hardware, shape: ModelShape, config: EngineConfig, kv_fraction: float,
                           num_prefill: int = 1, layout: InstanceLayout | None = None) -> dict[str, RequestMetrics]:
     """The prefill side alone: each request's prompt and first token (`max_tokens=1`) on `num_prefill`
@@ -276,14 +288,21 @@ def simulate_disaggregated(trace: Trace, *, hardware: str | Hardware = "A100-80G
                            kv_fraction: float = 0.9, slo: SLO | None = None,
                            transfer_bytes_per_token: float | None = None,
                            prefill_layout: InstanceLayout | None = None,
-                           decode_layout: InstanceLayout | None = None) -> ServingResult:
+                           decode_layout: InstanceLayout | None = None,
+                           prefill_cache: dict | None = None) -> ServingResult:
     """`num_prefill` prefill instances and `num_decode` decode instances joined by `link` (see the module
     docstring). `engine_config` is the prefill instances' (and by default the decode instances').
     `transfer_bytes_per_token`: bytes moved per prompt token (default the model's KV bytes per token;
     less for fp8 or compressed KV, more to see a bigger model's KV on this link): the transfer only.
     `prefill_layout`, `decode_layout`: each instance's TP x PP (`minillm.sim.instance_layout`; default
     one GPU). A sharded KV cache moves in parallel, one shard per GPU pair: over min(prefill GPUs,
-    decode GPUs) links of `link` at once."""
+    decode GPUs) links of `link` at once.
+    `prefill_cache`: a dict (empty at first) in which to keep the prefill side's results and find them
+    again. That side depends on the trace, the hardware, the model, the prefill instances and their config
+    only, not on the link or the decode side, so a search that tries several links or decode layouts at
+    the same rates (`goodput.compare_colocated_vs_pd`, `phase_layouts.compare_phase_layouts`) runs it
+    once per rate. The key holds all of those inputs, so one dict may serve any calls; nothing changes
+    in what is computed."""
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(f"num_prefill and num_decode must be >= 1, got {num_prefill}, {num_decode}")
     if transfer_bytes_per_token is not None and not transfer_bytes_per_token >= 0:
@@ -294,7 +313,14 @@ def simulate_disaggregated(trace: Trace, *, hardware: str | Hardware = "A100-80G
     decode_config = _engine_config(decode_engine_config if decode_engine_config is not None else engine_config)
 
     # 1. prefill instances (each of its virtual engines in turn, with PP): prompt + first token
-    prefilled = run_prefill_instances(trace, hw, shape, prefill_config, kv_fraction, num_prefill, prefill_layout)
+    if prefill_cache is None:
+        prefilled = run_prefill_instances(trace, hw, shape, prefill_config, kv_fraction, num_prefill, prefill_layout)
+    else:
+        key = (_requests_digest(trace), hw, shape, repr(prefill_config), kv_fraction, num_prefill, prefill_layout)
+        if key not in prefill_cache:
+            prefill_cache[key] = run_prefill_instances(trace, hw, shape, prefill_config, kv_fraction, num_prefill,
+                                                       prefill_layout)
+        prefilled = prefill_cache[key]  # (read only below: the same records may serve several runs)
 
     # 2. the transfer: each prefill instance's links send one prompt's KV at a time, in the order prefills end
     per_token = shape.kv_bytes_per_token(hw.dtype_bytes) if transfer_bytes_per_token is None else transfer_bytes_per_token

@@ -226,11 +226,13 @@ def compare_colocated_vs_pd(trace: Trace, *, name: str = "trace", hardware: Hard
         found = goodput(lambda t, c=chunked: simulate_colocated(t, hardware=hw, model=model, engine_config=c),
                         trace, slo, attainment=attainment, rel_tol=rel_tol, start_rate=colocated.rate or 1.0)
         rows.append(_row(name, hw, f"chunked {budget}", "-", found))
+    prefill_cache: dict = {}  # the links' searches probe the same rates: the prefill side runs once per rate
     for prefill, decode in ratios:
         for link in links:
             lk = get_link(link) if isinstance(link, str) else link
             found = goodput(lambda t, lk=lk, p=prefill, d=decode: simulate_disaggregated(
-                t, hardware=hw, model=model, link=lk, num_prefill=p, num_decode=d, engine_config=engine_config),
+                t, hardware=hw, model=model, link=lk, num_prefill=p, num_decode=d, engine_config=engine_config,
+                prefill_cache=prefill_cache),
                 trace, slo, attainment=attainment, rel_tol=rel_tol, start_rate=colocated.rate or 1.0)
             rows.append(_row(name, hw, f"PD {prefill}:{decode}", lk.name, found))
     return rows
@@ -249,10 +251,10 @@ def kv_bytes_sweep(trace: Trace, bytes_per_token: Sequence[float], *, name: str 
     slo = slo or DEFAULT_SLOS.get(name)
     if slo is None:
         raise ValueError(f"no SLO given and no default for {name!r} (defaults: {', '.join(DEFAULT_SLOS)})")
-    out = []
+    out, prefill_cache = [], {}  # only the transfer differs between the values: the prefill side is shared
     for b in bytes_per_token:
         found = goodput(lambda t, b=b: simulate_disaggregated(t, hardware=hw, model=model, link=link,
-                                                              transfer_bytes_per_token=b),
+                                                              transfer_bytes_per_token=b, prefill_cache=prefill_cache),
                         trace, slo, attainment=attainment, rel_tol=rel_tol)
         out.append((float(b), found.per_gpu))
     return out

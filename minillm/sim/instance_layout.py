@@ -25,6 +25,7 @@ caveats). `InstanceLayout.step_cost` is what `SimExecutor` charges when given a 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -84,12 +85,21 @@ class InstanceLayout:
         if padding_tokens:
             raise ValueError(f"{self.name}: padded batches (static/dynamic batching) are costed on one GPU only; "
                              "use continuous batching with a multi-GPU layout")
-        padded = dataclasses.replace(shape, num_layers=self.pp * max(stage_layers(shape.num_layers, self.pp)))
+        padded = _stage_padded(shape, self.pp)
         split = tp_step_time(hw, padded, self.tp, self.tp_link, prefill_tokens=prefill_tokens,
-                             prefill_context=prefill_context, decode_context_lens=decode_context_lens)
+                             prefill_context=prefill_context, decode_context_lens=decode_context_lens,
+                             whole=whole if padded is shape else None)  # (equal stages: the same step)
         hops_s = (self.pp - 1) * send_recv_time_s(whole.num_tokens * shape.hidden_size * hw.dtype_bytes, self.pp_link)
         return dataclasses.replace(whole, compute_time_s=split.compute_s, memory_time_s=split.memory_s,
                                    overhead_s=split.overhead_s + split.comm_s + hops_s)
+
+
+@functools.lru_cache(maxsize=64)
+def _stage_padded(shape: ModelShape, pp: int) -> ModelShape:
+    """`shape` with pp times the largest stage's layers (every stage runs as long as the slowest): `shape`
+    itself when the layers split evenly. Kept, since the simulator asks for it at every step."""
+    num_layers = pp * max(stage_layers(shape.num_layers, pp))
+    return shape if num_layers == shape.num_layers else dataclasses.replace(shape, num_layers=num_layers)
 
 
 def deal_to_virtual_engines(requests: Sequence, layout: InstanceLayout) -> list[list]:

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from minillm.distributed.layout import stage_layer_counts
-from minillm.sim.cost_model import step_time
+from minillm.sim.cost_model import StepCost, step_time
 from minillm.sim.hardware import Hardware
 from minillm.sim.model_shapes import ModelShape
 from minillm.sim.network import Link, all_gather_time_s, all_reduce_time_s, send_recv_time_s
@@ -119,11 +119,15 @@ def tp_step_time(
     prefill_tokens: Sequence[int] = (),
     prefill_context: Sequence[int] | None = None,
     decode_context_lens: Sequence[int] = (),
+    whole: StepCost | None = None,
 ) -> ParallelStepCost:
-    """One step (the same arguments as `cost_model.step_time`) with the model split over `tp` devices."""
+    """One step (the same arguments as `cost_model.step_time`) with the model split over `tp` devices.
+    `whole`: that step's `step_time` on one device, if the caller has it already (the simulator prices
+    every step twice otherwise); it must be the cost of these very arguments on `hw` and `shape`."""
     check_tp(shape, tp)
-    whole = step_time(hw, shape, prefill_tokens=prefill_tokens, prefill_context=prefill_context,
-                      decode_context_lens=decode_context_lens)
+    if whole is None:
+        whole = step_time(hw, shape, prefill_tokens=prefill_tokens, prefill_context=prefill_context,
+                          decode_context_lens=decode_context_lens)
     b = hw.dtype_bytes
     # every FLOP is split: heads (attention), columns/rows (linears), vocabulary (lm_head)
     compute_s = whole.compute_time_s / tp

@@ -64,10 +64,11 @@ def compare_phase_layouts(trace: Trace, *, name: str, layouts: Sequence[Instance
     for layout in layouts:
         layout.check(shape)
     rows = []
+    prefill_cache: dict = {}  # a prefill layout's searches probe many of the same rates: its side runs once per rate
     for prefill in layouts:
         for decode in layouts:
             found = goodput(lambda t, p=prefill, d=decode: simulate_disaggregated(
-                t, hardware=hw, model=shape, link=lk, prefill_layout=p, decode_layout=d),
+                t, hardware=hw, model=shape, link=lk, prefill_layout=p, decode_layout=d, prefill_cache=prefill_cache),
                 trace, slo, attainment=attainment, rel_tol=rel_tol, start_rate=start_rate)
             rows.append(PhaseLayoutRow(name, prefill.name, decode.name, found.num_gpus, found.rate, found.per_gpu,
                                        len(found.probes)))
