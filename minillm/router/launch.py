@@ -105,7 +105,9 @@ def serve_router(router: Router, host: str, port: int, log_level: str = "warning
 
     sock = listening_socket(host, port)
     print(f"minillm router: http://{host}:{sock.getsockname()[1]}/v1 -> {router.describe()}", flush=True)
-    server = uvicorn.Server(uvicorn.Config(create_router_app(router), log_level=log_level, lifespan="on"))
+    # (no access log below level info, no X-Forwarded-* parsing: the router reads no client address)
+    server = uvicorn.Server(uvicorn.Config(create_router_app(router), log_level=log_level, lifespan="on",
+                                           access_log=log_level in ("info", "debug", "trace"), proxy_headers=False))
     server.run(sockets=[sock])
 
 
