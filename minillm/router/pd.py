@@ -106,13 +106,12 @@ class PDRouter(Router):
         if status != 200:
             await send_answer(call, send, status, answer_headers, answer)
             return
-        decode_body = json.dumps(dict(data, kv_transfer_params={"do_remote_prefill": True,
-                                                                "transfer_id": transfer_id})).encode()
         first = first_token_events(data, chat, answer)
+        decode_request = dict(data, kv_transfer_params={"do_remote_prefill": True, "transfer_id": transfer_id})
         if first is None:
-            await self._relay_decode(call, send, path, headers, decode_body, arrival)
+            await self._relay_decode(call, send, path, headers, json.dumps(decode_request).encode(), arrival)
         else:
-            await self._first_token_then_decode(call, send, *first, chat, path, headers, decode_body, arrival)
+            await self._first_token_then_decode(call, send, *first, chat, path, headers, decode_request, arrival)
 
     async def _exchange(self, worker, path: bytes, headers: list, body: bytes, arrival: float):
         """One non-streamed exchange with `worker`: (status, headers to pass on, body); a failure as the router's
@@ -167,9 +166,9 @@ class PDRouter(Router):
             self.mark_unhealthy(self.decode)
 
     async def _first_token_then_decode(self, call: Call, send, first_events: bytes, first_text: str, chat: bool,
-                                       path: bytes, headers: list, body: bytes, arrival: float) -> None:
+                                       path: bytes, headers: list, decode_request: dict, arrival: float) -> None:
         """The client's stream: the prefill's first token at once, then the decode instance's stream less what
-        the client already has. The decode request goes out once the first token is written."""
+        the client already has. The decode request is encoded and sent once the first token is written."""
         decode, series = self.decode, self.decode.series
         decode.in_flight += 1
         response = None
@@ -178,6 +177,7 @@ class PDRouter(Router):
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
             await send({"type": "http.response.body", "body": first_events, "more_body": True})
             self.prefill.series.ttft.observe(time.perf_counter() - arrival)
+            body = json.dumps(decode_request).encode()
             sent = time.perf_counter()
             try:
                 try:
