@@ -61,6 +61,9 @@ class UpstreamTimeout(UpstreamError):
 class UpstreamResponse:
     """One answer being read: its status and headers once in, then its body chunks."""
 
+    __slots__ = ("_conn", "_timeout_s", "status", "headers", "keep_alive", "done", "_headers_in", "_any_bytes",
+                 "_framed", "_chunks", "_queued", "_error", "_waiter")
+
     def __init__(self, conn: _Connection, timeout_s: float) -> None:
         self._conn = conn
         self._timeout_s = timeout_s
@@ -175,6 +178,8 @@ class UpstreamResponse:
 
 class _Connection(asyncio.Protocol):
     """One TCP connection to a worker; httptools parses what arrives and feeds the current response."""
+
+    __slots__ = ("pool", "loop", "parser", "transport", "response", "closed", "paused", "_interim", "idle_since")
 
     def __init__(self, pool: UpstreamPool, loop: asyncio.AbstractEventLoop) -> None:
         self.pool, self.loop = pool, loop
