@@ -229,16 +229,28 @@ def launch(argv: list[str]) -> tuple[subprocess.Popen, list[str]]:
     raise RuntimeError("the launcher exited:\n" + "".join(lines))
 
 
-def hop_run(runs: list[tuple[str, list[str]]], instances: list[str], first_token_from: list[str]) -> dict:
+def cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of a process so far (0 without one)."""
+    import psutil
+
+    return sum(psutil.Process(pid).cpu_times()[:2]) if pid is not None else 0.0
+
+
+def hop_run(runs: list[tuple[str, list[str]]], instances: list[str], first_token_from: list[str],
+            router_pid: int | None = None) -> dict:
     """Benches at the same time (`bench_all`): the clients' mean TTFT, the instances' own, and the router's
-    histograms for the workers that sent the first token (nan where `runs` go to no router)."""
+    histograms for the workers that sent the first token (nan where `runs` go to no router); with
+    `router_pid`, the router process's CPU time per request."""
     before = {u: scrape(u) for u in {*(url for url, _ in runs), *instances}}
+    cpu_before = cpu_s(router_pid)
     results = bench_all(runs)
+    cpu = cpu_s(router_pid) - cpu_before
     after = {u: scrape(u) for u in before}
     done = sum(r["completed"] for r in results)
     router = runs[0][0]
     labels = [f'worker="{w}"' for w in first_token_from]
     return {"client": sum(r["mean_ttft_ms"] * r["completed"] for r in results) / done, "completed": done,
+            "router_cpu_ms": cpu / done * 1e3 if router_pid is not None else float("nan"),
             "own": {u: mean_ms(before[u], after[u], *SERVER_TTFT) for u in instances},
             "router_ttft": mean_ms(before[router], after[router], "minillm_router_time_to_first_token_seconds", labels),
             "router_worker_ttft": mean_ms(before[router], after[router],
@@ -260,7 +272,7 @@ def run_hops(args) -> None:
     proc, lines = launch(["--data-parallel-size", "2", "--port", str(port), "--policy", "round_robin", *flags])
     try:
         workers = [m.group(1) for line in lines if (m := re.match(r"minillm serve: (http://[\d.:]+)/v1", line))]
-        routed = hop_run([(f"http://127.0.0.1:{port}", load(args.rate))], workers, workers)
+        routed = hop_run([(f"http://127.0.0.1:{port}", load(args.rate))], workers, workers, proc.pid)
         # the baseline: each replica benched directly at the load it saw, both at once (the same busy machine)
         direct = hop_run([(w, load(args.rate / len(workers))) for w in workers], workers, workers)
         rows.append(("--data-parallel-size 2", routed, direct))
@@ -277,7 +289,7 @@ def run_hops(args) -> None:
             role = "prefill" if "kv_producer" in cmd[cmd.index("--kv-transfer-config") + 1] else "decode"
             pair[role] = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
         routed = hop_run([(f"http://127.0.0.1:{port}", load(args.rate))], [pair["prefill"], pair["decode"]],
-                         [pair["prefill"]])
+                         [pair["prefill"]], proc.pid)
         routed["own"] = {pair["prefill"]: routed["own"][pair["prefill"]], "decode": routed["own"][pair["decode"]]}
         # the baseline: the prefill instance benched directly (it serves plain requests too); the decode idles
         direct = hop_run([(pair["prefill"], load(args.rate))], [pair["prefill"]], [pair["prefill"]])
@@ -297,6 +309,8 @@ def run_hops(args) -> None:
     print("client-own: the client's TTFT less the instances' own (HTTP, tokenization, the hop); direct c-o: the same "
           "on the instances directly, at the same load; router adds: the difference. in router: the router's TTFT histogram "
           "less its worker-TTFT histogram (both its own clock).")
+    print("router CPU per request (the launcher's process, which runs the router; streamed answers of "
+          f"{args.output_len} tokens): " + ", ".join(f"{name} {r['router_cpu_ms']:.2f} ms" for name, r, _ in rows))
 
 
 def run_stub(args) -> None:
