@@ -15,7 +15,13 @@ import asyncio
 import pytest
 
 from minillm.router.launch import free_port
-from minillm.router.upstream import ClosedBeforeAnswer, ConnectFailed, UpstreamError, UpstreamPool, UpstreamTimeout
+from minillm.router.upstream import (
+    ClosedBeforeAnswer,
+    ConnectFailed,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamTimeout,
+)
 
 CHUNKED = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
            b"7\r\ndata: a\r\n" b"b\r\n\n\ndata: b\n\n\r\n" b"0\r\n\r\n")

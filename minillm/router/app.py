@@ -41,7 +41,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from minillm.router.metrics import RouterMetrics
 from minillm.router.policies import Policy
-from minillm.router.upstream import ClosedBeforeAnswer, ConnectFailed, UpstreamError, UpstreamPool, UpstreamTimeout
+from minillm.router.upstream import (
+    ClosedBeforeAnswer,
+    ConnectFailed,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamTimeout,
+)
 from minillm.server.errors import error_body, error_response, unexpected_error_handler
 
 # Not passed on, either way: the connection's own (each side of the router has its own connection), and

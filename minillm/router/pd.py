@@ -36,8 +36,16 @@ import uuid
 from fastapi.responses import Response
 
 from minillm.request import MAX_LOGPROBS
-from minillm.router.app import (Call, ErrorAnswer, HealthConfig, Router, forwarded, is_event_stream, send_answer,
-                                stream_error)
+from minillm.router.app import (
+    Call,
+    ErrorAnswer,
+    HealthConfig,
+    Router,
+    forwarded,
+    is_event_stream,
+    send_answer,
+    stream_error,
+)
 from minillm.router.pd_first_token import FirstTokenSplice, SpliceMismatch, first_token_events
 from minillm.router.policies import make_policy
 from minillm.router.upstream import ConnectFailed, UpstreamError, UpstreamTimeout
