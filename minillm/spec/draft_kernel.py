@@ -60,6 +60,7 @@ class DraftWeights:
     down: np.ndarray  # [L, hidden, intermediate]
     final_norm: np.ndarray  # [hidden]
     head: np.ndarray  # [vocab, hidden]
+    head_t: np.ndarray  # [hidden, vocab]: the head transposed (the logits' loop runs along the vocabulary)
     cos: np.ndarray  # [max_positions, D] (the model's RoPE table)
     sin: np.ndarray
     eps: float
@@ -83,7 +84,8 @@ class DraftWeights:
                    qkv=stacked(lambda la: la.qkv.weight), o=stacked(lambda la: la.o.weight),
                    post_norm=stacked(lambda la: la.post_attention_norm), gate_up=stacked(lambda la: la.gate_up.weight),
                    down=stacked(lambda la: la.down.weight), final_norm=rows(model.final_norm),
-                   head=rows(model.lm_head.weight), cos=rows(model.rope.cos), sin=rows(model.rope.sin),
+                   head=rows(model.lm_head.weight), head_t=rows(model.lm_head.weight.t()), cos=rows(model.rope.cos),
+                   sin=rows(model.rope.sin),
                    eps=float(c.rms_norm_eps), num_heads=c.num_heads, num_kv_heads=c.num_kv_heads)
 
     def new_cache(self, capacity: int) -> tuple[np.ndarray, np.ndarray]:
@@ -96,7 +98,7 @@ class DraftWeights:
                guesses: np.ndarray, logits: np.ndarray) -> None:
         """`draft_decode` with this model's weights."""
         draft_decode(self.embed, self.input_norm, self.qkv, self.o, self.post_norm, self.gate_up, self.down,
-                     self.final_norm, self.head, self.cos, self.sin, self.eps, self.num_heads, self.num_kv_heads,
+                     self.final_norm, self.head_t, self.cos, self.sin, self.eps, self.num_heads, self.num_kv_heads,
                      k_cache, v_cache, feed, start, steps, guesses, logits, self.embed.dtype == np.float32)
 
 
@@ -111,6 +113,43 @@ def _matvec(w, x, out, zero):
 
 
 @njit(fastmath=True, nogil=True, inline="always")
+def _matvec_t(w_t, x, out, zero):
+    """out = x @ w_t for w_t [m, n] row-major (the transposed head: m = hidden, n = vocab): four of its
+    rows per pass over `out`, a multiply-add along the vocabulary (SIMD lanes, no horizontal sums —
+    each output of `_matvec` ends in one, and the head has 4,096 outputs of 64 terms). With `_argmax`,
+    measured against `_matvec` and a compare-and-keep scan on the bundled draft (1 catch-up token and
+    4 guesses at ~200 tokens of context, 7 interleaved rounds, CPU time on a shared 2-core VM): the
+    loop 1.21× [1.12-1.30] faster, the same guesses."""
+    n_in, n_out = w_t.shape
+    for o in range(n_out):
+        out[o] = zero
+    i = 0
+    while i + 4 <= n_in:
+        w0, w1, w2, w3 = w_t[i], w_t[i + 1], w_t[i + 2], w_t[i + 3]
+        x0, x1, x2, x3 = x[i], x[i + 1], x[i + 2], x[i + 3]
+        for o in range(n_out):
+            out[o] += x0 * w0[o] + x1 * w1[o] + x2 * w2[o] + x3 * w3[o]
+        i += 4
+    while i < n_in:
+        wi, xi = w_t[i], x[i]
+        for o in range(n_out):
+            out[o] += xi * wi[o]
+        i += 1
+
+
+@njit(fastmath=True, nogil=True, inline="always")
+def _argmax(v):
+    """The first index of v's largest value: its max (a SIMD reduction), then a scan for it."""
+    m = v[0]
+    for i in range(1, v.shape[0]):
+        m = max(m, v[i])
+    i = 0
+    while i < v.shape[0] - 1 and v[i] != m:
+        i += 1
+    return i
+
+
+@njit(fastmath=True, nogil=True, inline="always")
 def _rms_norm(h, weight, eps, out, zero):
     ss = zero
     for i in range(h.shape[0]):
@@ -121,7 +160,7 @@ def _rms_norm(h, weight, eps, out, zero):
 
 
 @njit(cache=True, fastmath=True, nogil=True)
-def draft_decode(embed, input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, final_norm, head, cos, sin, eps,
+def draft_decode(embed, input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, final_norm, head_t, cos, sin, eps,
                  num_heads, num_kv_heads, k_cache, v_cache, feed, start, steps, guesses, logits, simd_exp):
     """Feed `feed` (tokens at positions start, start+1, …), then guess `steps` tokens greedily, each
     guess but the last fed in turn: guesses[:steps] ← the draft's argmax after each. `logits` [vocab]
@@ -184,9 +223,5 @@ def draft_decode(embed, input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, fi
                 h[i] += proj[i]
         if t >= feed.shape[0] - 1:  # the logits are needed from the last catch-up token on
             _rms_norm(h, final_norm, eps, x, zero)
-            _matvec(head, x, logits, zero)
-            best_i = 0
-            for i in range(1, logits.shape[0]):
-                if logits[i] > logits[best_i]:
-                    best_i = i
-            guesses[t - feed.shape[0] + 1] = best_i
+            _matvec_t(head_t, x, logits, zero)
+            guesses[t - feed.shape[0] + 1] = _argmax(logits)

@@ -10,10 +10,19 @@ on that VM at batch 1 (issue 29): llama.cpp 794–822 tok/s on 1 thread, 186–1
 So the worker picks the thread count per step from its number of tokens and the model's dtype,
 with `THREADS_BY_TOKENS`: per dtype, (fewest tokens, threads) steps, ascending. `python
 bench/threads.py` measures a forward pass of each size on 1 … N threads (interleaved rounds,
-ratios with their spread) and prints the table for the machine it runs on. The table below is the
-conservative default for where no quiet measurement exists: one thread for every step (what the
-2-core VM measured at batch 1, and never a collapse). The engine never uses more threads than torch
-had when it started (`torch.get_num_threads()`, i.e. `OMP_NUM_THREADS` or the core count), and
+ratios with their spread) and prints the table for the machine it runs on: a count pays where its
+worst round is ≥ 1.10× one thread, there and at every larger size. On the course's 2-core VM,
+quiet (2026-12-02 14:00 UTC, load average 1.0, 5 rounds of 20 steps; 2 threads ÷ 1, median (range)):
+
+    float32   decode    8 / 16 / 64 rows     0.89 (0.87–1.14)  1.26 (0.86–1.63)  1.43 (1.26–1.49)
+    float32   prefill  64 / 256 / 1024 tok   1.07 (0.74–1.09)  1.25 (1.07–1.43)  1.61 (1.52–1.99)
+    bfloat16  decode    8 / 16 / 64 rows     0.95 (0.92–1.02)  1.02 (0.93–1.04)  0.97 (0.97–1.02)
+    bfloat16  prefill  64 / 256 tok          0.99 (0.92–1.06)  1.00 (0.93–1.04)   (1024: not finished)
+
+so float32 steps of 1024 tokens or more take a second thread and everything smaller keeps one (a
+64-token prefill once ran at 0.74× on two); bfloat16 (no native bf16 matmul on this CPU) and float64
+(the parity tests' dtype) keep one thread for every step. The engine never uses more threads than
+torch had when it started (`torch.get_num_threads()`, i.e. `OMP_NUM_THREADS` or the core count), and
 `num_threads=` (`LLM(num_threads=2)`, `minillm serve --num-threads 2`) fixes the count instead.
 
 The compiled decode step (minillm/model/decode_step.py) runs on one thread whatever this says:
@@ -28,7 +37,7 @@ import torch
 
 # dtype -> [(fewest tokens in the step, threads), ...], ascending; a dtype not listed runs on 1 thread.
 THREADS_BY_TOKENS: dict[torch.dtype, list[tuple[int, int]]] = {
-    torch.float32: [(1, 1)],
+    torch.float32: [(1, 1), (1024, 2)],
     torch.bfloat16: [(1, 1)],
     torch.float64: [(1, 1)],
 }
