@@ -10,13 +10,21 @@ stream is passed through chunk by chunk as the worker writes it (no re-framing, 
 a client measures the worker's timing plus one loopback hop. Bad input is the worker's to judge,
 so the router's errors for it are the server's own.
 
+The hop is kept cheap, because on a few cores the router's CPU is taken from the engines: the two
+proxied routes are plain ASGI (`RouterApp`: no request model, no validation, no response class, one
+task per request that notices a client hanging up), the request goes out through the router's own
+kept-alive HTTP/1.1 connections (`minillm.router.upstream`), the body is parsed only by a policy
+that reads text (`cache_aware`), and each chunk of the answer is written to the client as received,
+several at once if several arrived. The other routes are a small FastAPI app.
+
 Health: every `health_check_interval_secs` each worker's /health is asked (SGLang's flag names);
 `health_failure_threshold` failures in a row mark it unhealthy (no traffic; its part of the
 cache-aware tree is forgotten), `health_success_threshold` successes mark it healthy again. A
 refused connection (or one closed before any answer) marks a worker unhealthy at once, and the
 request, of which the client has seen nothing, goes to another worker. A worker that dies while
 answering is not retried (the client may hold part of the answer): a plain request gets 502, a
-stream gets an error event and `data: [DONE]`, so no client hangs.
+stream gets an error event and `data: [DONE]`, so no client hangs. A client that hangs up closes
+the router's connection to the worker, which then aborts the request.
 """
 
 from __future__ import annotations
@@ -27,18 +35,25 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-import anyio
-import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi import FastAPI
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.background import BackgroundTask
 
 from minillm.router.metrics import RouterMetrics
 from minillm.router.policies import Policy
+from minillm.router.upstream import (
+    ClosedBeforeAnswer,
+    ConnectFailed,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamTimeout,
+)
 from minillm.server.errors import error_body, error_response, unexpected_error_handler
 
-HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
+# Not passed on, either way: the connection's own (each side of the router has its own connection), and
+# `expect` (the router has the whole body already; a worker's `100 Continue` would be an extra answer).
+HOP_HEADERS = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive",
+                         b"expect", b"upgrade", b"te", b"trailer", b"proxy-connection"})
 
 
 @dataclass
@@ -56,6 +71,25 @@ class Worker:
         self.healthy = True  # until a check or a refused connection says otherwise
         self.in_flight = 0
         self.failures = self.successes = 0
+        self.pool = UpstreamPool(self.url)
+        self.series = None  # its metrics (RouterMetrics.of), set by the router
+
+
+class ErrorAnswer(Exception):
+    """The router's own error answer (no worker's), raised before the client's response has started."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, retry_after: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.retry_after = status, message, param, retry_after
+
+
+class Call:
+    """One proxied request's state: whether its response has started, has ended, or its client has left."""
+
+    __slots__ = ("started", "finished", "gone")
+
+    def __init__(self) -> None:
+        self.started = self.finished = self.gone = False
 
 
 def stream_error(status: int, message: str) -> bytes:
@@ -82,6 +116,42 @@ def routing_text(body: bytes, chat: bool) -> str:
         return ""
 
 
+def forwarded(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The headers passed on (names as ASGI and httptools give them; the router's side lower-cases)."""
+    return [(k, v) for k, v in headers if k.lower() not in HOP_HEADERS]
+
+
+def is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+
+
+async def read_body(receive) -> bytes:
+    message = await receive()
+    body = message.get("body", b"")
+    if not message.get("more_body"):
+        return body
+    parts = [body]
+    while message.get("more_body"):
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise asyncio.CancelledError  # (the client left while sending; `handle` ends quietly)
+        parts.append(message.get("body", b""))
+    return b"".join(parts)
+
+
+async def send_answer(call: Call, send, status: int, headers: list[tuple[bytes, bytes]], content: bytes) -> None:
+    """A whole answer: status, headers (plus its length), body."""
+    call.started = True
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*headers, (b"content-length", b"%d" % len(content))]})
+    await send({"type": "http.response.body", "body": content})
+
+
+async def send_error(call: Call, send, err: ErrorAnswer) -> None:
+    headers = [(b"content-type", b"application/json")] + ([(b"retry-after", b"1")] if err.retry_after else [])
+    await send_answer(call, send, err.status, headers, json.dumps(error_body(err.status, err.message, err.param)).encode())
+
+
 class Router:
     def __init__(self, worker_urls: list[str], policy: Policy, health: HealthConfig | None = None) -> None:
         if not worker_urls:
@@ -93,9 +163,12 @@ class Router:
             raise ValueError(f"--worker URLs must differ, got {worker_urls}")
         self.workers = [Worker(u) for u in worker_urls]
         self.policy = policy
+        self.uses_text = getattr(policy, "uses_text", True)  # (a policy that does not say is given the text)
         self.health = health or HealthConfig()
+        self.timeout_s = self.health.request_timeout_secs
         self.metrics = RouterMetrics(self.workers, policy)
-        self.client: httpx.AsyncClient | None = None
+        for w in self.workers:
+            w.series = self.metrics.of(w.url)
 
     def describe(self) -> str:
         """What the start-up line says the router does."""
@@ -111,11 +184,18 @@ class Router:
             self.policy.remove_worker(worker.url)
         worker.successes = 0
 
+    async def get(self, worker: Worker, path: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """A GET to `worker` (its /health, /v1/models): status, headers, body; UpstreamError if it fails."""
+        response = await worker.pool.request(b"GET", path, [], b"", self.health.health_check_timeout_secs)
+        try:
+            return response.status, response.headers, await response.read_all()
+        finally:
+            response.close()
+
     async def check(self, worker: Worker) -> None:
         try:
-            r = await self.client.get(worker.url + "/health", timeout=self.health.health_check_timeout_secs)
-            ok = r.status_code == 200
-        except httpx.HTTPError:
+            ok = (await self.get(worker, b"/health"))[0] == 200
+        except UpstreamError:
             ok = False
         if ok:
             worker.failures, worker.successes = 0, worker.successes + 1
@@ -138,143 +218,164 @@ class Router:
                 last_eviction = time.monotonic()
             await asyncio.sleep(self.health.health_check_interval_secs)
 
+    def close(self) -> None:
+        for w in self.workers:
+            w.pool.close()
+
     # ---- proxy ---------------------------------------------------------------------------------
-    async def forward(self, request: Request, path: str, chat: bool) -> Response:
+    async def handle(self, scope, receive, send, path: bytes, chat: bool) -> None:
+        """One proxied request, from the client's ASGI scope to the last byte of its answer. A task waits
+        for the client to hang up meanwhile: then this one is cancelled, which closes the worker's
+        connection (`forward`'s `finally`), and the worker aborts the request."""
         arrival = time.perf_counter()
-        body = await request.body()
-        # no JSON parse where the policy reads no text (a policy that does not say is given the text)
-        text = routing_text(body, chat) if getattr(self.policy, "uses_text", True) else ""
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        call, task = Call(), asyncio.current_task()
+        watch = None
+        try:
+            body = await read_body(receive)
+            watch = asyncio.ensure_future(receive())
+
+            def hung_up(done: asyncio.Future) -> None:
+                if call.finished or done.cancelled() or done.exception() is not None:
+                    return
+                if done.result()["type"] == "http.disconnect":
+                    call.gone = True
+                    task.cancel()
+
+            watch.add_done_callback(hung_up)
+            await self.forward(call, scope, body, send, path, chat, arrival)
+        except ErrorAnswer as err:
+            await send_error(call, send, err)
+        except asyncio.CancelledError:
+            if not call.gone and watch is not None:
+                raise  # (not the client: the server is stopping)
+        except Exception as err:  # a bug: answer 500 if the answer has not started; the router lives on
+            if call.started:
+                raise
+            await send_error(call, send, ErrorAnswer(500, f"internal error: {type(err).__name__}: {err}"))
+        finally:
+            call.finished = True
+            if watch is not None and not watch.done():
+                watch.cancel()
+
+    async def forward(self, call: Call, scope, body: bytes, send, path: bytes, chat: bool, arrival: float) -> None:
+        # no JSON parse where the policy reads no text
+        text = routing_text(body, chat) if self.uses_text else ""
+        headers = forwarded(scope["headers"])
         tried: set[str] = set()
         while True:
-            candidates = [w for w in self.healthy_workers() if w.url not in tried]
+            candidates = [w for w in self.workers if w.healthy and w.url not in tried]
             if not candidates:
-                return error_response(503, f"no healthy worker to take the request (workers: "
-                                           f"{', '.join(w.url for w in self.workers)}); retry later",
-                                      None, {"Retry-After": "1"})
-            loads = {w.url: w.in_flight for w in candidates}
-            url = self.policy.choose(text, [w.url for w in candidates], loads)
+                raise ErrorAnswer(503, f"no healthy worker to take the request (workers: "
+                                       f"{', '.join(w.url for w in self.workers)}); retry later", retry_after=True)
+            url = self.policy.choose(text, [w.url for w in candidates], {w.url: w.in_flight for w in candidates})
             worker = next(w for w in candidates if w.url == url)
             tried.add(url)
-            upstream = self.client.build_request("POST", worker.url + path, content=body, headers=headers,
-                                                 timeout=self.health.request_timeout_secs)
+            series = worker.series
             worker.in_flight += 1
-            sent = time.perf_counter()
-            self.metrics.routing.labels(worker.url).observe(sent - arrival)
             try:
-                response = await self.client.send(upstream, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
-                    httpx.WriteError):
-                # Refused, or closed without a byte of answer (a worker dying while accepting): the
-                # client has seen nothing and generation changes no state, so another worker takes it.
-                worker.in_flight -= 1
-                self.metrics.errors.labels(worker.url).inc()
-                self.mark_unhealthy(worker)
-                continue
-            except httpx.HTTPError as err:  # a timeout: the worker may still be working on it
-                worker.in_flight -= 1
-                self.metrics.errors.labels(worker.url).inc()
-                return error_response(504 if isinstance(err, httpx.TimeoutException) else 502,
-                                      f"worker {worker.url} failed before answering: {type(err).__name__}: {err}")
-            self.metrics.routed.labels(worker.url).inc()
-            return await self._relay(worker, response, arrival, sent)
-
-    def _finished(self, worker: Worker, arrival: float) -> BackgroundTask:
-        """Observes the end-to-end latency once the answer has been written (Starlette runs it after the body)."""
-        return BackgroundTask(lambda: self.metrics.e2e.labels(worker.url).observe(time.perf_counter() - arrival))
-
-    async def _relay(self, worker: Worker, response: httpx.Response, arrival: float, sent: float) -> Response:
-        """The worker's answer as the client's: read whole if plain, else passed through chunk by chunk as
-        it arrives (`aiter_raw`: the bytes as the worker wrote them, no decoding, no re-framing)."""
-        out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS}
-        if not response.headers.get("content-type", "").startswith("text/event-stream"):
-            try:
-                content = await response.aread()
-            except httpx.HTTPError as err:
-                self.metrics.errors.labels(worker.url).inc()
-                return error_response(502, f"worker {worker.url} died while answering: {type(err).__name__}: {err}")
+                sent = time.perf_counter()
+                series.routing.observe(sent - arrival)
+                try:
+                    response = await worker.pool.request(b"POST", path, headers, body, self.timeout_s)
+                except (ConnectFailed, ClosedBeforeAnswer):
+                    # Refused, or closed without a byte of answer (a worker dying while accepting): the
+                    # client has seen nothing and generation changes no state, so another worker takes it.
+                    series.errors.inc()
+                    self.mark_unhealthy(worker)
+                    continue
+                except UpstreamError as err:  # a timeout: the worker may still be working on it
+                    series.errors.inc()
+                    raise ErrorAnswer(504 if isinstance(err, UpstreamTimeout) else 502,
+                                      f"worker {worker.url} failed before answering: {type(err).__name__}: {err}") \
+                        from None
+                series.routed.inc()
+                try:
+                    await self.relay(call, worker, response, send, arrival, sent)
+                finally:
+                    response.close()  # (a client gone: the connection is closed, and the worker aborts)
+                return
             finally:
-                await response.aclose()
                 worker.in_flight -= 1
-            self.metrics.worker_ttft.labels(worker.url).observe(time.perf_counter() - sent)
-            return Response(content, status_code=response.status_code, headers=out_headers,
-                            background=self._finished(worker, arrival))
 
-        counted = True
-
-        async def release() -> None:  # however the stream ends; the count drops once
-            nonlocal counted
-            if counted:
-                counted = False
-                worker.in_flight -= 1
-            with anyio.CancelScope(shield=True):  # also when the client's hang-up cancels us
-                await response.aclose()  # closing the worker's connection makes the worker abort
-
-        async def relay():
-            first = True
+    async def relay(self, call: Call, worker: Worker, response, send, arrival: float, sent: float) -> None:
+        """The worker's answer as the client's: read whole if plain, else each chunk written as it arrives
+        (the bytes as the worker wrote them, less the chunked framing both sides redo)."""
+        series = worker.series
+        headers = forwarded(response.headers)
+        if not is_event_stream(response.headers):
             try:
-                async for chunk in response.aiter_raw():
-                    if first:
-                        self.metrics.worker_ttft.labels(worker.url).observe(time.perf_counter() - sent)
-                    yield chunk  # (returns once the chunk is handed to the client's transport)
-                    if first:
-                        first = False
-                        self.metrics.ttft.labels(worker.url).observe(time.perf_counter() - arrival)
-            except httpx.HTTPError as err:
-                self.metrics.errors.labels(worker.url).inc()
-                yield stream_error(502, f"worker {worker.url} died while streaming: {type(err).__name__}: {err}")
-            finally:
-                self.metrics.e2e.labels(worker.url).observe(time.perf_counter() - arrival)
-                await release()
-
-        return RelayResponse(relay(), release, status_code=response.status_code, headers=out_headers)
+                content = await response.read_all()
+            except UpstreamError as err:
+                series.errors.inc()
+                raise ErrorAnswer(502, f"worker {worker.url} died while answering: {type(err).__name__}: {err}") \
+                    from None
+            series.worker_ttft.observe(time.perf_counter() - sent)
+            await send_answer(call, send, response.status, headers, content)
+            series.e2e.observe(time.perf_counter() - arrival)
+            return
+        call.started = True
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        first = True
+        try:
+            while True:
+                chunk = await response.read_chunk()
+                last = response.at_end  # the worker's answer is complete: this chunk also ends the client's
+                if first and chunk:
+                    series.worker_ttft.observe(time.perf_counter() - sent)
+                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+                if first and chunk:
+                    first = False
+                    series.ttft.observe(time.perf_counter() - arrival)
+                if last:
+                    return
+        except UpstreamError as err:
+            series.errors.inc()
+            await send({"type": "http.response.body", "body": stream_error(
+                502, f"worker {worker.url} died while streaming: {type(err).__name__}: {err}")})
+        finally:
+            series.e2e.observe(time.perf_counter() - arrival)
 
     async def models(self) -> Response:
         for worker in self.healthy_workers():
             try:
-                r = await self.client.get(worker.url + "/v1/models", timeout=self.health.health_check_timeout_secs)
-            except httpx.HTTPError:
+                status, headers, content = await self.get(worker, b"/v1/models")
+            except UpstreamError:
                 continue
-            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+            media = next((v.decode("latin-1") for k, v in headers if k.lower() == b"content-type"), None)
+            return Response(content, status_code=status, media_type=media)
         return error_response(503, "no healthy worker to list the models")
 
 
-class RelayResponse(StreamingResponse):
-    """A stream that also releases the worker's response when the client leaves before the first
-    chunk (the generator's own `finally` never runs if it never started)."""
+PROXIED = {"/v1/completions": (b"/v1/completions", False), "/v1/chat/completions": (b"/v1/chat/completions", True)}
 
-    def __init__(self, content, release, **kwargs) -> None:
-        super().__init__(content, **kwargs)
-        self._release = release
+
+class RouterApp:
+    """The router's ASGI app: a POST to a proxied route goes straight to `Router.handle`; anything else
+    (health, metrics, models, a wrong path or method, the lifespan) to a small FastAPI app."""
+
+    def __init__(self, router: Router, fallback: FastAPI) -> None:
+        self.router, self.fallback, self.state = router, fallback, fallback.state
 
     async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._release()
+        if scope["type"] == "http" and scope["method"] == "POST":
+            route = PROXIED.get(scope["path"])
+            if route is not None:
+                await self.router.handle(scope, receive, send, *route)
+                return
+        await self.fallback(scope, receive, send)
 
 
-def create_router_app(router: Router) -> FastAPI:
+def create_router_app(router: Router) -> RouterApp:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        async with httpx.AsyncClient(limits=limits, timeout=router.health.request_timeout_secs) as client:
-            router.client = client
-            task = asyncio.create_task(router.background())
-            yield
-            task.cancel()
+        task = asyncio.create_task(router.background())
+        yield
+        task.cancel()
+        router.close()
 
     app = FastAPI(title="minillm router", lifespan=lifespan)
     app.state.router = router
     app.add_exception_handler(Exception, unexpected_error_handler)  # a bug answers 500; the router lives on
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await router.forward(request, "/v1/completions", chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await router.forward(request, "/v1/chat/completions", chat=True)
 
     @app.get("/v1/models")
     async def models():
@@ -290,4 +391,4 @@ def create_router_app(router: Router) -> FastAPI:
     async def metrics():
         return Response(router.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    return RouterApp(router, app)

@@ -28,6 +28,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from minillm.server.metrics import E2E_BUCKETS, LATENCY_BUCKETS
 
 
+class WorkerSeries:
+    """The per-worker children of the router's counters and histograms."""
+
+    __slots__ = ("routed", "errors", "ttft", "e2e", "worker_ttft", "routing")
+
+    def __init__(self, routed, errors, ttft, e2e, worker_ttft, routing) -> None:
+        self.routed, self.errors, self.ttft, self.e2e = routed, errors, ttft, e2e
+        self.worker_ttft, self.routing = worker_ttft, routing
+
+
 class RouterMetrics:
     """The router's series, in its own registry (several routers can share a process)."""
 
@@ -58,6 +68,11 @@ class RouterMetrics:
         for w in workers:
             for family in (self.routed, self.errors, self.ttft, self.e2e, self.worker_ttft, self.routing):
                 family.labels(w.url)
+
+    def of(self, url: str) -> WorkerSeries:
+        """One worker's series, looked up once (`labels()` takes a lock and builds a key on every call)."""
+        return WorkerSeries(*(family.labels(url) for family in (self.routed, self.errors, self.ttft, self.e2e,
+                                                                 self.worker_ttft, self.routing)))
 
     def exposition(self) -> bytes:
         for w in self._workers:

@@ -29,20 +29,26 @@ healthy; /v1/models asks the decode instance; /metrics is the router's own.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
 
-import anyio
-import httpx
-from fastapi import Request
 from fastapi.responses import Response
 
 from minillm.request import MAX_LOGPROBS
-from minillm.router.app import HOP_HEADERS, HealthConfig, RelayResponse, Router, stream_error
+from minillm.router.app import (
+    Call,
+    ErrorAnswer,
+    HealthConfig,
+    Router,
+    forwarded,
+    is_event_stream,
+    send_answer,
+    stream_error,
+)
 from minillm.router.pd_first_token import FirstTokenSplice, SpliceMismatch, first_token_events
 from minillm.router.policies import make_policy
+from minillm.router.upstream import ConnectFailed, UpstreamError, UpstreamTimeout
 from minillm.server.errors import error_body, error_response
 
 
@@ -80,161 +86,160 @@ class PDRouter(Router):
         return (f"prefill {self.prefill.url}, then decode {self.decode.url} (prefill/decode disaggregation; "
                 f"a stream's first token is sent from the prefill's answer)")
 
-    async def forward(self, request: Request, path: str, chat: bool) -> Response:
-        arrival = time.perf_counter()
-        body = await request.body()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+    async def forward(self, call: Call, scope, body: bytes, send, path: bytes, chat: bool, arrival: float) -> None:
+        headers = forwarded(scope["headers"])
         try:
             data = json.loads(body)
         except ValueError:
             data = None
         if not isinstance(data, dict):  # not a JSON object: the prefill server answers with its own error
-            return await self._plain(self.prefill, path, body, headers, arrival)
+            await send_answer(call, send, *await self._exchange(self.prefill, path, headers, body, arrival))
+            return
         refusal = pd_refusal(data, chat)
         if refusal is not None:
-            return error_response(400, *refusal)
+            raise ErrorAnswer(400, *refusal)
         for worker in (self.prefill, self.decode):
             if not worker.healthy:
-                return error_response(503, f"the {'prefill' if worker is self.prefill else 'decode'} instance "
-                                           f"{worker.url} is unhealthy; retry later", None, {"Retry-After": "1"})
+                raise ErrorAnswer(503, f"the {'prefill' if worker is self.prefill else 'decode'} instance "
+                                       f"{worker.url} is unhealthy; retry later", retry_after=True)
         transfer_id = uuid.uuid4().hex
-        headers.setdefault("x-request-id", transfer_id)  # (Starlette's header names are lower case)
+        if not any(k == b"x-request-id" for k, _ in headers):  # (ASGI header names are lower case)
+            headers.append((b"x-request-id", transfer_id.encode()))
         prefill_body = dict(data, kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id})
         if data.get("stream") is True:  # one answer, not a stream (a malformed stream field stays: the server's error)
             prefill_body["stream"] = False
             prefill_body.pop("stream_options", None)
-        answer = await self._plain(self.prefill, path, json.dumps(prefill_body).encode(), headers, arrival)
-        if answer.status_code != 200:
-            return answer
-        decode_body = json.dumps(dict(data, kv_transfer_params={"do_remote_prefill": True,
-                                                                "transfer_id": transfer_id})).encode()
-        first = first_token_events(data, chat, answer.body)
+        status, answer_headers, answer = await self._exchange(self.prefill, path, headers,
+                                                              json.dumps(prefill_body).encode(), arrival)
+        if status != 200:
+            await send_answer(call, send, status, answer_headers, answer)
+            return
+        first = first_token_events(data, chat, answer)
+        decode_request = dict(data, kv_transfer_params={"do_remote_prefill": True, "transfer_id": transfer_id})
         if first is None:
-            return await self._stream(self.decode, path, decode_body, headers, arrival)
-        return self._first_token_then_decode(*first, chat, path, decode_body, headers, arrival)
+            await self._relay_decode(call, send, path, headers, json.dumps(decode_request).encode(), arrival)
+        else:
+            await self._first_token_then_decode(call, send, *first, chat, path, headers, decode_request, arrival)
 
-    async def _plain(self, worker, path: str, body: bytes, headers: dict, arrival: float) -> Response:
-        """One non-streamed exchange with `worker`; its answer as a Response (errors as the router's 502/503/504)."""
+    async def _exchange(self, worker, path: bytes, headers: list, body: bytes, arrival: float):
+        """One non-streamed exchange with `worker`: (status, headers to pass on, body); a failure as the router's
+        own error answer (503 refused, 504 timed out, 502 otherwise)."""
+        series = worker.series
         worker.in_flight += 1
         sent = time.perf_counter()
-        self.metrics.routing.labels(worker.url).observe(sent - arrival)
+        series.routing.observe(sent - arrival)
         try:
-            r = await self.client.post(worker.url + path, content=body, headers=headers,
-                                       timeout=self.health.request_timeout_secs)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as err:
-            self.metrics.errors.labels(worker.url).inc()
+            response = await worker.pool.request(b"POST", path, headers, body, self.timeout_s)
+            try:
+                content = await response.read_all()
+            finally:
+                response.close()
+        except ConnectFailed as err:
+            series.errors.inc()
             self.mark_unhealthy(worker)
-            return error_response(503, f"worker {worker.url} refused the connection: {type(err).__name__}",
-                                  None, {"Retry-After": "1"})
-        except httpx.HTTPError as err:
-            self.metrics.errors.labels(worker.url).inc()
-            return error_response(504 if isinstance(err, httpx.TimeoutException) else 502,
-                                  f"worker {worker.url} failed: {type(err).__name__}: {err}")
+            raise ErrorAnswer(503, f"worker {worker.url} refused the connection: {err}", retry_after=True) from None
+        except UpstreamError as err:
+            series.errors.inc()
+            raise ErrorAnswer(504 if isinstance(err, UpstreamTimeout) else 502,
+                              f"worker {worker.url} failed: {type(err).__name__}: {err}") from None
         finally:
             worker.in_flight -= 1
-        self.metrics.worker_ttft.labels(worker.url).observe(time.perf_counter() - sent)
-        self.metrics.routed.labels(worker.url).inc()
-        out_headers = {k: v for k, v in r.headers.items() if k.lower() not in HOP_HEADERS}
-        return Response(r.content, status_code=r.status_code, headers=out_headers)
+        series.worker_ttft.observe(time.perf_counter() - sent)
+        series.routed.inc()
+        return response.status, forwarded(response.headers), content
 
-    async def _stream(self, worker, path: str, body: bytes, headers: dict, arrival: float) -> Response:
-        upstream = self.client.build_request("POST", worker.url + path, content=body, headers=headers,
-                                             timeout=self.health.request_timeout_secs)
-        worker.in_flight += 1
-        sent = time.perf_counter()
-        try:
-            response = await self.client.send(upstream, stream=True)
-        except httpx.HTTPError as err:
-            worker.in_flight -= 1
-            self._decode_failed(err)
-            return error_response(502, f"decode instance {worker.url} failed before answering: "
-                                       f"{type(err).__name__}: {err}")
-        self.metrics.routed.labels(worker.url).inc()
-        return await self._relay(worker, response, arrival, sent)
-
-    def _decode_failed(self, err: httpx.HTTPError) -> None:
-        self.metrics.errors.labels(self.decode.url).inc()
-        if isinstance(err, (httpx.ConnectError, httpx.ConnectTimeout)):
-            self.mark_unhealthy(self.decode)
-
-    def _first_token_then_decode(self, first_events: bytes, first_text: str, chat: bool, path: str, body: bytes,
-                                 headers: dict, arrival: float) -> Response:
-        """The client's stream: the prefill's first token at once, then the decode instance's stream less what
-        the client already has. The decode request goes out as the first token is written."""
+    async def _relay_decode(self, call: Call, send, path: bytes, headers: list, body: bytes, arrival: float) -> None:
+        """The decode instance's answer relayed as the plain router relays it."""
         decode = self.decode
         decode.in_flight += 1
-        counted, task = True, None
-
-        async def open_decode() -> httpx.Response:
-            upstream = self.client.build_request("POST", decode.url + path, content=body, headers=headers,
-                                                 timeout=self.health.request_timeout_secs)
-            return await self.client.send(upstream, stream=True)
-
-        async def release() -> None:  # however the stream ends (a client hanging up included); once
-            nonlocal counted
-            if counted:
-                counted = False
-                decode.in_flight -= 1
-            if task is None:
-                return
-            task.cancel()  # (nothing if it has answered)
-            with anyio.CancelScope(shield=True):
-                try:
-                    response = await task
-                except (asyncio.CancelledError, Exception):
-                    return
-                await response.aclose()  # closing the decode's connection makes it abort the request
-
-        async def events():
-            nonlocal task
-            task = asyncio.create_task(open_decode())
+        try:
             sent = time.perf_counter()
             try:
-                yield first_events
-                self.metrics.ttft.labels(self.prefill.url).observe(time.perf_counter() - arrival)
-                try:
-                    response = await task
-                except httpx.HTTPError as err:
-                    self._decode_failed(err)
-                    yield stream_error(502, f"decode instance {decode.url} failed before answering: "
-                                            f"{type(err).__name__}: {err}")
-                    return
-                self.metrics.routed.labels(decode.url).inc()
-                if response.status_code != 200 or not response.headers.get("content-type", "").startswith(
-                        "text/event-stream"):  # refused (overloaded, the link down): its error, as an event
-                    yield decode_error_event(await response.aread(), response.status_code, decode.url)
-                    return
-                splice, first = FirstTokenSplice(first_text, chat), True
-                async for chunk in response.aiter_raw():
-                    if first:
-                        first = False
-                        self.metrics.worker_ttft.labels(decode.url).observe(time.perf_counter() - sent)
-                    out = splice.feed(chunk)
-                    if out:
-                        yield out
-            except httpx.HTTPError as err:
-                self.metrics.errors.labels(decode.url).inc()
-                yield stream_error(502, f"decode instance {decode.url} died while streaming: "
-                                        f"{type(err).__name__}: {err}")
-            except SpliceMismatch as err:
-                yield stream_error(502, str(err))
+                response = await decode.pool.request(b"POST", path, headers, body, self.timeout_s)
+            except UpstreamError as err:
+                self._decode_failed(err)
+                raise ErrorAnswer(502, f"decode instance {decode.url} failed before answering: "
+                                       f"{type(err).__name__}: {err}") from None
+            decode.series.routed.inc()
+            try:
+                await self.relay(call, decode, response, send, arrival, sent)
             finally:
-                self.metrics.e2e.labels(decode.url).observe(time.perf_counter() - arrival)
-                await release()
+                response.close()
+        finally:
+            decode.in_flight -= 1
 
-        return RelayResponse(events(), release, status_code=200, media_type="text/event-stream",
-                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def _decode_failed(self, err: UpstreamError) -> None:
+        self.decode.series.errors.inc()
+        if isinstance(err, ConnectFailed):
+            self.mark_unhealthy(self.decode)
+
+    async def _first_token_then_decode(self, call: Call, send, first_events: bytes, first_text: str, chat: bool,
+                                       path: bytes, headers: list, decode_request: dict, arrival: float) -> None:
+        """The client's stream: the prefill's first token at once, then the decode instance's stream less what
+        the client already has. The decode request is encoded and sent once the first token is written."""
+        decode, series = self.decode, self.decode.series
+        decode.in_flight += 1
+        response = None
+        try:
+            call.started = True
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            await send({"type": "http.response.body", "body": first_events, "more_body": True})
+            self.prefill.series.ttft.observe(time.perf_counter() - arrival)
+            body = json.dumps(decode_request).encode()
+            sent = time.perf_counter()
+            try:
+                try:
+                    response = await decode.pool.request(b"POST", path, headers, body, self.timeout_s)
+                except UpstreamError as err:
+                    self._decode_failed(err)
+                    tail = stream_error(502, f"decode instance {decode.url} failed before answering: "
+                                             f"{type(err).__name__}: {err}")
+                else:
+                    series.routed.inc()
+                    if response.status != 200 or not is_event_stream(response.headers):
+                        # refused (overloaded, the link down): its error, as an event
+                        tail = decode_error_event(await response.read_all(), response.status, decode.url)
+                    else:
+                        splice, first = FirstTokenSplice(first_text, chat), True
+                        while True:
+                            chunk = await response.read_chunk()
+                            last = response.at_end
+                            if first and chunk:
+                                first = False
+                                series.worker_ttft.observe(time.perf_counter() - sent)
+                            out = splice.feed(chunk) if chunk else b""
+                            if out or last:
+                                await send({"type": "http.response.body", "body": out, "more_body": not last})
+                            if last:
+                                return
+            except UpstreamError as err:
+                series.errors.inc()
+                tail = stream_error(502, f"decode instance {decode.url} died while streaming: "
+                                         f"{type(err).__name__}: {err}")
+            except SpliceMismatch as err:
+                tail = stream_error(502, str(err))
+            await send({"type": "http.response.body", "body": tail})
+        finally:
+            decode.in_flight -= 1
+            if response is not None:
+                response.close()  # (a client gone: the decode's connection closes, and the decode aborts)
+            series.e2e.observe(time.perf_counter() - arrival)
 
     async def models(self) -> Response:
         try:
-            r = await self.client.get(self.decode.url + "/v1/models", timeout=self.health.health_check_timeout_secs)
-        except httpx.HTTPError:
+            status, headers, content = await self.get(self.decode, b"/v1/models")
+        except UpstreamError:
             return error_response(503, f"the decode instance {self.decode.url} does not answer")
-        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+        media = next((v.decode("latin-1") for k, v in headers if k.lower() == b"content-type"), None)
+        return Response(content, status_code=status, media_type=media)
 
     def healthy_workers(self):
         """Both halves or nothing: /health is 200 only while prefill and decode are healthy."""
         return self.workers if all(w.healthy for w in self.workers) else []
+
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
 
 
 def decode_error_event(content: bytes, status: int, url: str) -> bytes:

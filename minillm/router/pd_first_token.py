@@ -12,7 +12,7 @@ Forwarded early only where the client then reads exactly what one server streams
 request without `stop` strings (a stop string can hold back or cut text one token cannot judge),
 without `continuous_usage_stats` (usage in every chunk), whose prefill finished by length (not EOS or
 a stop token) with text that is not half a character. Otherwise the router relays the decode
-instance's stream as it is, after the prefill's answer (`PDRouter._stream`).
+instance's stream as it is, after the prefill's answer (`PDRouter._relay_decode`).
 """
 
 from __future__ import annotations
