@@ -218,3 +218,74 @@ def test_chunk_policies_lose_nothing_and_size_steps_as_they_promise(requests, po
         assert computed[rid] == req.num_computed_tokens == req.num_tokens - 1, rid
         assert req.output_token_ids == [7] * req.params.max_tokens
     assert engine.kv.num_free_blocks == engine.kv.allocator.num_blocks
+
+
+class PlanRecordingExecutor(StandInExecutor):
+    """Also notes each step's preemptions and swap orders, so two engines' plans compare in full."""
+
+    def execute(self, batch: SchedulerPlan):
+        self.batches.append(([r.request_id for r in batch.preempted], list(batch.blocks_to_swap_out),
+                             list(batch.blocks_to_swap_in)))
+        return super().execute(batch)
+
+
+def run_recording(requests, config: EngineConfig, steady: bool) -> tuple[list, list[bool]]:
+    """Every plan the continuous scheduler makes for `requests` (and its KV usage after each step), with
+    its steady-decode pass (`steady`) or without it; and, per step, whether that pass planned it."""
+    executor = PlanRecordingExecutor()
+    resolved = config.resolve(MODEL.max_position_embeddings)
+    kv = make_kv_manager(resolved, MODEL, allocate_pool=False)
+    scheduler = make_scheduler(resolved, kv)
+    taken: list[bool] = []
+    general = scheduler._schedule_steady_decode
+
+    def spy():
+        plan = general() if steady else None
+        taken.append(plan is not None)
+        return plan
+    scheduler._schedule_steady_decode = spy
+    engine = LLMEngine(MODEL, config, kv=kv, scheduler=scheduler, executor=executor, clock=SimClock())
+    engine.expect_more_requests = False
+    for i, (prompt_len, max_tokens, arrival, priority) in enumerate(requests):
+        engine.add_request({"prompt_token_ids": [5 + i % 3] * prompt_len},
+                           SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                           request_id=f"r{i}", arrival_time=arrival, priority=priority)
+    usage = []
+    assert engine.run_until_done(lambda _: usage.append(kv.usage()), max_iterations=10_000)
+    return [executor.batches, usage, kv.allocator.ref_counts], taken
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 30), st.floats(0.0, 0.05), st.integers(0, 2)),
+                         min_size=1, max_size=20),
+       max_num_seqs=st.integers(1, 8), num_kv_blocks=st.integers(8, 40), chunked=st.booleans(),
+       policy=st.sampled_from(["fcfs", "priority"]), mode=st.sampled_from(["recompute", "swap"]),
+       prefix_caching=st.booleans())
+def test_the_steady_decode_pass_plans_what_the_general_loop_plans(requests, max_num_seqs, num_kv_blocks, chunked,
+                                                                  policy, mode, prefix_caching):
+    """`ContinuousScheduler._schedule_steady_decode` plans a step where nothing waits and every running
+    request decodes, in one pass. The same trace through an engine without that pass gives the same
+    plans step for step — rows, new tokens, preemptions, swaps — and the same KV usage, on pools small
+    enough (8 blocks of 16 for up to 8 requests of up to 70 tokens) that decodes run out of room and
+    preempt."""
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=128, num_kv_blocks=num_kv_blocks,
+                          enable_chunked_prefill=chunked, max_num_batched_tokens=32 if chunked else None,
+                          scheduling_policy=policy, preemption_mode=mode, enable_prefix_caching=prefix_caching)
+    with_pass, taken = run_recording(requests, config, steady=True)
+    without, _ = run_recording(requests, config, steady=False)
+    assert with_pass == without
+
+
+def test_the_steady_decode_pass_is_taken_and_falls_back_on_a_full_pool():
+    """One request decoding alone: every step after the prefill is planned by the steady pass. Two
+    requests on a pool too small for both: the pass gives up when a decode's KV does not fit, and the
+    general loop preempts (the later request) as before."""
+    alone = EngineConfig(max_num_seqs=4, max_model_len=128)
+    _, taken = run_recording([(10, 12, 0.0, 0)], alone, steady=True)
+    assert taken == [False] + [True] * 11  # the prefill, then 11 decode steps
+
+    tight = EngineConfig(max_num_seqs=2, max_model_len=128, num_kv_blocks=8, kv_watermark=0.0)
+    (batches, _, _), taken = run_recording([(60, 30, 0.0, 0), (60, 30, 0.0, 0)], tight, steady=True)
+    preempted = [ids for ids, *_ in batches[0::2] if ids]  # (each step records its preemptions, then its rows)
+    assert preempted and preempted[0] == ["r1"]
+    assert True in taken and taken.count(False) >= 2

@@ -193,9 +193,11 @@ class LLMEngine(EngineInbox):
     def step(self) -> StepUpdates:
         """Run one iteration. Returns what it did for each request that received tokens (finished
         ones included), and whether the model ran (`.model_ran`)."""
-        self._check_owner("step")
+        if self.owner_thread is not None:
+            self._check_owner("step")
         step_start = time.perf_counter()
-        self._drain_inbox()
+        if not self.inbox.empty():  # (an empty inbox costs one check a step, not an exception caught)
+            self._drain_inbox()
         now = self.clock.now()
         while self._pending and self._pending[0][0] <= now:
             req = heapq.heappop(self._pending)[2]
@@ -204,9 +206,20 @@ class LLMEngine(EngineInbox):
         plan = self.scheduler.schedule(now, bool(self._pending) or self.expect_more_requests)
         if plan is None:
             return StepUpdates()
-        prefill_tokens, decode_tokens = plan.num_prefill_and_decode_tokens()
-        chunks = tuple(n for r, n in zip(plan.requests, plan.num_new_tokens)  # (attributes, not properties: per row)
-                       if r.num_computed_tokens < len(r.all_token_ids) - 1 or not r.output_token_ids)
+        # The step record's token counts, in one pass over the rows (attributes, not properties: per row):
+        # prompt tokens filled in, tokens after a sampled one, and the new tokens of each row (re)filling a prompt.
+        prefill_tokens = decode_tokens = 0
+        chunks: list[int] = []
+        for r, n in zip(plan.requests, plan.num_new_tokens):
+            in_prompt = len(r.prompt_token_ids) - r.num_computed_tokens
+            if in_prompt <= 0:
+                decode_tokens += n
+            else:
+                in_prompt = min(in_prompt, n)
+                prefill_tokens += in_prompt
+                decode_tokens += n - in_prompt
+            if r.num_computed_tokens < len(r.all_token_ids) - 1 or not r.output_token_ids:
+                chunks.append(n)
         self._in_step = True
         try:
             try:
@@ -243,7 +256,7 @@ class LLMEngine(EngineInbox):
             aborts, self._deferred_aborts = self._deferred_aborts, []
             for request_id in aborts:
                 self.abort_request(request_id)
-        self._record(plan, prefill_tokens, decode_tokens, num_cached, now, done_time, chunks, output.expert_load)
+        self._record(plan, prefill_tokens, decode_tokens, num_cached, now, done_time, tuple(chunks), output.expert_load)
         self.time_in_steps_s += time.perf_counter() - step_start
         result = StepUpdates(updates)
         result.model_ran = True
@@ -357,5 +370,6 @@ class LLMEngine(EngineInbox):
             num_prefix_queried_tokens=prefix.queries, num_prefix_hit_tokens=prefix.hits,
             kv_swapped_tokens=usage.swapped_tokens,
             num_swapped_blocks=sum(len(b) for _, b in batch.blocks_to_swap_out) + sum(
-                len(b) for _, b in batch.blocks_to_swap_in), prefill_chunk_sizes=chunks, expert_load=expert_load))
+                len(b) for _, b in batch.blocks_to_swap_in) if batch.blocks_to_swap_out or batch.blocks_to_swap_in else 0,
+            prefill_chunk_sizes=chunks, expert_load=expert_load))
         self.num_steps += 1

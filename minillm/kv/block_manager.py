@@ -350,6 +350,8 @@ class BlockManager:
         """The offload tier's copies planned since the last call, for the plan's swap fields: (device
         block, host block) out — before this step's blocks are zeroed or rewritten —, then (host
         block, device block) in, before the forward (`minillm.kv.offload.host_block_id` names them)."""
+        if not self._offload_out and not self._offload_in:  # (most steps, and every step without the tier)
+            return [], []
         out = [(b, slot) for b, slot, _ in self._offload_out]
         copies_in = self._offload_in
         self._step_copies = (self._step_copies[0] + len(out), self._step_copies[1] + len(copies_in))

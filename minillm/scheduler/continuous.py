@@ -54,6 +54,9 @@ class ContinuousScheduler(SchedulerBase):
         return self.waiting.get(request_id) is not None or any(r.request_id == request_id for r in self.running)
 
     def schedule(self, now: float, more_arrivals: bool = True) -> SchedulerPlan | None:
+        steady = self._schedule_steady_decode()  # (the common case, planned in one pass: see there)
+        if steady is not None:
+            return steady
         budget = self.chunking.step_budget(self.running, self.waiting) if self.config.enable_chunked_prefill \
             else self.config.max_num_batched_tokens
         planned: dict[str, tuple[Request, int]] = {}  # request id -> (request, new tokens), in planning order
@@ -118,13 +121,42 @@ class ContinuousScheduler(SchedulerBase):
             plan.kv_connector_metadata = self.connector.build_connector_meta(plan)
         return plan
 
+    def _schedule_steady_decode(self) -> SchedulerPlan | None:
+        """The plan of a steady decode step, or None: then `schedule` plans the general way.
+
+        Steady: nothing waits, and every running request decodes one token without guesses, all
+        within the step's token budget. The general loop would plan exactly this — every running
+        request in running order (all decode rows, so the decode-first sort keeps it), one new token
+        each, its KV grown by one slot — but pays per row for what such a step never needs: chunking,
+        guesses, preemption, admission, the sort. vLLM V1's scheduler meets the same steady state
+        with its persistent batch: rows that only advance by one token are sent as small diffs.
+        If a row's KV does not fit, the general loop plans the step (it preempts); a slot reserved
+        here is reserved once, not twice, when it asks again (`allocate` of the same tokens)."""
+        running = self.running
+        if (self.waiting or not running or self.connector is not None
+                or len(running) > self.config.max_num_batched_tokens):
+            return None
+        for req in running:
+            if req.spec_token_ids or not req.num_computed_tokens or \
+                    len(req.all_token_ids) - req.num_computed_tokens != 1:
+                return None
+        allocate = self.kv.allocate
+        for req in running:
+            if not allocate(req, 1):
+                return None
+        plan = SchedulerPlan(list(running), [1] * len(running))
+        self._plan_offload_copies(plan)
+        return plan
+
     def _plan_offload_copies(self, plan: SchedulerPlan) -> None:
         """The prefix cache's offload tier (chapter 14) moves blocks through the swap fields, each host
         block under its own pseudo request id: spills out before the step's blocks are rewritten,
         host hits back in before the forward — the executor copies them like swapped requests."""
         copies_out, copies_in = self.kv.take_offload_copies()
-        plan.blocks_to_swap_out.extend((host_block_id(slot), [block]) for block, slot in copies_out)
-        plan.blocks_to_swap_in.extend((host_block_id(slot), [block]) for slot, block in copies_in)
+        if copies_out:
+            plan.blocks_to_swap_out.extend((host_block_id(slot), [block]) for block, slot in copies_out)
+        if copies_in:
+            plan.blocks_to_swap_in.extend((host_block_id(slot), [block]) for slot, block in copies_in)
 
     def _chunk(self, num_tokens: int, budget: int) -> int:
         """How many of a request's missing tokens it computes this step: all of them, or with chunked

@@ -25,7 +25,9 @@ include everything it calls, and "step glue" is the step's own work between them
     propose             engine._propose (speculative decoding: the proposer's guesses for the next step)
 
 `count_steps(engine, n)` runs n steps of whatever the engine holds and returns the counts per step;
-`timed_pieces(engine)` times the same pieces (wall clock, for bench/step_profile.py; never for tests).
+`count_generate_decode_step(llm, prompt)` counts one decode step as `LLM.generate` runs it, its
+loop around `engine.step()` included (the piece "generate loop"); `timed_pieces(engine)` times the
+same pieces (wall clock, for bench/step_profile.py; never for tests).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
@@ -41,6 +44,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 GLUE = "step glue"
 PIECES = ("schedule", "plan → data", "apply plan", "inputs, metadata", "forward, lm_head", "sample",
           "update requests", "outputs, metrics", "propose", GLUE)
+GENERATE_LOOP = "generate loop"  # LLM.generate's own work between steps (run_until_done, its progress bar)
 _OP_PREFIXES = ("aten::", "mkldnn::")
 
 
@@ -53,8 +57,9 @@ class PieceCounts:
     torch_ops: float = 0.0
 
 
-def _targets(engine) -> list[tuple[object, str, str]]:
-    """(object, method name, piece) for every piece's entry point in this engine."""
+def _targets(engine, step: bool = False) -> list[tuple[object, str, str]]:
+    """(object, method name, piece) for every piece's entry point in this engine (and, with `step`,
+    `engine.step` itself as the step's glue: what runs outside it is then someone else's)."""
     from minillm.worker import model_runner
 
     executor = engine.executor
@@ -67,11 +72,13 @@ def _targets(engine) -> list[tuple[object, str, str]]:
                (engine, "_propose", "propose")]
     if getattr(worker, "compiled_decode", None) is not None:
         targets.append((worker.compiled_decode, "run", "forward, lm_head"))
+    if step:
+        targets.append((engine, "step", GLUE))
     return targets
 
 
 @contextmanager
-def _pieces_marked(engine, current: list[str], wrapper_codes: set, ranges: bool):
+def _pieces_marked(engine, current: list[str], wrapper_codes: set, ranges: bool, step: bool = False):
     """Each piece's method wrapped: while it runs, `current[-1]` names it (and, with `ranges`, a
     profiler range "piece::NAME" is open)."""
     def wrap(function, piece):
@@ -89,7 +96,7 @@ def _pieces_marked(engine, current: list[str], wrapper_codes: set, ranges: bool)
         return in_range if ranges else in_piece
 
     saved = []
-    for obj, name, piece in _targets(engine):
+    for obj, name, piece in _targets(engine, step):
         saved.append((obj, name, obj.__dict__.get(name)))
         setattr(obj, name, wrap(getattr(obj, name), piece))
     try:
@@ -102,8 +109,9 @@ def _pieces_marked(engine, current: list[str], wrapper_codes: set, ranges: bool)
                 setattr(obj, name, original)
 
 
-def _python_calls(engine, num_steps: int) -> Counter:
-    current: list[str] = [GLUE]
+def _python_calls(engine, run: Callable[[], object], outside: str = GLUE) -> Counter:
+    """Calls made while `run()` runs, by piece; calls outside every piece count as `outside`."""
+    current: list[str] = [outside]
     wrapper_codes: set = set()
     calls: Counter = Counter()
 
@@ -111,14 +119,20 @@ def _python_calls(engine, num_steps: int) -> Counter:
         if event == "c_call" or (event == "call" and frame.f_code not in wrapper_codes):
             calls[current[-1]] += 1
 
-    with _pieces_marked(engine, current, wrapper_codes, ranges=False):
+    with _pieces_marked(engine, current, wrapper_codes, ranges=False, step=outside != GLUE):
         sys.setprofile(count)
         try:
-            for _ in range(num_steps):
-                engine.step()
+            run()
         finally:
             sys.setprofile(None)
     return calls
+
+
+def _steps(engine, num_steps: int) -> Callable[[], None]:
+    def run() -> None:
+        for _ in range(num_steps):
+            engine.step()
+    return run
 
 
 def _torch_ops(engine, num_steps: int) -> tuple[Counter, Counter]:
@@ -149,10 +163,29 @@ def _torch_ops(engine, num_steps: int) -> tuple[Counter, Counter]:
 def count_steps(engine, num_steps: int) -> dict[str, PieceCounts]:
     """Counts per step and piece over the engine's next `num_steps` steps (twice `num_steps` are run:
     once for Python calls, once under the profiler); the engine must hold enough work for them."""
-    calls = _python_calls(engine, num_steps)
+    calls = _python_calls(engine, _steps(engine, num_steps))
     from_python, total = _torch_ops(engine, num_steps)
     return {piece: PieceCounts(calls[piece] / num_steps, from_python[piece] / num_steps, total[piece] / num_steps)
             for piece in PIECES}
+
+
+def count_generate_decode_step(llm, prompt: list[int], num_tokens: tuple[int, int] = (9, 41)) -> dict[str, float]:
+    """Python calls of one steady decode step inside `LLM.generate`, by piece (`GENERATE_LOOP` among
+    them): two greedy generates of `prompt` that differ only in how many tokens they emit are counted
+    whole, and their difference, divided by the extra tokens, is what one more decode step costs there
+    — the request's arrival, prefill and finish cancel out. (A block is allocated every `block_size`
+    tokens: the extra steps hold the average of that too.)"""
+    from minillm.request import SamplingParams
+
+    def generate(n: int) -> Callable[[], None]:
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        return lambda: llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)
+
+    short, long = num_tokens
+    generate(short)()  # the first generate may import or compile what later ones reuse
+    few = _python_calls(llm.engine, generate(short), GENERATE_LOOP)
+    many = _python_calls(llm.engine, generate(long), GENERATE_LOOP)
+    return {piece: (many[piece] - few[piece]) / (long - short) for piece in (*PIECES, GENERATE_LOOP)}
 
 
 def total(counts: dict[str, PieceCounts]) -> PieceCounts:
