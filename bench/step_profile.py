@@ -3,6 +3,7 @@
     python bench/step_profile.py [--batch-sizes 16 64] [--num-requests 200] [--profiler-table 15]
     python bench/step_profile.py --batch-sizes 1 2 4 8
     python bench/step_profile.py --batch-sizes 1 2 4 8 16 32 --compare [--rounds 5]
+    python bench/step_profile.py --calls
 
 Every run uses the bundled model, fp32, 1 thread, attention_backend="auto".
 
@@ -17,6 +18,10 @@ one line. Counts are exact and repeat on any machine; the ms move with the machi
 `--compare` prints instead, for every batch size listed (this workload, MAX_ROWS lifted), the
 wall-clock ratio op-by-op ÷ compiled per decode step in `--rounds` interleaved rounds (median and
 range), which is how `MAX_ROWS` is chosen.
+
+`--calls` prints only counts, in a few seconds: Python calls per batch-1 decode step by piece, in
+`engine.step()` and inside `LLM.generate` (its loop around the steps included; tests/test_step_counts.py
+holds both under upper bounds).
 
 **Max batch 16 and 64**: the ladder's trace (bench/ladder.py) is served twice by minillm
 continuous: once plainly, to split each step's wall time into the model (forward + lm_head) and
@@ -43,7 +48,15 @@ from _machine import describe_machine  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from minillm import SamplingParams  # noqa: E402
-from minillm.worker.step_counts import GLUE, PIECES, count_steps, timed_pieces, total  # noqa: E402
+from minillm.worker.step_counts import (  # noqa: E402
+    GENERATE_LOOP,
+    GLUE,
+    PIECES,
+    count_generate_decode_step,
+    count_steps,
+    timed_pieces,
+    total,
+)
 
 CHAT_PROMPT, CHAT_TOKENS = 200, 128  # one chat's request, as issue 29 measured llama.cpp and minillm
 SMALL = 16  # batch sizes below this run the chat workload
@@ -162,6 +175,21 @@ def small_batch_table(model, batch: int) -> None:
           flush=True)
 
 
+def calls_table(model) -> None:
+    """Python calls per batch-1 decode step, by piece: in engine.step() (10 steps counted) and inside
+    LLM.generate (two generates differing by 32 tokens, the difference per token)."""
+    in_step = count_steps(chat_engine(model, 1, True), 10)
+    llm = ladder.make_measured_llm(model, "cpu", "continuous", 2)
+    prompt = [ladder.NUM_SPECIAL_TOKENS + j % 1000 for j in range(CHAT_PROMPT)]
+    in_generate = count_generate_decode_step(llm, prompt)
+    print(f"Python calls per batch-1 decode step ({CHAT_PROMPT}-token prompt, greedy; exact counts):")
+    print(f"  {'piece':<18} {'engine.step()':>13} {'LLM.generate':>13}")
+    for piece in (*PIECES, GENERATE_LOOP):
+        step = in_step[piece].python_calls if piece in in_step else 0.0
+        print(f"  {piece:<18} {step:13.1f} {in_generate[piece]:13.1f}")
+    print(f"  {'whole step':<18} {total(in_step).python_calls:13.1f} {sum(in_generate.values()):13.1f}\n", flush=True)
+
+
 def compare(model, batch_sizes: list[int], rounds: int) -> None:
     """op-by-op ÷ compiled wall time per decode step, interleaved rounds: median and range."""
     print(f"compiled decode vs the op-by-op forward, {rounds} interleaved rounds (MAX_ROWS lifted to measure "
@@ -184,6 +212,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--compare", action="store_true", help="small batches: compiled vs op-by-op, interleaved")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of --compare")
+    parser.add_argument("--calls", action="store_true", help="only the Python calls per batch-1 decode step")
     parser.add_argument("--profiler-table", type=int, default=0, metavar="ROWS",
                         help="max batch 16 and up: also print torch.profiler's own table, its ROWS costliest ops")
     cli = parser.parse_args()
@@ -192,6 +221,9 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"machine: {describe_machine()}")
     print(f"attention backend: {ladder.resolve_backend('auto', 'cpu')}\n")
+    if cli.calls:
+        calls_table(args.model)
+        return
     if cli.compare:
         compare(args.model, cli.batch_sizes, cli.rounds)
         return

@@ -245,8 +245,11 @@ class LLM:
 
             bar = tqdm(total=total, desc="generate", unit="req", leave=False)
         try:
-            progress = None if bar is None else (lambda updates: bar.update(sum(1 for u in updates if u.finished)))
-            if not engine.run_until_done(progress):
+            def progress(updates) -> None:  # (the bar is touched only when a request finished: most steps, none did)
+                finished = sum(1 for u in updates if u.finished)
+                if finished:
+                    bar.update(finished)
+            if not engine.run_until_done(None if bar is None else progress):
                 raise RuntimeError(self._stuck_message())
         finally:
             engine.expect_more_requests = True

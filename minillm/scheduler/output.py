@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from minillm.request import Request, SamplingParams
+from minillm.request import Request, RequestStatus, SamplingParams
 from minillm.scheduler.base import SchedulerPlan
 
 
@@ -112,7 +112,8 @@ class SchedulerOutputBuilder:
         self.orphans: dict[str, Request] = {}  # told by a failed plan: the worker may hold them
 
     def build(self, batch: SchedulerPlan) -> SchedulerOutput:
-        finished = [rid for rid, r in self.known.items() if r.status.finished]
+        running = RequestStatus.RUNNING  # (most known requests run: no property call for them, every step)
+        finished = [rid for rid, r in self.known.items() if r.status is not running and r.status.finished]
         for rid in finished:
             del self.known[rid]
             self.sent_blocks.pop(rid, None)
