@@ -7,12 +7,16 @@ see the counts; raise one only with a reason in the commit.)"""
 from __future__ import annotations
 
 from minillm import LLM, SamplingParams
-from minillm.worker.step_counts import PIECES, count_steps, total
+from minillm.worker.step_counts import GENERATE_LOOP, PIECES, count_generate_decode_step, count_steps, total
 
 PROMPT = list(range(10, 210))  # 200 tokens, as the issue's single-stream measurement
 # A batch-1 draft-model verify step of 1+4 tokens makes ~270 Python calls (~730 op by op, with 295 torch ops
 # from Python): the plain step's ~177, and the proposer, the guesses' bookkeeping and the step's spec metrics.
 VERIFY_STEP_CALLS = 300
+# A batch-1 decode step inside LLM.generate made ~184 Python calls before the steady-decode plan (issue 29's
+# second round) and ~153 after it; generate's own loop around engine.step() makes 2.
+GENERATE_STEP_CALLS = 165
+GENERATE_LOOP_CALLS = 4
 
 
 def decoding_engine(batch: int, compiled: bool = True):
@@ -34,7 +38,19 @@ def test_a_batch_1_decode_step_dispatches_no_torch_op_and_few_python_calls():
     assert step.torch_ops == 0, {p: c.torch_ops for p, c in counts.items()}
     assert counts["forward, lm_head"].python_calls <= 8  # the compiled call and its wrapper
     assert counts["inputs, metadata"].python_calls == 0  # nothing is built for it
-    assert step.python_calls <= 200, {p: c.python_calls for p, c in counts.items()}
+    assert step.python_calls <= 160, {p: c.python_calls for p, c in counts.items()}  # ~146 (177 before issue 29's second round)
+    assert counts["schedule"].python_calls <= 16  # the steady-decode plan (~13; the general loop made 28)
+
+
+def test_a_batch_1_decode_step_inside_generate_makes_few_python_calls():
+    """The same step as `LLM.generate` runs it — the difference of two generates that differ by 32 decode
+    steps — with generate's own loop around `engine.step()` counted too. Each step makes the compiled call
+    (at least the wrapper and the kernel), and the whole step stays under its bound."""
+    counts = count_generate_decode_step(LLM(max_num_seqs=16, max_model_len=512), PROMPT)
+    assert 2 <= counts["forward, lm_head"] <= 8, counts
+    assert counts["inputs, metadata"] == 0 and counts["sample"] == 0
+    assert counts[GENERATE_LOOP] <= GENERATE_LOOP_CALLS, counts
+    assert sum(counts.values()) <= GENERATE_STEP_CALLS, counts
 
 
 def test_the_op_by_op_step_it_replaces_is_counted_too():

@@ -517,6 +517,10 @@ class BlockManager:
     # ---- one step: keep it, or take it back ------------------------------------------------------
     def commit_step(self) -> None:
         """The step completed: its cache entries hold computed K/V now; count its lookups."""
+        if not (self._step_lookups or self._step_copies[0] or self._step_copies[1] or self._step_spilled
+                or self.offload is not None or self.swapped or self._step_swapped_in or self._step_registered
+                or self._registered_by or self._step_offers):
+            return  # (a step that looked nothing up, registered, offered or moved nothing: most decode steps)
         for query, hit, host_hit in self._step_lookups:
             self.num_query_tokens += query
             self.num_hit_tokens += hit
