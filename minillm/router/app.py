@@ -54,6 +54,9 @@ from minillm.server.errors import error_body, error_response, unexpected_error_h
 # `expect` (the router has the whole body already; a worker's `100 Continue` would be an extra answer).
 HOP_HEADERS = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive",
                          b"expect", b"upgrade", b"te", b"trailer", b"proxy-connection"})
+# Nor, from a worker's answer, its `date` and `server`: uvicorn writes the router's own on every answer (nginx's
+# proxy drops the upstream's likewise), and passed on they reached the client twice.
+ANSWER_DROPPED = HOP_HEADERS | {b"date", b"server"}
 
 
 @dataclass
@@ -116,9 +119,11 @@ def routing_text(body: bytes, chat: bool) -> str:
         return ""
 
 
-def forwarded(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The headers passed on (names as ASGI and httptools give them; the router's side lower-cases)."""
-    return [(k, v) for k, v in headers if k.lower() not in HOP_HEADERS]
+def forwarded(headers: list[tuple[bytes, bytes]],
+              dropped: frozenset[bytes] = HOP_HEADERS) -> list[tuple[bytes, bytes]]:
+    """The headers passed on, less `dropped` (names as ASGI and httptools give them; the router's side
+    lower-cases). A worker's answer passes `ANSWER_DROPPED`."""
+    return [(k, v) for k, v in headers if k.lower() not in dropped]
 
 
 def is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
@@ -301,7 +306,7 @@ class Router:
         """The worker's answer as the client's: read whole if plain, else each chunk written as it arrives
         (the bytes as the worker wrote them, less the chunked framing both sides redo)."""
         series = worker.series
-        headers = forwarded(response.headers)
+        headers = forwarded(response.headers, ANSWER_DROPPED)
         if not is_event_stream(response.headers):
             try:
                 content = await response.read_all()
