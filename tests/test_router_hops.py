@@ -7,6 +7,8 @@ and hold their answers until the test releases them:
   peers' addresses; a client without a pool is seen to open one per request, so the count can fail),
   passes a stream's bytes through unmodified (non-ASCII, an event split across chunks) and does not
   buffer them: the client reads the first chunk while the stub still holds the second;
+- its answers (plain, streamed, PD) carry one `date` and one `server` header, its own: the worker's are
+  not passed on;
 - its histograms on /metrics count every request, and TTFT as the client sees it contains the
   worker's own (arrival -> written encloses sent -> received, request by request);
 - the PD router (a real `minillm router --pd` process) sends the prefill's first token to the client
@@ -256,6 +258,7 @@ def _pd_stream(url: str, chat: bool, decode: Stub, **extra) -> tuple[bytes, byte
     with httpx.stream("POST", url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body,
                       timeout=GATE_S / 2) as r:
         assert r.status_code == 200
+        one_date_and_server(r)
         chunks = r.iter_raw()
         if sent_early:
             while early.count(b"\n\n") < (2 if chat else 1):  # the first token's event(s), decode still held
