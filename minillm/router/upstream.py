@@ -69,11 +69,12 @@ class UpstreamTimeout(UpstreamError):
 class UpstreamResponse:
     """One answer being read: its status and headers once in, then its body chunks."""
 
-    __slots__ = ("_conn", "_timeout_s", "status", "headers", "keep_alive", "done", "_headers_in", "_any_bytes",
-                 "_framed", "_chunks", "_queued", "_error", "_waiter")
+    __slots__ = ("_conn", "_loop", "_timeout_s", "status", "headers", "keep_alive", "done", "_headers_in",
+                 "_any_bytes", "_framed", "_chunks", "_queued", "_error", "_waiter", "_timer", "_quiet_since")
 
     def __init__(self, conn: _Connection, timeout_s: float) -> None:
         self._conn = conn
+        self._loop = conn.loop
         self._timeout_s = timeout_s
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
@@ -84,6 +85,10 @@ class UpstreamResponse:
         self._queued = 0
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future | None = None
+        # One timer for the whole answer, not one per wait (a streamed answer waits once per chunk): it fires
+        # every `timeout_s` and expires the answer only if the router has been waiting for a byte that long.
+        self._quiet_since = self._loop.time()  # the later of the last byte in and the start of the current wait
+        self._timer: asyncio.TimerHandle | None = self._loop.call_later(timeout_s, self._check_quiet)
 
     # ---- fed by the connection ---------------------------------------------------------------------
     def _wake(self) -> None:
@@ -101,7 +106,9 @@ class UpstreamResponse:
         self._queued += len(chunk)
         if self._queued > PAUSE_BYTES:
             self._conn.pause()
-        self._wake()
+        waiter = self._waiter  # (`_wake`, inlined: this runs once per chunk of every stream)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _complete(self) -> None:
         self.done = True
@@ -121,20 +128,28 @@ class UpstreamResponse:
             self._fail(UpstreamError(f"the connection closed in the middle of the answer ({exc or 'EOF'})"))
         self._wake()
 
-    def _expire(self) -> None:
-        self._fail(UpstreamTimeout(f"no answer for {self._timeout_s:g} s"))
-        if self._conn is not None:
-            self._conn.abort()  # a half-read answer leaves the connection unusable
+    def _check_quiet(self) -> None:
+        if self.done or self._error is not None:
+            self._timer = None
+            return
+        now = self._loop.time()
+        if self._waiter is None:  # the router is not waiting for the worker (a slow client): not a timeout
+            self._quiet_since = now
+        elif now - self._quiet_since >= self._timeout_s:
+            self._timer = None
+            self._fail(UpstreamTimeout(f"no answer for {self._timeout_s:g} s"))
+            if self._conn is not None:
+                self._conn.abort()  # a half-read answer leaves the connection unusable
+            return
+        self._timer = self._loop.call_at(self._quiet_since + self._timeout_s, self._check_quiet)
 
     # ---- read by the router ------------------------------------------------------------------------
     async def _wait(self) -> None:
-        loop = self._conn.loop
-        self._waiter = waiter = loop.create_future()
-        timer = loop.call_later(self._timeout_s, self._expire)
+        self._quiet_since = self._loop.time()
+        self._waiter = waiter = self._loop.create_future()
         try:
             await waiter
         finally:
-            timer.cancel()
             self._waiter = None
 
     async def _wait_headers(self) -> None:
@@ -173,6 +188,9 @@ class UpstreamResponse:
 
     def close(self) -> None:
         """The connection back to its pool if the answer was read to its end and may be kept alive; else closed."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         conn, self._conn = self._conn, None
         if conn is None:
             return
@@ -226,6 +244,7 @@ class _Connection(asyncio.Protocol):
             self.abort()
             return
         response._any_bytes = True
+        response._quiet_since = self.loop.time()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as err:
