@@ -320,19 +320,18 @@ class Router:
             return
         call.started = True
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        first = True
         try:
-            while True:
+            chunk = await response.read_chunk()  # the first bytes (b"" only if the answer is empty)
+            if chunk:
+                series.worker_ttft.observe(time.perf_counter() - sent)
+            last = response.at_end  # the worker's answer is complete: this chunk also ends the client's
+            await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+            if chunk:
+                series.ttft.observe(time.perf_counter() - arrival)
+            while not last:  # the rest: per chunk one read, one write, nothing else
                 chunk = await response.read_chunk()
-                last = response.at_end  # the worker's answer is complete: this chunk also ends the client's
-                if first and chunk:
-                    series.worker_ttft.observe(time.perf_counter() - sent)
+                last = response.at_end
                 await send({"type": "http.response.body", "body": chunk, "more_body": not last})
-                if first and chunk:
-                    first = False
-                    series.ttft.observe(time.perf_counter() - arrival)
-                if last:
-                    return
         except UpstreamError as err:
             series.errors.inc()
             await send({"type": "http.response.body", "body": stream_error(
