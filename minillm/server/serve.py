@@ -213,8 +213,11 @@ def build_app(args: argparse.Namespace, phases: dict[str, float] | None = None,
             pass
         phases["chat template"] = time.perf_counter() - start
     api_key = args.api_key or os.environ.get("MINILLM_API_KEY") or None
-    return create_app(llm, served_model_name=served_model_names(args), api_key=api_key,
-                      max_num_queued_reqs=args.max_num_queued_reqs, on_started=on_started)
+    start = time.perf_counter()
+    app = create_app(llm, served_model_name=served_model_names(args), api_key=api_key,
+                     max_num_queued_reqs=args.max_num_queued_reqs, on_started=on_started)
+    phases["API server"] = time.perf_counter() - start  # the routes; `run` adds uvicorn's start
+    return app
 
 
 def run_headless_node(args: argparse.Namespace) -> int:
@@ -249,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     built_at = 0.0
 
     def on_started() -> None:  # the engine thread runs; uvicorn binds the port next
-        phases["API server"] = time.perf_counter() - built_at
+        phases["API server"] += time.perf_counter() - built_at
         print(startup_line(process_age_s(), phases), flush=True)
 
     app = build_app(args, phases, on_started)
