@@ -19,7 +19,8 @@ memory traffic, while the op-by-op forward dispatches ~480 torch ops and 17 numb
 every matmul is a matrix-vector product per row, written as `out[b] += x[b, i] · W[i]` over the
 weight's rows (`W` stored [in, out]: the storage the model already keeps, `column_major` in
 llama.py), so each weight is streamed once per step whatever B is, and the inner loop is a plain
-vectorizable multiply-add over `out` with no horizontal sums. The norms, RoPE and attention are
+vectorizable multiply-add over `out` with no horizontal sums. Steps of many rows run `matmul_rows`
+instead (register-tiled dot products on the weights' [out, in] copy; minillm/model/decode_step.py says when). The norms, RoPE and attention are
 the same compiled functions the op-by-op path calls (`cpu_fused_ops`, `cpu_decode_attention`).
 
 What the loop costs, measured on the course's 2-core EPYC VM (CPU time per call, 7 interleaved
