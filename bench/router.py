@@ -236,21 +236,35 @@ def cpu_s(pid: int | None) -> float:
     return sum(psutil.Process(pid).cpu_times()[:2]) if pid is not None else 0.0
 
 
+def run_queue(pid: int | None) -> tuple[float, int]:
+    """(seconds spent runnable but waiting for a core, turns on a core) of a process's main thread so far, from
+    Linux's /proc/PID/schedstat; (nan, 0) elsewhere or without a process. The router's event loop is its main
+    thread: each wake-up (a request in, a worker's chunk in) waits there while the cores are taken."""
+    try:
+        _, wait_ns, runs = Path(f"/proc/{pid}/schedstat").read_text().split()
+    except (OSError, TypeError, ValueError):
+        return float("nan"), 0
+    return int(wait_ns) / 1e9, int(runs)
+
+
 def hop_run(runs: list[tuple[str, list[str]]], instances: list[str], first_token_from: list[str],
             router_pid: int | None = None) -> dict:
     """Benches at the same time (`bench_all`): the clients' mean TTFT, the instances' own, and the router's
     histograms for the workers that sent the first token (nan where `runs` go to no router); with
     `router_pid`, the router process's CPU time per request."""
     before = {u: scrape(u) for u in {*(url for url, _ in runs), *instances}}
-    cpu_before = cpu_s(router_pid)
+    cpu_before, queue_before = cpu_s(router_pid), run_queue(router_pid)
     results = bench_all(runs)
-    cpu = cpu_s(router_pid) - cpu_before
+    cpu, queue_after = cpu_s(router_pid) - cpu_before, run_queue(router_pid)
     after = {u: scrape(u) for u in before}
     done = sum(r["completed"] for r in results)
     router = runs[0][0]
     labels = [f'worker="{w}"' for w in first_token_from]
     return {"client": sum(r["mean_ttft_ms"] * r["completed"] for r in results) / done, "completed": done,
             "router_cpu_ms": cpu / done * 1e3 if router_pid is not None else float("nan"),
+            "router_wait_ms": (queue_after[0] - queue_before[0]) / done * 1e3,
+            "router_wait_per_run_us": (queue_after[0] - queue_before[0])
+            / max(1, queue_after[1] - queue_before[1]) * 1e6,
             "own": {u: mean_ms(before[u], after[u], *SERVER_TTFT) for u in instances},
             "router_ttft": mean_ms(before[router], after[router], "minillm_router_time_to_first_token_seconds", labels),
             "router_worker_ttft": mean_ms(before[router], after[router],
@@ -311,6 +325,9 @@ def run_hops(args) -> None:
           "less its worker-TTFT histogram (both its own clock).")
     print("router CPU per request (the launcher's process, which runs the router; streamed answers of "
           f"{args.output_len} tokens): " + ", ".join(f"{name} {r['router_cpu_ms']:.2f} ms" for name, r, _ in rows))
+    print("router waiting for a core (its main thread runnable, the cores taken; /proc/PID/schedstat): " +
+          ", ".join(f"{name} {r['router_wait_ms']:.2f} ms per request ({r['router_wait_per_run_us']:.0f} µs per turn "
+                    f"on a core)" for name, r, _ in rows))
 
 
 def run_stub(args) -> None:

@@ -19,7 +19,8 @@ memory traffic, while the op-by-op forward dispatches ~480 torch ops and 17 numb
 every matmul is a matrix-vector product per row, written as `out[b] += x[b, i] · W[i]` over the
 weight's rows (`W` stored [in, out]: the storage the model already keeps, `column_major` in
 llama.py), so each weight is streamed once per step whatever B is, and the inner loop is a plain
-vectorizable multiply-add over `out` with no horizontal sums. The norms, RoPE and attention are
+vectorizable multiply-add over `out` with no horizontal sums. Steps of many rows run `matmul_rows`
+instead (register-tiled dot products on the weights' [out, in] copy; minillm/model/decode_step.py says when). The norms, RoPE and attention are
 the same compiled functions the op-by-op path calls (`cpu_fused_ops`, `cpu_decode_attention`).
 
 What the loop costs, measured on the course's 2-core EPYC VM (CPU time per call, 7 interleaved
@@ -83,15 +84,79 @@ def matvec_rows(x, w, out):
         i += 1
 
 
+_TILE_BLOCK_BYTES = 1 << 17  # weights per output block of `matmul_rows`: stays in L2 while every row tile reads it
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def matmul_rows(x, w_t, out):
+    """out = x @ w_t.T for w_t [out, in] C-contiguous (HF's own layout): for many rows.
+
+    A register tile of 4 rows × 2 outputs: eight dot products over `in` run side by side, so each
+    weight element loaded feeds 4 rows and each x element 2 outputs (6 loads per 8 multiply-adds,
+    against 10 per 8 in `matvec_rows`, whose every pass also stores `out`). LLVM vectorizes the `i`
+    loop into eight SIMD accumulators. The outputs go in blocks of ~128 KB of weights, which all
+    row tiles read while the block is in L2, so each weight is fetched from memory once per call.
+    Where the rows or outputs do not divide into tiles, the last tile is moved back to end at the
+    last row (output): it recomputes a few sums already written, with the same code, rather than
+    running a second loop."""
+    rows, n_in = x.shape
+    n_out = w_t.shape[0]
+    if rows < 4 or n_out < 2:  # too small to tile: one dot product per output
+        for b in range(rows):
+            for o in range(n_out):
+                s = np.float32(0.0)
+                for i in range(n_in):
+                    s += x[b, i] * w_t[o, i]
+                out[b, o] = s
+        return
+    block = max(2, _TILE_BLOCK_BYTES // (4 * n_in) // 2 * 2)  # (even: only the last block can end on an odd output)
+    for o_start in range(0, n_out, block):
+        o_end = min(o_start + block, n_out)
+        for b_tile in range(0, rows, 4):
+            b = min(b_tile, rows - 4)
+            x0, x1, x2, x3 = x[b], x[b + 1], x[b + 2], x[b + 3]
+            for o_tile in range(o_start, o_end, 2):
+                o = min(o_tile, n_out - 2)
+                w0, w1 = w_t[o], w_t[o + 1]
+                s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = np.float32(0.0)
+                for i in range(n_in):
+                    a, c = w0[i], w1[i]
+                    u0, u1, u2, u3 = x0[i], x1[i], x2[i], x3[i]
+                    s00 += u0 * a
+                    s01 += u0 * c
+                    s10 += u1 * a
+                    s11 += u1 * c
+                    s20 += u2 * a
+                    s21 += u2 * c
+                    s30 += u3 * a
+                    s31 += u3 * c
+                out[b, o], out[b, o + 1] = s00, s01
+                out[b + 1, o], out[b + 1, o + 1] = s10, s11
+                out[b + 2, o], out[b + 2, o + 1] = s20, s21
+                out[b + 3, o], out[b + 3, o + 1] = s30, s31
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def _matmul(x, w, w_t, tiled, out):
+    """out = x @ w: `matmul_rows` on w_t (w's transpose, contiguous) if tiled, else `matvec_rows` on w."""
+    if tiled:
+        matmul_rows(x, w_t, out)
+    else:
+        matvec_rows(x, w, out)
+
+
 @njit(cache=True, fastmath=True, nogil=True)
 def decode_forward(batch_rows, starts, batch_tokens, batch_tables, block_size,
                    embed, input_norms, post_norms, final_norm, qkv_w, o_w, gate_up_w, down_w, lm_head_w,
+                   tiled, qkv_t, o_t, gate_up_t, down_t, lm_head_t,
                    cos, sin, k_blocks, v_blocks, num_heads, num_kv_heads, eps,
                    positions, seq_lens, h, x, qkv, attn, delta, gate_up, act, logits):
     """One decode step for rows b = 0 … B-1 (input-batch row `batch_rows[b]`, its new token at
-    position `starts[b]`). Weights: per layer stacked [L, in, out]; norms [L, hidden]; the pools
-    [L, num_blocks, block_size, H_kv, D]. The last eight arguments are the caller's buffers
-    (`positions` int64 [B], `seq_lens` int32 [B], then float32 [B, ·]); `logits` [B, vocab] is the output."""
+    position `starts[b]`). Weights: per layer stacked [L, in, out]; norms [L, hidden]; with `tiled`,
+    the matmuls run `matmul_rows` on the `*_t` weights ([L, out, in], lm_head [vocab, hidden]), else
+    `matvec_rows` on the others; the pools [L, num_blocks, block_size, H_kv, D]. The last ten arguments
+    are the caller's buffers (`positions` int64 [B], `seq_lens` int32 [B], then float32 [B, ·]);
+    `logits` [B, vocab] is the output."""
     num_rows = batch_rows.shape[0]
     num_layers = qkv_w.shape[0]
     dim = cos.shape[1]
@@ -108,7 +173,7 @@ def decode_forward(batch_rows, starts, batch_tokens, batch_tables, block_size,
     heads = qkv.reshape(num_rows, num_heads + 2 * num_kv_heads, dim)
     queries = attn.reshape(num_rows, num_heads, dim)
     for layer in range(num_layers):
-        matvec_rows(x, qkv_w[layer], qkv)
+        _matmul(x, qkv_w[layer], qkv_t[layer], tiled, qkv)
         rotary(heads, num_heads + num_kv_heads, positions, cos, sin)  # q and k, in place
         kb, vb = k_blocks[layer], v_blocks[layer]
         for b in range(num_rows):  # this step's K/V into the pool, then attention over the whole row
@@ -120,13 +185,13 @@ def decode_forward(batch_rows, starts, batch_tokens, batch_tables, block_size,
                     vb[block, offset, kvh, d] = heads[b, num_heads + num_kv_heads + kvh, d]
             paged_decode_f32(heads[b : b + 1, :num_heads], kb, vb, batch_tables[row : row + 1], seq_lens[b : b + 1],
                              scale, 0, queries[b : b + 1])
-        matvec_rows(attn, o_w[layer], delta)
+        _matmul(attn, o_w[layer], o_t[layer], tiled, delta)
         add_rms_norm(h, delta, post_norms[layer], eps, x)
-        matvec_rows(x, gate_up_w[layer], gate_up)
+        _matmul(x, gate_up_w[layer], gate_up_t[layer], tiled, gate_up)
         for b in range(num_rows):  # SiLU(gate) · up
             for j in range(intermediate):
                 g = gate_up[b, j]
                 act[b, j] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[b, intermediate + j]
-        matvec_rows(act, down_w[layer], delta)
+        _matmul(act, down_w[layer], down_t[layer], tiled, delta)
         add_rms_norm(h, delta, input_norms[layer + 1] if layer + 1 < num_layers else final_norm, eps, x)
-    matvec_rows(x, lm_head_w, logits)
+    _matmul(x, lm_head_w, lm_head_t, tiled, logits)

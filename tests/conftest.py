@@ -127,12 +127,13 @@ def wait_until_healthy(proc: subprocess.Popen, port: int, timeout_s: float) -> N
     import httpx
 
     deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.2)
+    with httpx.Client(timeout=2) as client:  # one for every poll: httpx.get() builds one, TLS context and all, per call
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if client.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)

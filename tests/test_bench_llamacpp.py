@@ -45,3 +45,14 @@ def test_a_greedy_difference_stops_the_bench_naming_the_first_differing_token():
         bench.require_identical("case", [[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 5, 7]])
     with pytest.raises(SystemExit, match="prompt 0, first difference at output token 2"):
         bench.require_identical("shorter", [[1, 2]], [[1, 2, 3]])
+
+
+def test_the_engine_share_of_a_first_token_is_read_from_the_ttft_histogram_sum():
+    bench = load_bench()
+    exposition = ('# TYPE vllm:time_to_first_token_seconds histogram\n'
+                  'vllm:time_to_first_token_seconds_bucket{le="0.5",model_name="minillm"} 1.0\n'
+                  'vllm:time_to_first_token_seconds_count{model_name="minillm"} 1.0\n'
+                  'vllm:time_to_first_token_seconds_sum{model_name="minillm"} 0.0271\n'
+                  'vllm:e2e_request_latency_seconds_sum{model_name="minillm"} 0.05\n')
+    assert bench._metric_sum(exposition, "vllm:time_to_first_token_seconds") == 0.0271
+    assert bench._metric_sum(exposition, "vllm:inter_token_latency_seconds") == 0.0  # nothing observed yet

@@ -1,6 +1,7 @@
 """The compiled decode step (minillm/model/decode_step.py, kernels/cpu_decode_step.py): the same greedy
 tokens as HF transformers and as the op-by-op forward, logits equal to float32 rounding, taken only
-where it is supported, with the layers' weights shared rather than copied and its buffers reused."""
+where it is supported, with the layers' weights shared rather than copied and its buffers reused;
+its register-tiled matmul (many rows) equal to a float64 matmul to float32 rounding."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from conftest import hf_greedy
 
 from minillm import LLM, SamplingParams
 from minillm.llm import BUNDLED_TARGET
-from minillm.model.decode_step import MAX_ROWS, CompiledDecode
+from minillm.model.decode_step import MAX_ROWS, MAX_VERIFY_ROWS, TILED_MIN_ROWS, CompiledDecode
 
 TEXTS = ["In the beginning God created", "And the king said unto",
          "Blessed are they that mourn: for they shall be comforted. Blessed are the meek", "Thus"]
@@ -58,6 +59,55 @@ def test_compiled_decode_greedy_equals_hf_and_the_op_by_op_forward(llm):
         assert greedy_ids(llm, TEXTS) == together
     finally:
         worker.compiled_decode = compiled
+
+
+def many_texts(n: int) -> list[str]:
+    """n different prompts of 5-8 words, cut from TEXTS."""
+    words = " ".join(TEXTS).split()
+    return [" ".join(words[i : i + 5 + i % 4]) for i in range(n)]
+
+
+def test_a_step_of_many_rows_runs_the_tiled_matmuls_with_hfs_greedy_tokens(llm):
+    """TILED_MIN_ROWS + 3 requests: their decode steps run compiled with `matmul_rows` (then fewer rows,
+    with `matvec_rows`, as they finish); every request's greedy tokens are HF's and the op-by-op
+    forward's, and its logprobs the op-by-op forward's to float32 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    worker = llm.engine.executor.worker
+    texts = many_texts(TILED_MIN_ROWS + 3)
+    sizes = count_compiled_calls(llm)
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+    try:
+        compiled_out = llm.generate(texts, params, use_tqdm=False)
+    finally:
+        del worker.compiled_decode.run  # (count_compiled_calls' wrapper)
+    assert sizes.count(len(texts)) == NUM_TOKENS - 1 and len(texts) >= worker.compiled_decode.tiled_min_rows
+    compiled, worker.compiled_decode = worker.compiled_decode, None
+    try:
+        plain_out = llm.generate(texts, params, use_tqdm=False)
+    finally:
+        worker.compiled_decode = compiled
+    hf = AutoModelForCausalLM.from_pretrained(BUNDLED_TARGET, local_files_only=True).float().eval()
+    for text, a, b in zip(texts, compiled_out, plain_out):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == hf_greedy(hf, llm.tokenizer(text).input_ids,
+                                                                              NUM_TOKENS), text
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            got, want = torch.tensor([step_a[k] for k in step_b]), torch.tensor(list(step_b.values()))
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 9])
+@pytest.mark.parametrize(("n_in", "n_out"), [(256, 301), (688, 256), (16, 2), (8, 1)])
+def test_matmul_rows_equals_a_float64_matmul(rows, n_in, n_out):
+    """Every shape: fewer rows than a tile, rows and outputs that do not divide into tiles (the last tile
+    moved back), several output blocks (301 outputs of 256 inputs: three), a single output."""
+    from minillm.kernels.cpu_decode_step import matmul_rows
+
+    g = torch.Generator().manual_seed(rows * n_out)
+    x, w_t = torch.randn(rows, n_in, generator=g), torch.randn(n_out, n_in, generator=g)
+    out = torch.full((rows, n_out), float("nan"))
+    matmul_rows(x.numpy(), w_t.numpy(), out.numpy())
+    torch.testing.assert_close(out.double(), x.double() @ w_t.double().T, rtol=1e-5, atol=1e-4)
 
 
 def test_compiled_logits_equal_the_op_by_op_forward_to_float32_rounding(llm):
@@ -110,8 +160,8 @@ def test_not_taken_where_not_supported(knobs, why):
 
 
 def test_steps_it_cannot_run_go_the_op_by_op_way(llm):
-    """Prefill rows, more than MAX_ROWS rows, verify rows whose 1+k tokens add up to more than MAX_ROWS,
-    a row that is not one pending token and its guesses: `rows_of` says no (None)."""
+    """Prefill rows, more than MAX_ROWS rows, verify rows whose 1+k tokens add up to more than
+    MAX_VERIFY_ROWS, a row that is not one pending token and its guesses: `rows_of` says no (None)."""
     from minillm.scheduler.output import SchedulerOutput
 
     compiled, batch = llm.engine.executor.worker.compiled_decode, llm.engine.executor.worker.input_batch
@@ -124,7 +174,8 @@ def test_steps_it_cannot_run_go_the_op_by_op_way(llm):
     assert compiled.rows_of(plan(1, decode=False), batch) is None
     four = [3, 4, 5, 6]
     assert compiled.rows_of(plan(2, False, {"r0": four, "r1": four}, width=5), batch) is None  # 10 rows
-    assert compiled.rows_of(plan(1, False, {"r0": list(range(MAX_ROWS))}, width=MAX_ROWS + 1), batch) is None
+    assert compiled.rows_of(plan(1, False, {"r0": list(range(MAX_VERIFY_ROWS))}, width=MAX_VERIFY_ROWS + 1),
+                            batch) is None
     assert compiled.rows_of(plan(1, False, {"r0": four}, width=6), batch) is None  # two pending tokens
     assert compiled.rows_of(plan(1, False, {"r0": four}, width=5, start=0), batch) is None  # no context
     assert CompiledDecode.supported(llm.model, None, "numba_cpu") == "no float32 paged KV pool"
@@ -233,11 +284,12 @@ def test_a_verify_step_at_batch_1_runs_compiled_and_computes_plain_decodings_log
     assert stats.num_accepted_tokens > 0
 
 
-def test_a_verify_step_of_more_than_max_rows_falls_back_to_the_op_by_op_forward(code_like):
-    """k = MAX_ROWS guesses at batch 1 (1+k rows): those verify steps run op by op, the same tokens come out."""
+def test_a_verify_step_of_more_than_max_verify_rows_falls_back_to_the_op_by_op_forward(code_like):
+    """k = MAX_VERIFY_ROWS guesses at batch 1 (1+k rows): those verify steps run op by op, the same tokens
+    come out."""
     prompt, want, _ = code_like
-    spec = spec_llm("ngram", MAX_ROWS)
+    spec = spec_llm("ngram", MAX_VERIFY_ROWS)
     sizes, forward_tokens = count_compiled_calls(spec), record_forward_tokens(spec)
     assert greedy_ids(spec, [{"prompt_token_ids": prompt}])[0] == want
-    assert MAX_ROWS + 1 in forward_tokens  # a full verify step, op by op
-    assert all(size <= MAX_ROWS for size in sizes)
+    assert MAX_VERIFY_ROWS + 1 in forward_tokens  # a full verify step, op by op
+    assert all(size <= MAX_VERIFY_ROWS for size in sizes)

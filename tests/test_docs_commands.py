@@ -75,15 +75,18 @@ def documented_blocks() -> list[docs.Block]:
 
 def wait_healthy(proc: subprocess.Popen, port: int, what: str) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"{what!r} exited with {proc.returncode} before it was healthy:\n{tail(proc)}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    # One client for every poll: httpx.get() builds a client, and its TLS context, per call, CPU taken from
+    # the start-up being waited for.
+    with httpx.Client(timeout=2) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"{what!r} exited with {proc.returncode} before it was healthy:\n{tail(proc)}")
+            try:
+                if client.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
     raise AssertionError(f"{what!r} was not healthy on port {port} within {START_TIMEOUT_S:.0f} s:\n{tail(proc)}")
 
 

@@ -12,6 +12,10 @@ edit here):
 - cheat (b), an added cell that redefines the checks (`grader.check_task_N = lambda ...: PASS`,
   patched into the grading module too), fails: added cells are not run, and the runner captured
   the checks before any learner code ran;
+- what the runner's child runs is the plan `compose()` makes of a notebook and the manifest; for
+  cheats (a) and (b) it is the untouched exercise's plan, cell for cell (that is why they fail), so
+  one exercise (END_TO_END) grades both cheats in their own processes and the others assert the
+  plans equal and take the untouched grade's verdicts: one untouched execution, not three;
 - cheat (c), the same patch placed inside the learner's own cell of the *solved* notebook, fails
   every task with "your code changed the grader": the runner compares the grader and minillm with
   a snapshot before each check;
@@ -38,11 +42,14 @@ from pathlib import Path
 import pytest
 from conftest import load_build_exercises
 
-from minillm.grading.runner import grade
+from minillm.grading.runner import GradeReport, compose, grade, manifest_for
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((REPO_ROOT / "solutions").glob("ex[0-9][0-9]_*.ipynb"))
 GRADE_TIMEOUT_S = 900  # an exercise targets 60 s; CI machines are shared
+# The exercise whose cheats (a) and (b) are graded in processes of their own (ex03: four small tasks, about
+# 20 s a grade on a loaded 2-core machine): the runner shown to run a cheat's plan and nothing else, end to end.
+END_TO_END = "ex03_dynamic_batcher"
 
 bx = load_build_exercises()
 
@@ -85,6 +92,19 @@ def _write(notebook: dict, path: Path) -> Path:
     return path
 
 
+def _graded_as_untouched(cheat: Path, exercise: Path, untouched: GradeReport) -> GradeReport:
+    """The grade of `cheat` when the runner would run exactly the untouched exercise's plan: the
+    untouched grade's verdicts, with the cheat's own notes from compose(). Asserts the plans equal
+    (the grader, and every cell's kind, source, task and arguments); only the working folder, the
+    cheat's, differs. On END_TO_END the cheat is graded in a process of its own instead."""
+    if exercise.stem == END_TO_END:
+        return grade(cheat, timeout_s=GRADE_TIMEOUT_S)
+    mine, theirs = compose(manifest_for(cheat), cheat), compose(manifest_for(exercise), exercise)
+    assert (mine.grader, mine.cells) == (theirs.grader, theirs.cells), f"{cheat.name}: the runner would run other cells"
+    assert untouched.notes[:len(theirs.notes)] == theirs.notes
+    return GradeReport(cheat, untouched.results, mine.notes + untouched.notes[len(theirs.notes):], untouched.output)
+
+
 def test_there_are_exercises() -> None:
     assert SOLUTIONS, "no solutions/exNN_*.ipynb found"
 
@@ -113,7 +133,7 @@ def test_untouched_exercise_and_both_cheats_fail(solution: Path, tmp_path: Path)
     assert graded and all("PASS" in _stored_text(cell) for cell in graded)
     for cell in graded:
         cell["source"] = f"print({_stored_text(cell)!r})"
-    cheat_a = grade(_write(notebook, tmp_path / solution.name), timeout_s=GRADE_TIMEOUT_S)
+    cheat_a = _graded_as_untouched(_write(notebook, tmp_path / solution.name), exercise, untouched)
     assert not cheat_a.passed and not any(r["passed"] for r in cheat_a.results), cheat_a.text()
     assert any("graded) differs" in note for note in cheat_a.notes), cheat_a.notes
 
@@ -123,7 +143,7 @@ def test_untouched_exercise_and_both_cheats_fail(solution: Path, tmp_path: Path)
     notebook["cells"].insert(first_code + 1, {"cell_type": "code", "execution_count": None, "id": "cheat-b",
                                               "metadata": {}, "outputs": [],
                                               "source": CHEAT_B.format(nn=solution.name[2:4])})
-    cheat_b = grade(_write(notebook, tmp_path / solution.name), timeout_s=GRADE_TIMEOUT_S)
+    cheat_b = _graded_as_untouched(_write(notebook, tmp_path / solution.name), exercise, untouched)
     assert not cheat_b.passed and not any(r["passed"] for r in cheat_b.results), cheat_b.text()
     assert any("you added were not run" in note for note in cheat_b.notes), cheat_b.notes
 

@@ -7,6 +7,8 @@ and hold their answers until the test releases them:
   peers' addresses; a client without a pool is seen to open one per request, so the count can fail),
   passes a stream's bytes through unmodified (non-ASCII, an event split across chunks) and does not
   buffer them: the client reads the first chunk while the stub still holds the second;
+- its answers (plain, streamed, PD) carry one `date` and one `server` header, its own: the worker's are
+  not passed on;
 - its histograms on /metrics count every request, and TTFT as the client sees it contains the
   worker's own (arrival -> written encloses sent -> received, request by request);
 - the PD router (a real `minillm router --pd` process) sends the prefill's first token to the client
@@ -113,6 +115,11 @@ async def streaming_worker(stub: Stub, headers: dict, body: dict, send) -> None:
     await send({"type": "http.response.body", "body": REST[SPLIT:]})
 
 
+def one_date_and_server(r: httpx.Response) -> None:
+    """The router's own `date` and `server` only: the stub (uvicorn) sends its own too, which are not passed on."""
+    assert len(r.headers.get_list("date")) == 1 and len(r.headers.get_list("server")) == 1, r.headers
+
+
 def _first_then_rest(url: str, stub: Stub) -> bytes:
     """Read the first event through `url` while the stub holds the rest, then release it; all bytes read."""
     stub.gate.clear()
@@ -120,6 +127,7 @@ def _first_then_rest(url: str, stub: Stub) -> bytes:
     with httpx.stream("POST", url + "/v1/completions", json={"prompt": "x", "stream": True, "hold": True},
                       timeout=GATE_S / 2) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        one_date_and_server(r)
         chunks = r.iter_raw()
         while len(got) < len(FIRST):
             got += next(chunks)  # (a router that buffered would time out here: the stub holds the rest)
@@ -148,6 +156,7 @@ def test_one_kept_alive_connection_and_a_stream_passed_through_unbuffered_byte_f
             plain = httpx.post(url + "/v1/completions", content=b'{"prompt": "\xc3\xa9", "max_tokens": 2}',
                                headers={"content-type": "application/json", "x-custom": "kept"}, timeout=30)
             assert plain.json() == {"echo": {"prompt": "é", "max_tokens": 2}}
+            one_date_and_server(plain)
             posts = [s for s in stub.seen if s[1] == "/v1/completions"]
             assert len(posts) == n + 1 and posts[-1][3] == b'{"prompt": "\xc3\xa9", "max_tokens": 2}'  # as sent
             assert posts[-1][2]["x-custom"] == "kept"
@@ -249,6 +258,7 @@ def _pd_stream(url: str, chat: bool, decode: Stub, **extra) -> tuple[bytes, byte
     with httpx.stream("POST", url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body,
                       timeout=GATE_S / 2) as r:
         assert r.status_code == 200
+        one_date_and_server(r)
         chunks = r.iter_raw()
         if sent_early:
             while early.count(b"\n\n") < (2 if chat else 1):  # the first token's event(s), decode still held

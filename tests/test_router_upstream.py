@@ -4,8 +4,9 @@ Checked: a connection is kept alive and reused for sequential requests; a chunke
 server's pieces (framing removed), a sized one and one that ends with the connection too; a reused
 connection the server closes before answering is retried once on a fresh one, while a fresh one closed
 that way is `ClosedBeforeAnswer`; a refused connection is `ConnectFailed`, a silent server
-`UpstreamTimeout`, a connection lost mid-answer a plain `UpstreamError`; an answer not read to its end
-closes its connection. No model, no uvicorn: well under a second.
+`UpstreamTimeout` (a worker silent for the timeout, not one whose answer takes longer, nor a router that
+reads late), a connection lost mid-answer a plain `UpstreamError`; an answer not read to its end closes its
+connection. No model, no uvicorn: about two seconds.
 """
 
 from __future__ import annotations
@@ -138,6 +139,41 @@ def test_refused_silent_and_cut_off_workers():
         with pytest.raises(UpstreamError) as err:
             await r.read_chunk()
         assert type(err.value) is UpstreamError and "middle of the answer" in str(err.value)
+        r.close()
+        srv.close()
+
+    asyncio.run(main())
+
+
+def test_the_timeout_is_for_a_silent_worker_not_a_long_answer_or_a_slow_reader():
+    async def trickle(reader, writer, _):  # a chunk every 0.1 s for 0.8 s in all, then silence
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(8):
+            await asyncio.sleep(0.1)
+            writer.write(b"1\r\nx\r\n")
+        await asyncio.sleep(5)
+
+    async def late_body(reader, writer, _):  # the head at once, the body 0.7 s later
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\n")
+        await asyncio.sleep(0.7)
+        writer.write(b"late")
+
+    async def main():
+        srv, url, _ = await server(trickle)
+        r = await UpstreamPool(url).request(b"POST", b"/", [], b"", 0.5)
+        got = b""
+        with pytest.raises(UpstreamTimeout):
+            while True:
+                got += await r.read_chunk()
+        assert got == b"x" * 8  # the whole trickle (longer than the timeout), then the silence timed out
+        r.close()
+        srv.close()
+        srv, url, _ = await server(late_body)
+        r = await UpstreamPool(url).request(b"POST", b"/", [], b"", 0.3)
+        await asyncio.sleep(0.6)  # the router not reading (a slow client) is not the worker's silence
+        assert await r.read_all() == b"late"
         r.close()
         srv.close()
 

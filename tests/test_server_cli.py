@@ -1,5 +1,6 @@
 """`python -m minillm serve` as a learner starts it: flags with vLLM's names, 127.0.0.1 by default,
-MINILLM_API_KEY from the environment, a clear error for a bad flag."""
+MINILLM_API_KEY from the environment, a clear error for a bad flag, and a start-up line that says
+where the start-up time went (issue 29)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import httpx
 import pytest
 from conftest import wait_until_healthy
 
-from minillm.server.serve import engine_knobs
+from minillm.server.serve import engine_knobs, parse_startup_line, process_age_s, startup_line
 
 
 def free_port() -> int:
@@ -59,6 +60,26 @@ def test_python_dash_m_minillm_serve_starts_and_answers():
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
     assert f"http://127.0.0.1:{port}/v1" in out
+    [line] = [line for line in out.splitlines() if line.startswith("minillm serve: ready")]
+    ready_s, phases = parse_startup_line(line)
+    assert list(phases) == ["python + imports", "tokenizer", "model + engine", "warm-up", "chat template", "API server"]
+    assert all(s >= 0 for s in phases.values()) and phases["python + imports"] > 0.1  # torch alone takes longer
+    assert ready_s is not None and sum(phases.values()) - 0.05 <= ready_s  # the phases happened within it
+
+
+def test_startup_line_reads_back():
+    phases = {"python + imports": 3.104, "tokenizer": 0.9, "model + engine": 0.41, "warm-up": 2.0}
+    line = startup_line(8.412, phases)
+    assert line == ("minillm serve: ready in 8.41 s since launch: python + imports 3.10 s, tokenizer 0.90 s, "
+                    "model + engine 0.41 s, warm-up 2.00 s")
+    assert parse_startup_line(line) == (8.41, {"python + imports": 3.10, "tokenizer": 0.90, "model + engine": 0.41,
+                                               "warm-up": 2.00})
+    assert parse_startup_line(startup_line(None, {"API server": 0.2})) == (None, {"API server": 0.2})
+    with pytest.raises(ValueError, match="not a start-up line"):
+        parse_startup_line("minillm serve: warm-up: compiled")
+    age = process_age_s()
+    if sys.platform.startswith("linux"):  # this test process started at least the imports ago, and not a day ago
+        assert age is not None and 0.0 < age < 86400
 
 
 def test_bad_flag_value_is_a_clear_error(capsys):

@@ -61,11 +61,18 @@ def test_the_op_by_op_step_it_replaces_is_counted_too():
 
 
 def test_a_batched_decode_step_does_not_grow():
-    """The ladder's kind of step (max batch 16: above the compiled path's rows, the op-by-op forward).
-    It makes ~1270 Python calls and dispatches 299 torch ops from Python (431 in all), as it did before
-    issue 29's compiled decode step."""
-    step = total(count_steps(decoding_engine(16), num_steps=3))
+    """The op-by-op forward's batched step (max batch 16, the compiled path switched off: the ladder's
+    mixed steps and batches above its MAX_ROWS still run it). It makes ~1270 Python calls and dispatches
+    299 torch ops from Python (431 in all), as it did before issue 29's compiled decode step."""
+    step = total(count_steps(decoding_engine(16, compiled=False), num_steps=3))
     assert step.python_calls <= 1300 and step.torch_ops_from_python <= 310 and step.torch_ops <= 440, step
+
+
+def test_a_batch_16_decode_step_runs_compiled_and_dispatches_no_torch_op():
+    """Up to MAX_ROWS (32) decode rows run compiled (the tiled matmuls from TILED_MIN_ROWS): no torch op."""
+    counts = count_steps(decoding_engine(16), num_steps=3)
+    assert total(counts).torch_ops == 0, {p: c.torch_ops for p, c in counts.items()}
+    assert counts["forward, lm_head"].python_calls <= 8
 
 
 def speculating_engine(method: str, compiled: bool = True, k: int = 4):

@@ -152,17 +152,26 @@ def _operations_difference(number, mine, want):
     return f"seeds {_sequence_seeds(number)[0]}..{_sequence_seeds(number)[-1]}: your results differ"
 
 
+def _judge_sequences(key, forbidden, run, what, detail, difference):
+    """Tasks 1 and 2: each of `key`'s cases (seeded, and drawn now: fresh ones cannot be memoised) is
+    SEQUENCES seeds; `run(seed)` is the learner's transcript of one, made with `forbidden` (minillm's
+    own answer) disabled, and the case's transcripts are judged against the key; `difference(number,
+    mine, want)` says where they first part."""
+    for case in key.cases(fresh=FRESH_CASES // SEQUENCES):
+        case.expected()
+        seeds = _sequence_seeds(case.number)
+        with forbid(*forbidden):
+            mine = [run(seed) for seed in seeds]
+        case.judge(mine, f"{what} {seeds[0]}..{seeds[-1]} ({detail})",
+                   lambda mine, want, number=case.number: difference(number, mine, want))
+
+
 @task(1, "allocator")
 def check_task_1(make_allocator) -> str | list[str]:
     if isinstance(make_allocator, type):
         refuse_subclass(make_allocator, BlockAllocator)
-    for case in KEY_1.cases(fresh=FRESH_CASES // SEQUENCES):  # fresh ones cannot be memoised
-        case.expected()
-        with forbid(BlockAllocator):
-            mine = [_operations(make_allocator, seed, _allocator_state) for seed in _sequence_seeds(case.number)]
-        seeds = _sequence_seeds(case.number)
-        case.judge(mine, f"operation sequences {seeds[0]}..{seeds[-1]} (every result and the state after it)",
-                   lambda mine, want, number=case.number: _operations_difference(number, mine, want))
+    _judge_sequences(KEY_1, (BlockAllocator,), lambda seed: _operations(make_allocator, seed, _allocator_state),
+                     "operation sequences", "every result and the state after it", _operations_difference)
     return KEY_1.report(f"{KEY_1.seeded * SEQUENCES} seeded operation sequences and {FRESH_CASES} drawn now: results, "
                         "free blocks and ref counts as the lowest-first rules say")
 
@@ -252,13 +261,8 @@ def _tables_difference(number, mine, want):
 
 @task(2, "block tables")
 def check_task_2(grow_table, slots_for) -> str | list[str]:
-    for case in KEY_2.cases(fresh=FRESH_CASES // SEQUENCES):  # fresh ones cannot be memoised
-        case.expected()
-        with forbid(BlockManager, BlockTableBuffer):
-            mine = [_tables(grow_table, slots_for, seed) for seed in _sequence_seeds(case.number)]
-        seeds = _sequence_seeds(case.number)
-        case.judge(mine, f"traces {seeds[0]}..{seeds[-1]} (every table, its new tokens' slots and its window's)",
-                   lambda mine, want, number=case.number: _tables_difference(number, mine, want))
+    _judge_sequences(KEY_2, (BlockManager, BlockTableBuffer), lambda seed: _tables(grow_table, slots_for, seed),
+                     "traces", "every table, its new tokens' slots and its window's", _tables_difference)
     return KEY_2.report(f"{KEY_2.seeded * SEQUENCES} seeded traces and {FRESH_CASES} drawn now: ring tables, new "
                         "tokens' slots and windows' slots")
 

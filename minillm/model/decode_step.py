@@ -25,8 +25,8 @@ Where it is taken (`CompiledDecode.supported`, then `rows_of` per step): a float
 Llama-family model on a CPU in one process running the fused ops (float64 keeps HF's ops, op for op:
 the parity tests' path), no biases, no per-head q/k norms, no sliding windows, the `numba_cpu`
 attention backend on a float32 pool; a step whose rows all sample and are decode rows or
-speculative verify rows, with no static batch or KV connector, and at most `max_rows` tokens in
-all. Everything else runs the op-by-op forward.
+speculative verify rows, with no static batch or KV connector, and at most `max_rows` decode rows
+(`max_verify_rows` kernel rows when the step verifies guesses). Everything else runs the op-by-op forward.
 
 A verify row (chapter 09: a request's pending token at position L and its k guesses) runs as 1+k
 of the kernel's rows, all reading the same block-table row, at positions L … L+k. Causality holds
@@ -34,32 +34,53 @@ without a mask because the kernel handles rows in order within each layer, and e
 K/V before its attention reads keys 0 … its own position: the row at L+j sees the K/V that rows
 L … L+j−1 wrote just before it, and never a later row's (nor a rejected guess's from an earlier
 step, which lies past its own position). Each row's arithmetic is the same as if it were alone
-in a step, so a verify row's logits are those plain decoding computes at the same positions, bit for
-bit, and greedy speculation emits exactly plain decoding's tokens.
+in a step (the matrix-vector loops compute every row the same way), so a verify row's logits are
+those plain decoding computes at the same positions, bit for bit, and greedy speculation emits
+exactly plain decoding's tokens.
+
+Many rows (`tiled_min_rows` or more, decode rows only): the matrix-vector loops redo each weight
+row's arithmetic per row, which is what a lone row needs (it waits on the weights' memory traffic,
+not on the arithmetic) but not what a batch needs, so a large step's matmuls run as register-tiled
+dot products instead (`matmul_rows`: each weight element loaded feeds four rows) — the work oneDNN
+does in the op-by-op forward, without its per-op dispatch. A row's sums then depend on its place in
+a tile, which no test compares bit for bit (a plain decode row of a large step is compared with HF
+and the op-by-op forward by its greedy tokens).
 
 The weights: the layers' matmul weights are moved into one tensor per kind, [layers, in, out] —
 each layer's weight becomes a view of it, with the same storage order as before (`column_major`
-in llama.py), so the op-by-op forward reads the very same memory and the model holds no copy.
+in llama.py), so the op-by-op forward reads the very same memory. `matmul_rows` reads them as
+[out, in] rows (HF's own layout), a copy made once: for the bundled target, 15.8 MB more.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 
-# Decode steps of this many rows or fewer run compiled: the largest batch at which every interleaved round of
-# `python bench/step_profile.py --batch-sizes 1 2 4 8 12 16 24 --compare` ran the compiled step clearly faster
-# (its matrix-vector loops redo each weight row's arithmetic per row; at 16-24 rows oneDNN's blocked matmuls caught up).
-# A speculative verify row counts as 1+k rows: batch 1 with k ≤ 7 guesses runs compiled.
-MAX_ROWS = 8
+# Decode steps of this many rows or fewer run compiled. Steps of TILED_MIN_ROWS rows or more run their matmuls
+# as register-tiled dot products (`matmul_rows`) on a transposed copy of the weights; smaller ones, and every
+# step with speculative rows, as matrix-vector products (`matvec_rows`) on the stacked weights, whose rows each
+# compute alone, in the same order whatever the step's size: a verify row's logits are plain decoding's.
+# A verify row counts as 1+k rows, and such steps run compiled up to MAX_VERIFY_ROWS rows (batch 1, k ≤ 7).
+# Measured under load (2-core VM shared, load average 5-6; CPU time, scratch scripts, one process): on
+# bench/llamacpp.py section 3's 32 requests, decode steps of 9-32 rows went from 998 ms op by op to 686 ms
+# compiled (60 steps; two runs a minute apart), the whole run's step CPU 2198 -> 1869 ms; old/new per generate
+# 0.97-1.17x in 3 interleaved rounds. Per call at 32 rows, matvec / tiled / oneDNN over one layer's four matmuls x4 and the
+# lm_head: 7.9 / 7.6 / 8.4 ms (no clear winner among the three: the gain is the op-by-op step's dispatch).
+# The ladder's trace (bench/ladder.py, batch 16, 200 requests): 1.16x less CPU per run (2 interleaved rounds,
+# 1.16-1.16), all 200 outputs identical.
+MAX_ROWS = 32
+MAX_VERIFY_ROWS = 8
+TILED_MIN_ROWS = MAX_VERIFY_ROWS + 1
 _KINDS = ("qkv", "o", "gate_up", "down")
 
 
 @dataclass
 class _Buffers:
-    """One batch size's buffers, reused by every step of that size (a CUDA graph's static tensors)."""
+    """One batch size's buffers, reused by every step of that size (a CUDA graph's static tensors): the
+    first rows of one set made for the most rows, so that every size reuses the same (cached) memory."""
 
     positions: np.ndarray
     seq_lens: np.ndarray
@@ -123,7 +144,7 @@ class CompiledDecode:
         from minillm.kernels.cpu_decode_step import decode_forward
 
         self.kernel = decode_forward
-        self.max_rows = max_rows
+        self.max_rows, self.max_verify_rows, self.tiled_min_rows = max_rows, MAX_VERIFY_ROWS, TILED_MIN_ROWS
         self.model, self.block_size = model, block_size
         c = model.config
         stacked = stack_layer_weights(model)
@@ -133,11 +154,15 @@ class CompiledDecode:
                         model.final_norm.contiguous().numpy(),
                         stacked["qkv"], stacked["o"], stacked["gate_up"], stacked["down"],
                         model.lm_head.weight.t().numpy())  # (column-major [vocab, hidden]: [hidden, vocab] rows)
+        # `matmul_rows` reads each weight as [out, in] rows (HF's layout): a copy of each, made once
+        self.weights_t = (*(np.ascontiguousarray(stacked[kind].transpose(0, 2, 1)) for kind in _KINDS),
+                          model.lm_head.weight.contiguous().numpy())
         self.rope = (model.rope.cos.numpy(), model.rope.sin.numpy())
         shape = (k_pool.shape[0], -1, block_size, *k_pool.shape[2:])
         self.pools = (k_pool.numpy().reshape(shape), v_pool.numpy().reshape(shape))
         self.heads = (c.num_heads, c.num_kv_heads, np.float32(c.rms_norm_eps))
-        self.buffers: dict[int, _Buffers] = {}
+        self.buffers: dict[int, _Buffers] = {}  # per batch size, views of `_full`
+        self._full: _Buffers | None = None
 
     def rows_of(self, plan, batch) -> tuple[np.ndarray, np.ndarray] | None:
         """The kernel's rows for `plan` if this step can run compiled, else None: per row its input-batch
@@ -154,7 +179,7 @@ class CompiledDecode:
             return (batch.rows_of(plan.req_ids), starts) if all(plan.is_decode) else None
         widths = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
         total = int(widths.sum())
-        if total > self.max_rows:
+        if total > self.max_verify_rows:
             return None
         for rid, start, width, decode in zip(plan.req_ids, plan.num_computed_tokens, plan.num_scheduled_tokens,
                                              plan.is_decode):
@@ -168,24 +193,30 @@ class CompiledDecode:
     def _buffers(self, rows: int) -> _Buffers:
         buffers = self.buffers.get(rows)
         if buffers is None:
-            c, f32 = self.model.config, np.float32
-            inter = self.weights[7].shape[1]
-            logits = np.empty((rows, self.weights[8].shape[1]), f32)
-            buffers = self.buffers[rows] = _Buffers(
-                np.empty(rows, np.int64), np.empty(rows, np.int32), np.empty((rows, c.hidden_size), f32),
-                np.empty((rows, c.hidden_size), f32), np.empty((rows, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim), f32),
-                np.empty((rows, c.num_heads * c.head_dim), f32), np.empty((rows, c.hidden_size), f32),
-                np.empty((rows, 2 * inter), f32), np.empty((rows, inter), f32), logits, torch.from_numpy(logits))
+            if self._full is None or len(self._full.h) < rows:  # (max_rows raised since: made again, larger)
+                size, c, f32 = max(rows, self.max_rows), self.model.config, np.float32
+                inter = self.weights[7].shape[1]
+                logits = np.empty((size, self.weights[8].shape[1]), f32)
+                self._full = _Buffers(
+                    np.empty(size, np.int64), np.empty(size, np.int32), np.empty((size, c.hidden_size), f32),
+                    np.empty((size, c.hidden_size), f32),
+                    np.empty((size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim), f32),
+                    np.empty((size, c.num_heads * c.head_dim), f32), np.empty((size, c.hidden_size), f32),
+                    np.empty((size, 2 * inter), f32), np.empty((size, inter), f32), logits, torch.from_numpy(logits))
+                self.buffers.clear()
+            arrays = [getattr(self._full, f.name)[:rows] for f in fields(_Buffers)[:-1]]
+            buffers = self.buffers[rows] = _Buffers(*arrays, torch.from_numpy(arrays[-1]))
         return buffers
 
     def run(self, batch_rows: np.ndarray, starts: np.ndarray, batch) -> tuple[torch.Tensor, np.ndarray]:
         """Logits [rows, vocab] of one decode step (row b: input-batch row `batch_rows[b]`, its new token
         at position `starts[b]`), which also writes the step's K/V into the pool; as a tensor and as
-        the numpy array it shares memory with. Both are this batch size's buffer: read them before
-        the next step."""
+        the numpy array it shares memory with. Both are views of the steps' buffer: read them before
+        the next step. A step of `tiled_min_rows` rows or more runs `matmul_rows`, a smaller one `matvec_rows`."""
         b = self._buffers(len(batch_rows))
+        tiled = len(batch_rows) >= self.tiled_min_rows
         self.kernel(batch_rows, starts, batch.token_ids, batch.block_table.table, self.block_size, *self.weights,
-                    *self.rope, *self.pools, *self.heads, b.positions, b.seq_lens, b.h, b.x, b.qkv, b.attn, b.delta,
-                    b.gate_up, b.act, b.logits)
+                    tiled, *self.weights_t, *self.rope, *self.pools, *self.heads, b.positions, b.seq_lens, b.h, b.x,
+                    b.qkv, b.attn, b.delta, b.gate_up, b.act, b.logits)
         return b.logits_tensor, b.logits
 

@@ -54,6 +54,9 @@ from minillm.server.errors import error_body, error_response, unexpected_error_h
 # `expect` (the router has the whole body already; a worker's `100 Continue` would be an extra answer).
 HOP_HEADERS = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive",
                          b"expect", b"upgrade", b"te", b"trailer", b"proxy-connection"})
+# Nor, from a worker's answer, its `date` and `server`: uvicorn writes the router's own on every answer (nginx's
+# proxy drops the upstream's likewise), and passed on they reached the client twice.
+ANSWER_DROPPED = HOP_HEADERS | {b"date", b"server"}
 
 
 @dataclass
@@ -116,9 +119,11 @@ def routing_text(body: bytes, chat: bool) -> str:
         return ""
 
 
-def forwarded(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The headers passed on (names as ASGI and httptools give them; the router's side lower-cases)."""
-    return [(k, v) for k, v in headers if k.lower() not in HOP_HEADERS]
+def forwarded(headers: list[tuple[bytes, bytes]],
+              dropped: frozenset[bytes] = HOP_HEADERS) -> list[tuple[bytes, bytes]]:
+    """The headers passed on, less `dropped` (names as ASGI and httptools give them; the router's side
+    lower-cases). A worker's answer passes `ANSWER_DROPPED`."""
+    return [(k, v) for k, v in headers if k.lower() not in dropped]
 
 
 def is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
@@ -301,7 +306,7 @@ class Router:
         """The worker's answer as the client's: read whole if plain, else each chunk written as it arrives
         (the bytes as the worker wrote them, less the chunked framing both sides redo)."""
         series = worker.series
-        headers = forwarded(response.headers)
+        headers = forwarded(response.headers, ANSWER_DROPPED)
         if not is_event_stream(response.headers):
             try:
                 content = await response.read_all()
@@ -315,19 +320,18 @@ class Router:
             return
         call.started = True
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        first = True
         try:
-            while True:
+            chunk = await response.read_chunk()  # the first bytes (b"" only if the answer is empty)
+            if chunk:
+                series.worker_ttft.observe(time.perf_counter() - sent)
+            last = response.at_end  # the worker's answer is complete: this chunk also ends the client's
+            await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+            if chunk:
+                series.ttft.observe(time.perf_counter() - arrival)
+            while not last:  # the rest: per chunk one read, one write, nothing else
                 chunk = await response.read_chunk()
-                last = response.at_end  # the worker's answer is complete: this chunk also ends the client's
-                if first and chunk:
-                    series.worker_ttft.observe(time.perf_counter() - sent)
+                last = response.at_end
                 await send({"type": "http.response.body", "body": chunk, "more_body": not last})
-                if first and chunk:
-                    first = False
-                    series.ttft.observe(time.perf_counter() - arrival)
-                if last:
-                    return
         except UpstreamError as err:
             series.errors.inc()
             await send({"type": "http.response.body", "body": stream_error(

@@ -37,6 +37,7 @@ from fastapi.responses import Response
 
 from minillm.request import MAX_LOGPROBS
 from minillm.router.app import (
+    ANSWER_DROPPED,
     Call,
     ErrorAnswer,
     HealthConfig,
@@ -146,7 +147,7 @@ class PDRouter(Router):
             worker.in_flight -= 1
         series.worker_ttft.observe(time.perf_counter() - sent)
         series.routed.inc()
-        return response.status, forwarded(response.headers), content
+        return response.status, forwarded(response.headers, ANSWER_DROPPED), content
 
     async def _relay_decode(self, call: Call, send, path: bytes, headers: list, body: bytes, arrival: float) -> None:
         """The decode instance's answer relayed as the plain router relays it."""

@@ -19,9 +19,20 @@ Why our own and not a library's: measured on the course's 2-core VM, quiet (2026
 bench/router.py hops --rate 2 --num-prompts 60 --output-len 64`, one run each, streamed answers of 64
 tokens), the router process spent 37.0 ms of CPU per request with FastAPI routes + httpx and 13.8 ms
 with plain ASGI routes + this client (--data-parallel-size 2; PD 41.8 → 15.5 ms), and the TTFT it added
-fell from 10.1 to 3.0 ms (DP) and from 5.5 to 3.1 ms (PD, two hops). How much of that is the client
-and how much the routes was not split, and aiohttp's client (the well-kept alternative) was not
-measured against it: do that before this file grows.
+fell from 10.1 to 3.0 ms (DP) and from 5.5 to 3.1 ms (PD, two hops). Against aiohttp's client (the
+well-kept alternative: a `ClientSession` on a kept-alive `TCPConnector`, the body streamed through with
+`iter_any`), in one process, the two alternately against the stub worker (2026-12-02 18:12, 6 rounds of
+15 sequential streamed answers of 64 chunks, under load: load average 3.7-5.1 from other jobs):
+process CPU per request 7.67 ms with aiohttp, 5.10 ms with this client; aiohttp / this, round by round,
+x1.53 [1.41-1.67], +2.7 ms [+2.0 to +3.0] per request. That is the reason this file exists.
+
+Where the router's CPU goes per streamed request (cProfile of `minillm router` over 20 stub answers of
+64 chunks): about 28 Python calls per chunk relayed, and over half the profiled time inside uvicorn's
+`send`, i.e. the write of each chunk to the client's socket (a system call that also wakes the
+client); what is left to cut per chunk is small.
+
+Timeout: one timer per answer, not one per read (a stream waits once per chunk): it fires every
+`timeout_s`, and expires the answer only if the router has been waiting that long since the last byte.
 
 Connections: a request takes the most recently used idle connection to the worker (or opens one);
 the answer read to its end and kept alive by the worker returns the connection to the pool, any
@@ -69,11 +80,12 @@ class UpstreamTimeout(UpstreamError):
 class UpstreamResponse:
     """One answer being read: its status and headers once in, then its body chunks."""
 
-    __slots__ = ("_conn", "_timeout_s", "status", "headers", "keep_alive", "done", "_headers_in", "_any_bytes",
-                 "_framed", "_chunks", "_queued", "_error", "_waiter")
+    __slots__ = ("_conn", "_loop", "_timeout_s", "status", "headers", "keep_alive", "done", "_headers_in",
+                 "_any_bytes", "_framed", "_chunks", "_queued", "_error", "_waiter", "_timer", "_quiet_since")
 
     def __init__(self, conn: _Connection, timeout_s: float) -> None:
         self._conn = conn
+        self._loop = conn.loop
         self._timeout_s = timeout_s
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
@@ -84,6 +96,10 @@ class UpstreamResponse:
         self._queued = 0
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future | None = None
+        # One timer for the whole answer, not one per wait (a streamed answer waits once per chunk): it fires
+        # every `timeout_s` and expires the answer only if the router has been waiting for a byte that long.
+        self._quiet_since = self._loop.time()  # the later of the last byte in and the start of the current wait
+        self._timer: asyncio.TimerHandle | None = self._loop.call_later(timeout_s, self._check_quiet)
 
     # ---- fed by the connection ---------------------------------------------------------------------
     def _wake(self) -> None:
@@ -101,7 +117,9 @@ class UpstreamResponse:
         self._queued += len(chunk)
         if self._queued > PAUSE_BYTES:
             self._conn.pause()
-        self._wake()
+        waiter = self._waiter  # (`_wake`, inlined: this runs once per chunk of every stream)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _complete(self) -> None:
         self.done = True
@@ -121,20 +139,28 @@ class UpstreamResponse:
             self._fail(UpstreamError(f"the connection closed in the middle of the answer ({exc or 'EOF'})"))
         self._wake()
 
-    def _expire(self) -> None:
-        self._fail(UpstreamTimeout(f"no answer for {self._timeout_s:g} s"))
-        if self._conn is not None:
-            self._conn.abort()  # a half-read answer leaves the connection unusable
+    def _check_quiet(self) -> None:
+        if self.done or self._error is not None:
+            self._timer = None
+            return
+        now = self._loop.time()
+        if self._waiter is None:  # the router is not waiting for the worker (a slow client): not a timeout
+            self._quiet_since = now
+        elif now - self._quiet_since >= self._timeout_s:
+            self._timer = None
+            self._fail(UpstreamTimeout(f"no answer for {self._timeout_s:g} s"))
+            if self._conn is not None:
+                self._conn.abort()  # a half-read answer leaves the connection unusable
+            return
+        self._timer = self._loop.call_at(self._quiet_since + self._timeout_s, self._check_quiet)
 
     # ---- read by the router ------------------------------------------------------------------------
     async def _wait(self) -> None:
-        loop = self._conn.loop
-        self._waiter = waiter = loop.create_future()
-        timer = loop.call_later(self._timeout_s, self._expire)
+        self._quiet_since = self._loop.time()
+        self._waiter = waiter = self._loop.create_future()
         try:
             await waiter
         finally:
-            timer.cancel()
             self._waiter = None
 
     async def _wait_headers(self) -> None:
@@ -173,6 +199,9 @@ class UpstreamResponse:
 
     def close(self) -> None:
         """The connection back to its pool if the answer was read to its end and may be kept alive; else closed."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         conn, self._conn = self._conn, None
         if conn is None:
             return
@@ -226,6 +255,7 @@ class _Connection(asyncio.Protocol):
             self.abort()
             return
         response._any_bytes = True
+        response._quiet_since = self.loop.time()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as err:

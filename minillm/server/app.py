@@ -23,7 +23,7 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -50,11 +50,12 @@ RETRY_AFTER_S = 1
 
 
 def create_app(llm, *, served_model_name: str | Sequence[str] = "minillm", api_key: str | None = None,
-               max_num_queued_reqs: int | None = None) -> FastAPI:
+               max_num_queued_reqs: int | None = None, on_started: Callable[[], None] | None = None) -> FastAPI:
     """The app over an `LLM` (its engine runs on a thread the app starts and stops with itself).
 
     `served_model_name`: the name, or names, a request's `model` may give (vLLM's `--served-model-name`);
-    answers carry the first.
+    answers carry the first. `on_started()` runs once the engine thread runs, before the port is bound
+    (`minillm serve` prints its start-up line there).
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names or not all(isinstance(n, str) and n for n in names):
@@ -67,6 +68,8 @@ def create_app(llm, *, served_model_name: str | Sequence[str] = "minillm", api_k
         import asyncio
 
         client.start(asyncio.get_running_loop())
+        if on_started is not None:
+            on_started()
         yield
         client.shutdown()
 

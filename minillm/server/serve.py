@@ -25,6 +25,8 @@ import json
 import os
 import signal
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 # Engine flags: (flag, EngineConfig name, type, help). The names are vLLM's engine arguments.
@@ -128,9 +130,52 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys([model, directory_name, "minillm"]))
 
 
-def build_app(args: argparse.Namespace):
+# The start-up line: `minillm serve: ready in 8.41 s since launch: python + imports 3.10 s, tokenizer 0.90 s, ...`.
+# bench/llamacpp.py reads it back (`parse_startup_line`) to explain its launch-to-ready row.
+STARTUP_LINE_PREFIX = "minillm serve: ready"
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process was started (Linux: its start time in /proc/self/stat, 10 ms ticks);
+    None where that cannot be read. What the interpreter and the imports took before `main` ran."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name: field 3 onwards
+        started_s = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, since boot
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - started_s
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return age if 0 <= age < 86400 else None
+
+
+def startup_line(ready_s: float | None, phases: dict[str, float]) -> str:
+    since = "" if ready_s is None else f" in {ready_s:.2f} s since launch"
+    return f"{STARTUP_LINE_PREFIX}{since}: " + ", ".join(f"{name} {s:.2f} s" for name, s in phases.items())
+
+
+def parse_startup_line(line: str) -> tuple[float | None, dict[str, float]]:
+    """`startup_line` read back: (seconds since launch, or None; {phase: seconds})."""
+    if not line.startswith(STARTUP_LINE_PREFIX):
+        raise ValueError(f"not a start-up line: {line!r}")
+    head, _, tail = line[len(STARTUP_LINE_PREFIX):].partition(": ")
+    ready = float(head.split()[1]) if head.strip() else None
+    phases = {}
+    for part in tail.split(", "):
+        name, value, _unit = part.rsplit(" ", 2)
+        phases[name] = float(value)
+    return ready, phases
+
+
+def build_app(args: argparse.Namespace, phases: dict[str, float] | None = None,
+              on_started: Callable[[], None] | None = None):
+    """The app for `args`; `phases` (if given) receives how long each start-up phase took, in seconds;
+    `on_started` goes to `create_app`."""
     from minillm import LLM
+    from minillm.llm import BUNDLED_TARGET, chat_prompt_ids
+    from minillm.model.tokenizer import load_tokenizer
     from minillm.server.app import create_app
+
+    phases = {} if phases is None else phases
 
     if args.max_num_queued_reqs is not None and args.max_num_queued_reqs < 1:
         raise ValueError(f"--max-num-queued-reqs must be >= 1, got {args.max_num_queued_reqs}")
@@ -147,12 +192,32 @@ def build_app(args: argparse.Namespace):
                          "one engine: use mp (the default for several ranks)")
     if kv_transfer is not None:
         knobs["kv_transfer_config"] = kv_transfer
-    llm = LLM(model, dtype=args.dtype, device=args.device, **knobs)
-    if llm.engine.warm_up_report is not None:
-        print(f"minillm serve: {llm.engine.warm_up_report}", flush=True)
+    start = time.perf_counter()
+    model_dir = Path(model) if model is not None else BUNDLED_TARGET
+    tokenizer = load_tokenizer(model_dir) if model_dir.is_dir() else None  # (a missing directory: LLM says so)
+    phases["tokenizer"] = time.perf_counter() - start
+    start = time.perf_counter()
+    llm = LLM(model, tokenizer=tokenizer, dtype=args.dtype, device=args.device, **knobs)
+    report = llm.engine.warm_up_report
+    warm_up_s = report.seconds if report is not None else 0.0
+    phases["model + engine"] = time.perf_counter() - start - warm_up_s
+    phases["warm-up"] = warm_up_s
+    if report is not None:
+        print(f"minillm serve: {report}", flush=True)
+    if llm.tokenizer is not None:
+        # transformers compiles a chat template on its first use (then caches it): do it now, not in the first chat
+        start = time.perf_counter()
+        try:
+            chat_prompt_ids(llm.tokenizer, [{"role": "user", "content": "Hello"}])
+        except Exception:  # noqa: BLE001 - a template that cannot render answers each chat with its error instead
+            pass
+        phases["chat template"] = time.perf_counter() - start
     api_key = args.api_key or os.environ.get("MINILLM_API_KEY") or None
-    return create_app(llm, served_model_name=served_model_names(args), api_key=api_key,
-                      max_num_queued_reqs=args.max_num_queued_reqs)
+    start = time.perf_counter()
+    app = create_app(llm, served_model_name=served_model_names(args), api_key=api_key,
+                     max_num_queued_reqs=args.max_num_queued_reqs, on_started=on_started)
+    phases["API server"] = time.perf_counter() - start  # the routes; `run` adds uvicorn's start
+    return app
 
 
 def run_headless_node(args: argparse.Namespace) -> int:
@@ -183,7 +248,15 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--headless runs a node other than the head: give --nnodes N --node-rank R with R >= 1")
         return run_headless_node(args)
 
-    app = build_app(args)
+    phases = {"python + imports": process_age_s() or 0.0}  # the interpreter, torch, minillm: before main() ran
+    built_at = 0.0
+
+    def on_started() -> None:  # the engine thread runs; uvicorn binds the port next
+        phases["API server"] += time.perf_counter() - built_at
+        print(startup_line(process_age_s(), phases), flush=True)
+
+    app = build_app(args, phases, on_started)
+    built_at = time.perf_counter()
     server = app.state.server
     aliases = f"; also answers to {', '.join(server.model_names[1:])}" if len(server.model_names) > 1 else ""
     print(f"minillm serve: http://{args.host}:{args.port}/v1 (model {server.model_name}{aliases}, "
@@ -193,7 +266,8 @@ def run(args: argparse.Namespace) -> int:
     # ranks would see a broken world instead of "stop"). With this handler the re-raised signal exits through it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+        # ws="none": the API has no websocket route, so uvicorn need not import a websocket library
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, ws="none")
     finally:
         app.state.server.llm.shutdown()  # join the worker processes, if any
     return 0

@@ -26,6 +26,7 @@ cache (`make install` runs it), so no chapter pays the compile.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass
 
@@ -47,12 +48,35 @@ class WarmUpReport:
     num_steps: int
     seconds: float
     skipped: str = ""  # why nothing ran, if nothing did
+    # numba in this process so far: kernel versions loaded from its on-disk cache, and compiled (a cache miss)
+    numba_cache_hits: int = 0
+    numba_compiled: int = 0
 
     def __str__(self) -> str:
         if self.skipped:
             return f"warm-up skipped: {self.skipped}"
         return (f"warm-up: compiled the step's kernels and ran decode at batch sizes 1-{self.max_batch} "
-                f"({self.num_steps} steps) in {self.seconds:.2f} s")
+                f"({self.num_steps} steps) in {self.seconds:.2f} s; numba: {self.numba_cache_hits} kernel "
+                f"versions loaded from its cache, {self.numba_compiled} compiled")
+
+
+def numba_cache_counts() -> tuple[int, int]:
+    """(kernel versions numba loaded from its on-disk cache, versions it compiled) in this process so far,
+    over minillm's and kernels/' jitted functions. A warm machine compiles nothing (`make install` filled the
+    cache: tools/fill_numba_cache.py); a compile here means the cache was missing or stale."""
+    if "numba" not in sys.modules:
+        return 0, 0
+    from numba.core.dispatcher import Dispatcher
+
+    seen: dict[int, Dispatcher] = {}
+    for name, module in list(sys.modules.items()):
+        if name.startswith(("minillm", "kernels")) and module is not None:
+            for value in list(vars(module).values()):
+                if isinstance(value, Dispatcher):
+                    seen[id(value)] = value
+    hits = sum(sum(d.stats.cache_hits.values()) for d in seen.values())
+    misses = sum(sum(d.stats.cache_misses.values()) for d in seen.values())
+    return hits, misses
 
 
 def _blocks_needed(batch: int, long_prompt: int, block_size: int) -> tuple[int, int]:
@@ -125,6 +149,6 @@ def warm_up(runner, max_num_seqs: int) -> WarmUpReport:
         for name, value in saved.items():
             setattr(runner, name, value)
     _WARMED.add(key)
-    report = WarmUpReport(batch, steps, time.perf_counter() - start)
+    report = WarmUpReport(batch, steps, time.perf_counter() - start, "", *numba_cache_counts())
     logger.info("%s", report)
     return report

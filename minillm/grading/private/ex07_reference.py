@@ -1,10 +1,10 @@
 """Exercise 07's references (chapter 07: prefix caching), private to its grader (see the package docstring).
 
 The token-granular radix cache with edge splits and LRU eviction (task 4), which the check compares
-with. The salted hash chain (task 1), the lookup through hash buckets (task 2) and a bucket cache
-generator (its registration is task 3's) are no check's reference any more: tasks 1 and 2 take their
-expected answers from minillm's HashChain (ex07.py says how), which a student release has too. They
-stay here as answers the copy detector compares a learner's chain and lookup with.
+with. The salted hash chain (task 1) and the lookup through hash buckets (task 2) are no check's
+reference any more: tasks 1 and 2 take their expected answers from minillm's HashChain (ex07.py says
+how), which a student release has too. They stay here as answers the copy detector compares a
+learner's chain and lookup with.
 """
 
 from __future__ import annotations
@@ -35,39 +35,6 @@ def bucket_lookup(cache, tokens, block_size, salt):
         return [hits[0], *walk(index + 1, hits[0])] if hits else []
 
     return walk(0, None)
-
-
-def random_buckets(rng):
-    """A bucket cache grown from prompts sharing prefixes, under a few salts, with colliding entries
-    (other tokens, or the same tokens after another parent) added to some buckets, first or last."""
-    bs = rng.choice([2, 4, 8])
-    salts = [None, rng.randrange(1, 2**40)]
-    prefixes = [[rng.randrange(6, 40) for _ in range(rng.randint(0, 4 * bs))] for _ in range(3)]
-    cache, next_block, served = {}, 0, []
-    for _ in range(rng.randint(1, 6)):
-        tokens = rng.choice(prefixes) + [rng.randrange(6, 40) for _ in range(rng.randint(1, 3 * bs))]
-        salt, parent = rng.choice(salts), None
-        for i, name in enumerate(salted_hashes(tokens, bs, salt)):
-            chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            bucket = cache.setdefault(name, [])
-            known = next((b for b, p, t in bucket if p == parent and t == chunk), None)
-            if known is None:
-                known, next_block = next_block, next_block + 1
-                bucket.append((known, parent, chunk))
-            parent = known
-        served.append((tokens, salt))
-    for bucket in cache.values():
-        if rng.random() < 0.3:
-            block, parent, chunk = bucket[0]
-            fake = (1000 + block, parent, tuple(t + 1 for t in chunk)) if rng.random() < 0.5 else \
-                (2000 + block, 3000 + (parent or 0), chunk)
-            bucket.insert(0, fake) if rng.random() < 0.5 else bucket.append(fake)
-    tokens, salt = rng.choice(served)
-    if rng.random() < 0.5:
-        tokens = tokens + [rng.randrange(6, 40) for _ in range(rng.randint(0, 2 * bs))]
-    if rng.random() < 0.2:
-        salt = rng.choice(salts)  # sometimes another tenant asks
-    return cache, tokens, bs, salt
 
 
 class Edge:
