@@ -65,6 +65,76 @@ def test_measure_this_cpu_is_plausible():
     assert hw.dtype_bytes == 4 and hw.mem_capacity_bytes > 0
 
 
+def test_measure_read_bandwidth_is_plausible():
+    from minillm.sim.hardware import measure_read_bandwidth
+
+    for num_bytes in (2**20, 32 * 2**20):  # inside a typical L2/L3, and at a typical L3's size
+        assert 1e8 < measure_read_bandwidth(num_bytes, budget_s=0.05) < 1e13
+
+
+def _fake_cache(root, entries):
+    for i, (level, kind, size) in enumerate(entries):
+        index = root / f"index{i}"
+        index.mkdir(parents=True)
+        (index / "level").write_text(f"{level}\n")
+        (index / "type").write_text(f"{kind}\n")
+        (index / "size").write_text(f"{size}\n")
+    return root
+
+
+def test_last_level_cache_bytes_reads_the_highest_data_level(tmp_path):
+    from minillm.sim.hardware import last_level_cache_bytes
+
+    # the layout of this course's 2-core AMD EPYC: L1d, L1i, L2, L3
+    epyc = _fake_cache(tmp_path / "epyc", [(1, "Data", "32K"), (1, "Instruction", "32K"), (2, "Unified", "512K"),
+                                           (3, "Unified", "32768K")])
+    assert last_level_cache_bytes(epyc) == 32 * 2**20
+    # no L3, sizes in M; an instruction cache at a higher level does not count
+    small = _fake_cache(tmp_path / "small", [(1, "Data", "64K"), (2, "Unified", "1M"), (3, "Instruction", "8M")])
+    assert last_level_cache_bytes(small) == 2**20
+    assert last_level_cache_bytes(tmp_path / "absent") is None
+    broken = _fake_cache(tmp_path / "broken", [(3, "Unified", "lots")])
+    assert last_level_cache_bytes(broken) is None
+
+
+def test_fit_step_overheads_recovers_a_line_and_never_goes_negative():
+    from minillm.sim import Hardware
+    from minillm.sim.cost_model import fit_step_overheads
+
+    sizes = np.array([1] * 30 + [2] * 10 + [4] * 10 + [8] * 50)
+    exact = fit_step_overheads(sizes, 0.5e-3 + 0.2e-3 * sizes)
+    assert exact.fixed_s == pytest.approx(0.5e-3) and exact.per_request_s == pytest.approx(0.2e-3)
+    assert exact.fixed_only_s == pytest.approx(np.median(0.5e-3 + 0.2e-3 * sizes)) and exact.clamped == ()
+
+    # the roofline alone overshoots small batches: the line's intercept is negative -> through the origin
+    origin = fit_step_overheads(sizes, -0.3e-3 + 0.5e-3 * sizes)
+    assert origin.fixed_s == 0 and 0.4e-3 < origin.per_request_s < 0.5e-3
+    assert "intercept came out -0.30 ms" in origin.clamped[0] and "origin" in origin.clamped[0]
+
+    # a negative slope: no cost per request, the fixed cost alone
+    falling = fit_step_overheads(sizes, 1e-3 - 0.1e-3 * sizes)
+    assert falling.per_request_s == 0 and falling.fixed_s == falling.fixed_only_s == pytest.approx(0.4e-3)
+    assert "slope came out -0.100 ms" in falling.clamped[0]
+
+    # the roofline alone predicts every step slower than measured: every cost clamps at 0, and says so
+    overshoot = fit_step_overheads(sizes, -0.2e-3 - 0.01e-3 * sizes)
+    assert overshoot.fixed_only_s == overshoot.fixed_s == overshoot.per_request_s == 0
+    assert "clamped at 0" in overshoot.clamped[0] and "both clamped at 0" in overshoot.clamped[1]
+
+    single = fit_step_overheads([1] * 5, [0.1e-3, 0.2e-3, 0.3e-3, 0.4e-3, 0.5e-3])
+    assert single.fixed_s == single.fixed_only_s == pytest.approx(0.3e-3) and single.per_request_s == 0
+    assert "no slope" in single.clamped[0]
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # whatever the measurements, the fit makes a valid Hardware
+        n = rng.integers(1, 9, size=rng.integers(1, 40))
+        fit = fit_step_overheads(n, rng.normal(0, 1e-3, n.size) + rng.normal(0, 1e-3) * n)
+        assert min(fit.fixed_only_s, fit.fixed_s, fit.per_request_s) >= 0
+        Hardware("cpu", 1e11, 1e10, 1e9, step_overhead_s=fit.fixed_s, per_request_overhead_s=fit.per_request_s)
+    with pytest.raises(ValueError, match="one entry per step"):
+        fit_step_overheads([1, 2], [0.1])
+
+
 # --- model shapes -----------------------------------------------------------------------------
 
 

@@ -257,3 +257,62 @@ def fit_efficiency(
                                  step_overhead_s=float(so) / 1e3, per_request_overhead_s=float(pr) / 1e3)
     predicted_ms = {b: 1e3 * batch_latency_s(fitted, shape, b, prompt_tokens, output_tokens) for b in batches}
     return EfficiencyFit(fitted, predicted_ms, dict(measured_ms))
+
+
+# --- calibrating the overheads on measured steps (chapter 04, section 6) ------------------------
+
+
+@dataclass(frozen=True)
+class OverheadFit:
+    """Two calibrations of an engine's own cost per step, both >= 0, so each makes a valid `Hardware`.
+
+    `fixed_only_s` is a fixed cost per step alone; `fixed_s` + `per_request_s` x sequences is a
+    fixed cost plus a cost per sequence in the step. `clamped` says, worded from the numbers, where
+    a raw fit came out negative and what was used instead (empty when nothing was clamped).
+    """
+
+    fixed_only_s: float
+    fixed_s: float
+    per_request_s: float
+    clamped: tuple[str, ...] = ()
+
+
+def fit_step_overheads(num_seqs: Sequence[int], unexplained_s: Sequence[float]) -> OverheadFit:
+    """Fit what a roofline leaves unexplained (measured minus predicted step time, seconds, one per
+    step with `num_seqs` sequences) as a fixed cost, and as a fixed cost plus a cost per sequence.
+
+    Fixed cost only: the median unexplained time. Fixed + per sequence: a straight line through the
+    median at each batch size, weighted by how many steps had that size (a least-squares line through
+    every step would chase the steps other programs slowed down). A negative result means the
+    roofline alone already predicts slower steps than measured, e.g. its bandwidth is DRAM's while
+    the weights are read from a cache; no cost is negative, so the fit falls back instead: a median
+    below 0 becomes 0, a line with a negative intercept is refitted through the origin, and one with
+    a negative slope (or a single batch size) becomes the fixed cost alone.
+    """
+    sizes = np.asarray(num_seqs, dtype=float)
+    unexplained = np.asarray(unexplained_s, dtype=float)
+    if sizes.shape != unexplained.shape or sizes.size == 0:
+        raise ValueError("num_seqs and unexplained_s need one entry per step, and at least one step")
+    clamped = []
+    median = float(np.median(unexplained))
+    fixed_only = max(median, 0.0)
+    if median < 0:
+        clamped.append(f"fixed only: the median step took {-1e3 * median:.2f} ms less than the roofline alone "
+                       "predicts; the fixed cost is clamped at 0")
+    levels, counts = np.unique(sizes, return_counts=True)
+    if levels.size < 2:
+        clamped.append(f"fixed + per request: every step had {levels[0]:.0f} sequences, no slope to fit; "
+                       "the fixed cost alone")
+        return OverheadFit(fixed_only, fixed_only, 0.0, tuple(clamped))
+    medians = np.array([np.median(unexplained[sizes == n]) for n in levels])
+    per_request, fixed = np.polyfit(levels, medians, 1, w=np.sqrt(counts))
+    if fixed < 0:
+        through_origin = float(np.sum(counts * levels * medians) / np.sum(counts * levels**2))
+        clamped.append(f"fixed + per request: the line's intercept came out {1e3 * fixed:+.2f} ms; refitted through "
+                       f"the origin" + ("" if through_origin >= 0 else ", whose slope is negative too: both clamped at 0"))
+        return OverheadFit(fixed_only, 0.0, max(through_origin, 0.0), tuple(clamped))
+    if per_request < 0:
+        clamped.append(f"fixed + per request: the line's slope came out {1e3 * per_request:+.3f} ms per request; "
+                       "no cost per request, the fixed cost alone")
+        return OverheadFit(fixed_only, fixed_only, 0.0, tuple(clamped))
+    return OverheadFit(fixed_only, float(fixed), float(per_request), tuple(clamped))

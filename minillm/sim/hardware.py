@@ -1,7 +1,9 @@
 """Hardware presets and the roofline: how fast a chip can compute and how fast it can feed itself.
 
 Chapter 00 (tour) plots the roofline of this CPU next to the A100/H100/H200 presets; chapter 04
-uses `measure_this_cpu()` to compare the simulator's predicted step time with measured CPU steps.
+uses `measure_this_cpu()` to compare the simulator's predicted step time with measured CPU steps,
+and `measure_read_bandwidth` with `last_level_cache_bytes` to show that the memory roof depends on
+where the bytes live: a model whose weights fit in the CPU's cache is not fed at DRAM bandwidth.
 
 The roofline model (Williams, Waterman & Patterson, 2009): a kernel doing `F` FLOPs while moving
 `B` bytes has arithmetic intensity `I = F / B` (FLOP per byte). The chip cannot go faster than its
@@ -20,6 +22,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -161,6 +164,43 @@ def measure_copy_bandwidth(budget_s: float = 0.5, num_bytes: int = 64 * 2**20) -
     dst = torch.empty_like(src)
     best_s = _best_time_s(lambda: dst.copy_(src), budget_s)
     return 2 * src.numel() * src.element_size() / best_s
+
+
+def measure_read_bandwidth(num_bytes: int = 64 * 2**20, budget_s: float = 0.25) -> float:
+    """Read bandwidth in bytes/s: a sum over a float32 buffer of `num_bytes`, each byte read once.
+
+    Where the bytes come from depends on the buffer's size: once the warm-up call has touched it, a
+    buffer that fits in a cache is read from that cache, and one several times the last-level cache
+    comes from DRAM. Chapter 04 reads a buffer the size of a model's weights, which a decode step
+    streams once; a sum does one add per float, as a matrix-vector product does one multiply-add per
+    weight.
+    """
+    src = torch.ones(max(num_bytes // 4, 1), dtype=torch.float32)
+    best_s = _best_time_s(lambda: src.sum(), budget_s)
+    return src.numel() * src.element_size() / best_s
+
+
+def last_level_cache_bytes(cache_dir: str | Path = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """Size of CPU 0's highest-level data cache (the L3 on most x86 servers), as Linux's sysfs
+    reports it; None where the system does not say (not Linux, or a container that hides it).
+
+    The last-level cache is shared by the cores of a die: a working set that fits in it, such as
+    the bundled models' weights, is read at several times DRAM bandwidth once warm (chapter 04).
+    """
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    best: tuple[int, int] | None = None  # (level, bytes)
+    for index in sorted(Path(cache_dir).glob("index[0-9]*")):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+            num_bytes = int(size[:-1]) * units[size[-1]] if size[-1:] in units else int(size)
+        except (OSError, ValueError):
+            continue
+        if best is None or level > best[0]:
+            best = (level, num_bytes)
+    return None if best is None else best[1]
 
 
 def measure_matmul_flops(
