@@ -109,7 +109,7 @@ def test_fit_step_overheads_recovers_a_line_and_never_goes_negative():
     # the roofline alone overshoots small batches: the line's intercept is negative -> through the origin
     origin = fit_step_overheads(sizes, -0.3e-3 + 0.5e-3 * sizes)
     assert origin.fixed_s == 0 and 0.4e-3 < origin.per_request_s < 0.5e-3
-    assert "intercept came out -0.30 ms" in origin.clamped[0] and "origin" in origin.clamped[0]
+    assert "intercept came out -0.300 ms" in origin.clamped[0] and "origin" in origin.clamped[0]
 
     # a negative slope: no cost per request, the fixed cost alone
     falling = fit_step_overheads(sizes, 1e-3 - 0.1e-3 * sizes)

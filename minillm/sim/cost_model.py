@@ -308,7 +308,7 @@ def fit_step_overheads(num_seqs: Sequence[int], unexplained_s: Sequence[float]) 
     per_request, fixed = np.polyfit(levels, medians, 1, w=np.sqrt(counts))
     if fixed < 0:
         through_origin = float(np.sum(counts * levels * medians) / np.sum(counts * levels**2))
-        clamped.append(f"fixed + per request: the line's intercept came out {1e3 * fixed:+.2f} ms; refitted through "
+        clamped.append(f"fixed + per request: the line's intercept came out {1e3 * fixed:+.3f} ms; refitted through "
                        f"the origin" + ("" if through_origin >= 0 else ", whose slope is negative too: both clamped at 0"))
         return OverheadFit(fixed_only, 0.0, max(through_origin, 0.0), tuple(clamped))
     if per_request < 0:
