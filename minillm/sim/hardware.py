@@ -138,6 +138,8 @@ def roofline_points(
 # On the 2-core development machine (2026-11) these measured ~25 GB/s copy bandwidth and
 # ~135 GFLOP/s fp32 matmul on 2 threads (readings swing by ±50 % when other jobs share the cores).
 # bf16/fp16 matmul on that CPU is ~0.3-1 GFLOP/s: measure and run in fp32 there.
+# Reads on one thread (2026-12, 32 MiB L3): ~55-70 GB/s over 16 MB (the bundled target's weights),
+# ~10-20 GB/s over 256 MiB, the lower figures while other jobs shared the machine.
 
 
 def _best_time_s(fn: Callable[[], object], budget_s: float, min_reps: int = 2) -> float:
@@ -185,7 +187,7 @@ def last_level_cache_bytes(cache_dir: str | Path = "/sys/devices/system/cpu/cpu0
     reports it; None where the system does not say (not Linux, or a container that hides it).
 
     The last-level cache is shared by the cores of a die: a working set that fits in it, such as
-    the bundled models' weights, is read at several times DRAM bandwidth once warm (chapter 04).
+    the bundled models' weights, can be read at several times DRAM bandwidth once warm (chapter 04).
     """
     units = {"K": 2**10, "M": 2**20, "G": 2**30}
     best: tuple[int, int] | None = None  # (level, bytes)
