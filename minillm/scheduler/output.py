@@ -19,6 +19,12 @@ A worker that sees only the stream of plans can rebuild everything it needs: `mi
 The builder keeps what it has told the worker (tokens are not needed: each step sends the tokens
 it computes), so a diff is a comparison of two short lists. If a step fails, `invalidate` forgets
 what that plan told, and the next plan sends those requests whole again.
+
+A steady decode step — the scheduler's `SchedulerPlan.steady`, the same object handed out again
+while the same requests each decode one token — is not built again: the builder updates the
+`SchedulerOutput` it made for it (where each row starts, its token, a block it grew into) and hands
+the worker that same object, which keeps the rows it found for it. It is the engine's analogue of
+replaying a captured CUDA graph: a batch-1 decode step makes ~87 Python calls instead of ~112 (issue 29).
 """
 
 from __future__ import annotations
