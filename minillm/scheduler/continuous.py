@@ -33,6 +33,10 @@ LPM_MAX_WAITING = 128
 
 
 class ContinuousScheduler(SchedulerBase):
+    # The last steady-decode plan, handed out again while it fits (a class default: a learner's subclass
+    # that writes its own __init__ inherits it too).
+    _steady_plan: SchedulerPlan | None = None
+
     def __init__(self, config: EngineConfig, kv: KVManager, connector=None) -> None:
         """`connector`: a KV connector's scheduler side (minillm.kv_transfer): remote tokens, pinned blocks."""
         self.connector = connector
@@ -42,7 +46,6 @@ class ContinuousScheduler(SchedulerBase):
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
         self.chunking = make_chunk_policy(config)  # the step's token budget: fixed, or SplitFuse's
-        self._steady_plan: SchedulerPlan | None = None  # the last steady-decode plan, handed out again while it fits
 
     def add_request(self, request: Request) -> None:
         self.waiting.push(request)
