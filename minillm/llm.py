@@ -14,8 +14,8 @@ messages with the tokenizer's chat template (the bundled tokenizer has one; a to
 one gets `DEFAULT_CHAT_TEMPLATE`). `get_metrics()` reads vLLM-named Prometheus metrics back.
 
 Stats, as vLLM's `LLM` does: off by default (`disable_log_stats=True`), because an offline run has
-nobody scraping them and feeding them costs every step (~25 Python calls of a batch-1 decode step's
-~130, issue 29). `LLM(disable_log_stats=False)` feeds them from the start, and the server turns them
+nobody scraping them and feeding them costs every step (23 Python calls of a batch-1 decode step's
+135, issue 29). `LLM(disable_log_stats=False)` feeds them from the start, and the server turns them
 on for itself (`attach_prometheus`, called by `minillm.server.app.create_app`): its `/metrics` always
 counts. The engine's own records (`llm.engine.metrics`: per-request times, step records) are kept
 either way — the chapters and the benchmarks read those.
