@@ -13,6 +13,13 @@ requests (vLLM's parallel sampling) and gathers them back into one `RequestOutpu
 messages with the tokenizer's chat template (the bundled tokenizer has one; a tokenizer without
 one gets `DEFAULT_CHAT_TEMPLATE`). `get_metrics()` reads vLLM-named Prometheus metrics back.
 
+Stats, as vLLM's `LLM` does: off by default (`disable_log_stats=True`), because an offline run has
+nobody scraping them and feeding them costs every step (23 Python calls of a batch-1 decode step's
+135, issue 29). `LLM(disable_log_stats=False)` feeds them from the start, and the server turns them
+on for itself (`attach_prometheus`, called by `minillm.server.app.create_app`): its `/metrics` always
+counts. The engine's own records (`llm.engine.metrics`: per-request times, step records) are kept
+either way — the chapters and the benchmarks read those.
+
 Why this module imports from the server package (`minillm.server.metrics`): vLLM's offline `LLM`
 and its server report the same Prometheus series, so there is one collector, `PrometheusMetrics`,
 fed by the engine's observers; it lives with the server because `/metrics` is where it is served
@@ -86,11 +93,14 @@ def default_device() -> str:
 class LLM:
     def __init__(self, model: str | Path | Any | None = None, *, tokenizer: Any | None = None,
                  dtype: str | torch.dtype = "float32", device: str | None = None,
-                 scheduler_factory: Callable[[EngineConfig, Any], Any] | None = None, **engine_knobs: Any) -> None:
+                 scheduler_factory: Callable[[EngineConfig, Any], Any] | None = None,
+                 disable_log_stats: bool = True, **engine_knobs: Any) -> None:
         """`model`: an HF directory, an in-memory transformers model, or None for the bundled target.
 
         `scheduler_factory(config, kv_manager)` plugs in your own scheduler (the exercises do).
+        `disable_log_stats=False` feeds the Prometheus series that `get_metrics()` reads (vLLM's knob and default).
         """
+        self.prometheus: PrometheusMetrics | None = None
         config = EngineConfig.from_kwargs(engine_knobs)
         torch_dtype = resolve_dtype(dtype)
         device = device or default_device()
@@ -117,7 +127,8 @@ class LLM:
             build = build_distributed_engine if backend == "mp" else build_external_launcher_engine
             self.engine = build(config, model_dir, self._model_config, torch_dtype, device, self.tokenizer,
                                 scheduler_factory, proposer)
-            self.prometheus = PrometheusMetrics(self.engine, "minillm")
+            if not disable_log_stats:
+                self.attach_prometheus()
             return
         if model is None or isinstance(model, (str, Path)):
             model_dir = Path(model) if model is not None else BUNDLED_TARGET
@@ -136,11 +147,22 @@ class LLM:
         proposer = self._draft_proposer(config, torch_dtype, device)
         self.engine = build_engine(config, self.model.config, model=self.model, tokenizer=self.tokenizer,
                                    scheduler_factory=scheduler_factory, proposer=proposer)
-        self.prometheus = PrometheusMetrics(self.engine, "minillm")
+        if not disable_log_stats:
+            self.attach_prometheus()
+
+    def attach_prometheus(self) -> PrometheusMetrics:
+        """The Prometheus series (vLLM's names), fed by the engine's observers from now on: made on
+        the first call, the same object after. The server calls it before its engine thread starts."""
+        if self.prometheus is None:
+            self.prometheus = PrometheusMetrics(self.engine, "minillm")
+        return self.prometheus
 
     def get_metrics(self) -> list:
         """vLLM's `LLM.get_metrics()`: every series as Counter / Gauge / Histogram / Vector objects
         with vLLM's names (`vllm:prompt_tokens`, `vllm:time_to_first_token_seconds`, …)."""
+        if self.prometheus is None:
+            raise ValueError("get_metrics() reads the Prometheus series, which this LLM does not feed: build it "
+                             "with LLM(..., disable_log_stats=False) (off by default, as in vLLM's LLM)")
         return self.prometheus.snapshot()
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list | None = None,
@@ -245,10 +267,10 @@ class LLM:
 
             bar = tqdm(total=total, desc="generate", unit="req", leave=False)
         try:
-            def progress(updates) -> None:  # (the bar is touched only when a request finished: most steps, none did)
-                finished = sum(1 for u in updates if u.finished)
-                if finished:
-                    bar.update(finished)
+            def progress(updates) -> None:  # (the bar is touched only when a request finished: most steps, none did;
+                for update in updates:       # a plain loop and an attribute, no call per step for the others)
+                    if update.finish_status is not None:
+                        bar.update(1)
             if not engine.run_until_done(None if bar is None else progress):
                 raise RuntimeError(self._stuck_message())
         finally:

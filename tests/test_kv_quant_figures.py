@@ -47,7 +47,8 @@ def test_the_simulators_capacity_at_a_memory_budget_follows_the_dtype():
 @pytest.fixture(scope="module")
 def quantized_llm():
     llm = LLM(make_tiny_hf_model("llama-gqa"), dtype="float64", device="cpu", max_model_len=64, max_num_seqs=2,
-              block_size=4, num_kv_blocks=20, kv_cache_dtype="int8", enable_prefix_caching=True)
+              block_size=4, num_kv_blocks=20, kv_cache_dtype="int8", enable_prefix_caching=True,
+              disable_log_stats=False)
     llm.generate([{"prompt_token_ids": list(range(3, 20))}], SamplingParams(max_tokens=4, temperature=0.0),
                  use_tqdm=False)
     return llm
@@ -60,7 +61,8 @@ def test_metrics_report_the_pools_bytes_and_dtype(quantized_llm):
     info = metrics["vllm:cache_config_info"]
     assert info.labels["cache_dtype"] == "int8" and info.labels["block_size"] == "4"
     assert info.labels["num_gpu_blocks"] == "21"  # 20 blocks + the null block the pool also holds
-    exact = LLM(make_tiny_hf_model("llama-gqa"), dtype="float64", device="cpu", max_model_len=64, max_num_seqs=2)
+    exact = LLM(make_tiny_hf_model("llama-gqa"), dtype="float64", device="cpu", max_model_len=64, max_num_seqs=2,
+                disable_log_stats=False)
     exact_metrics = {m.name: m for m in exact.get_metrics()}
     assert exact_metrics["minillm:kv_cache_bytes_per_token"].value == 2 * 2 * 2 * 16 * 8  # float64
     assert exact_metrics["vllm:cache_config_info"].labels["cache_dtype"] == "auto"

@@ -361,7 +361,7 @@ def test_bad_sampling_params_name_the_field_and_the_range(kwargs, message):
 
 
 def test_get_metrics_has_vllm_names():
-    llm = LLM(max_num_seqs=2, max_model_len=128)
+    llm = LLM(max_num_seqs=2, max_model_len=128, disable_log_stats=False)
     llm.generate(["In the beginning", "And God"], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
                  use_tqdm=False)
     metrics = {(m.name, m.labels.get("finished_reason")): m for m in llm.get_metrics()}
@@ -371,6 +371,26 @@ def test_get_metrics_has_vllm_names():
     assert metrics[("vllm:inter_token_latency_seconds", None)].count == 8
     assert metrics[("vllm:num_requests_running", None)].value == 0
     assert type(metrics[("vllm:e2e_request_latency_seconds", None)]).__name__ == "Histogram"
+
+
+def test_an_offline_llm_feeds_no_prometheus_series_unless_asked():
+    """vLLM's LLM default (disable_log_stats=True): no observer runs per step, generate works, and
+    get_metrics says which knob turns them on; the engine's own records are still kept."""
+    llm = LLM(max_num_seqs=2, max_model_len=128)
+    assert llm.prometheus is None and llm.engine.metrics.observers == []
+    assert llm.engine.metrics.request_observers == []
+    out = llm.generate(["In the beginning"], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 5
+    assert len(llm.engine.metrics.steps) == 5  # prefill + 4 decode steps, recorded as before
+    with pytest.raises(ValueError, match="disable_log_stats=False"):
+        llm.get_metrics()
+    prometheus = llm.attach_prometheus()  # what the server does: from now on the series count
+    assert llm.attach_prometheus() is prometheus
+    llm.generate(["And God"], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    metrics = {(m.name, m.labels.get("finished_reason")): m for m in llm.get_metrics()}
+    assert metrics[("vllm:generation_tokens", None)].value == 3
+    assert metrics[("vllm:request_success", "length")].value == 1
 
 
 def test_prompt_forms_text_ids_and_dict():

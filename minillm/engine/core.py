@@ -210,16 +210,19 @@ class LLMEngine(EngineInbox):
         # prompt tokens filled in, tokens after a sampled one, and the new tokens of each row (re)filling a prompt.
         prefill_tokens = decode_tokens = 0
         chunks: list[int] = []
-        for r, n in zip(plan.requests, plan.num_new_tokens):
-            in_prompt = len(r.prompt_token_ids) - r.num_computed_tokens
-            if in_prompt <= 0:
-                decode_tokens += n
-            else:
-                in_prompt = min(in_prompt, n)
-                prefill_tokens += in_prompt
-                decode_tokens += n - in_prompt
-            if r.num_computed_tokens < len(r.all_token_ids) - 1 or not r.output_token_ids:
-                chunks.append(n)
+        if plan.steady:  # every row one token after a sampled one (minillm.scheduler.base): no pass needed
+            decode_tokens = len(plan.requests)
+        else:
+            for r, n in zip(plan.requests, plan.num_new_tokens):
+                in_prompt = len(r.prompt_token_ids) - r.num_computed_tokens
+                if in_prompt <= 0:
+                    decode_tokens += n
+                else:
+                    in_prompt = min(in_prompt, n)
+                    prefill_tokens += in_prompt
+                    decode_tokens += n - in_prompt
+                if r.num_computed_tokens < len(r.all_token_ids) - 1 or not r.output_token_ids:
+                    chunks.append(n)
         self._in_step = True
         try:
             try:

@@ -47,6 +47,12 @@ class SchedulerPlan:
     admitted: list[tuple[Request, RequestStatus]] = field(default_factory=list)
     # A KV connector's orders for the workers this step (minillm.kv_transfer.base.KVConnectorMetadata)
     kv_connector_metadata: Any = None
+    # Planned by the continuous scheduler's steady-decode pass: every row decodes one token after a
+    # sampled one (no prompt token, no guess), nothing is preempted, admitted or moved. While the
+    # running requests stay the same, the scheduler hands out this very object again, step after
+    # step — a captured CUDA graph's replay, on a CPU: the builder and the worker then update what
+    # they made for it the step before instead of making it again (issue 29).
+    steady: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -33,6 +33,10 @@ LPM_MAX_WAITING = 128
 
 
 class ContinuousScheduler(SchedulerBase):
+    # The last steady-decode plan, handed out again while it fits (a class default: a learner's subclass
+    # that writes its own __init__ inherits it too).
+    _steady_plan: SchedulerPlan | None = None
+
     def __init__(self, config: EngineConfig, kv: KVManager, connector=None) -> None:
         """`connector`: a KV connector's scheduler side (minillm.kv_transfer): remote tokens, pinned blocks."""
         self.connector = connector
@@ -131,28 +135,39 @@ class ContinuousScheduler(SchedulerBase):
         guesses, preemption, admission, the sort. vLLM V1's scheduler meets the same steady state
         with its persistent batch: rows that only advance by one token are sent as small diffs.
         If a row's KV does not fit, the general loop plans the step (it preempts); a slot reserved
-        here is reserved once, not twice, when it asks again (`allocate` of the same tokens)."""
+        here is reserved once, not twice, when it asks again (`allocate` of the same tokens).
+
+        The plan is marked `steady` (each row after a sampled token: no prompt token in the step) and,
+        while the running requests stay the same and no offloaded block moves, the same object is
+        returned again: nothing in it changes from one such step to the next."""
         running = self.running
         if (self.waiting or not running or self.connector is not None
                 or len(running) > self.config.max_num_batched_tokens):
             return None
         for req in running:
-            if req.spec_token_ids or not req.num_computed_tokens or \
+            if req.spec_token_ids or not req.output_token_ids or \
                     len(req.all_token_ids) - req.num_computed_tokens != 1:
-                return None
+                return None  # (a row after its last prompt token has sampled one: it has an output)
         allocate = self.kv.allocate
         for req in running:
             if not allocate(req, 1):
                 return None
-        plan = SchedulerPlan(list(running), [1] * len(running))
-        self._plan_offload_copies(plan)
+        copies_out, copies_in = self.kv.take_offload_copies()
+        plan = self._steady_plan
+        if copies_out or copies_in or plan is None or plan.requests != running:
+            plan = SchedulerPlan(list(running), [1] * len(running), steady=True)
+            self._add_offload_copies(plan, copies_out, copies_in)
+            self._steady_plan = None if copies_out or copies_in else plan
         return plan
 
     def _plan_offload_copies(self, plan: SchedulerPlan) -> None:
         """The prefix cache's offload tier (chapter 14) moves blocks through the swap fields, each host
         block under its own pseudo request id: spills out before the step's blocks are rewritten,
         host hits back in before the forward — the executor copies them like swapped requests."""
-        copies_out, copies_in = self.kv.take_offload_copies()
+        self._add_offload_copies(plan, *self.kv.take_offload_copies())
+
+    @staticmethod
+    def _add_offload_copies(plan: SchedulerPlan, copies_out: list, copies_in: list) -> None:
         if copies_out:
             plan.blocks_to_swap_out.extend((host_block_id(slot), [block]) for block, slot in copies_out)
         if copies_in:

@@ -19,6 +19,12 @@ A worker that sees only the stream of plans can rebuild everything it needs: `mi
 The builder keeps what it has told the worker (tokens are not needed: each step sends the tokens
 it computes), so a diff is a comparison of two short lists. If a step fails, `invalidate` forgets
 what that plan told, and the next plan sends those requests whole again.
+
+A steady decode step — the scheduler's `SchedulerPlan.steady`, the same object handed out again
+while the same requests each decode one token — is not built again: the builder updates the
+`SchedulerOutput` it made for it (where each row starts, its token, a block it grew into) and hands
+the worker that same object, which keeps the rows it found for it. It is the engine's analogue of
+replaying a captured CUDA graph: a batch-1 decode step makes ~87 Python calls instead of ~112 (issue 29).
 """
 
 from __future__ import annotations
@@ -110,8 +116,35 @@ class SchedulerOutputBuilder:
         self.sent_blocks: dict[str, list[int]] = {}  # what the worker holds, per request it knows
         self.known: dict[str, Request] = {}  # requests the worker holds state for
         self.orphans: dict[str, Request] = {}  # told by a failed plan: the worker may hold them
+        # The last plan built and what it became: a steady plan handed out again (SchedulerPlan.steady)
+        # is updated in place (`_replay`), not built again.
+        self._last: tuple[SchedulerPlan, SchedulerOutput] | None = None
 
     def build(self, batch: SchedulerPlan) -> SchedulerOutput:
+        last = self._last
+        if last is not None and last[0] is batch and batch.steady:
+            return self._replay(batch, last[1])
+        plan = self._build(batch)
+        self._last = (batch, plan)
+        return plan
+
+    def _replay(self, batch: SchedulerPlan, plan: SchedulerOutput) -> SchedulerOutput:
+        """The steady plan of the step before, again: the same requests, one decode token each, nothing
+        new, finished or moved since (a request finishing or leaving changes the scheduler's plan). Only
+        where each row starts, its token and its blocks change. (The worker has applied the previous
+        step's diffs before this is called: a step runs to its end before the next is planned.)"""
+        starts, tokens = plan.num_computed_tokens, plan.new_token_ids
+        for i, req in enumerate(batch.requests):
+            starts[i] = req.num_computed_tokens
+            tokens[i] = req.all_token_ids[-1:]
+        if plan.block_updates or plan.new_requests or plan.finished_req_ids:  # (told once, by the first build)
+            plan.block_updates, plan.new_requests, plan.finished_req_ids = [], [], []
+        plan.blocks_to_zero = self.kv.take_fresh_blocks()
+        if plan.blocks_to_zero:  # a row crossed into a new block: its table grew (the only change it can have)
+            self._diff_blocks(batch.requests, plan)
+        return plan
+
+    def _build(self, batch: SchedulerPlan) -> SchedulerOutput:
         running = RequestStatus.RUNNING  # (most known requests run: no property call for them, every step)
         finished = [rid for rid, r in self.known.items() if r.status is not running and r.status.finished]
         for rid in finished:
@@ -184,6 +217,7 @@ class SchedulerOutputBuilder:
     def invalidate(self, plan: SchedulerOutput) -> None:
         """The step failed, maybe before the worker received it: forget what it told, so the next
         plan sends those requests whole (the worker keeps a request's random stream across this)."""
+        self._last = None  # the next plan is built whole, whatever it is
         ids = plan.req_ids + (plan.padded.row_req_ids if plan.padded is not None else [])
         for rid in ids:
             req = self.known.pop(rid, None)

@@ -60,6 +60,7 @@ def create_app(llm, *, served_model_name: str | Sequence[str] = "minillm", api_k
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ValueError(f"served_model_name must be a non-empty name or list of names, got {served_model_name!r}")
+    prometheus = llm.attach_prometheus()  # /metrics counts from the start, whatever the LLM was built with
     client = EngineClient(llm, max_num_queued_reqs)
     server = _Server(llm, client, names)
 
@@ -94,7 +95,7 @@ def create_app(llm, *, served_model_name: str | Sequence[str] = "minillm", api_k
 
     @app.get("/metrics")
     async def metrics():
-        return Response(llm.prometheus.exposition(), media_type=CONTENT_TYPE_LATEST)
+        return Response(prometheus.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():

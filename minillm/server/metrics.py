@@ -28,7 +28,9 @@ with uptime. Latency buckets are vLLM's TTFT bounds with finer ones between them
 (`LATENCY_BUCKETS`): this CPU toy's steps take milliseconds, and a percentile is only as sharp as
 its bucket (vLLM's ITL buckets start at 10 ms).
 
-`LLM.get_metrics()` reads the same registry back as vLLM's `Counter`/`Gauge`/`Histogram`/`Vector`.
+`LLM.get_metrics()` reads the same registry back as vLLM's `Counter`/`Gauge`/`Histogram`/`Vector`
+(an `LLM` feeds it only when built with `disable_log_stats=False`, vLLM's default being True; the
+server's `create_app` attaches it always).
 """
 
 from __future__ import annotations

@@ -245,7 +245,7 @@ class ModelRunner:
             if plain:
                 # every known request greedy and plain: `sample` would be this argmax (the first
                 # largest logit), here without a tensor op
-                return ModelRunnerOutput([[t] for t in logits_np.argmax(axis=-1).tolist()], None, None, loaded)
+                return ModelRunnerOutput(logits_np.argmax(axis=-1)[:, None].tolist(), None, None, loaded)
             sampled, expert_load, rows = range(len(plan.req_ids)), None, kernel_rows[0]
         elif plan.padded is not None:
             if self.threads.per_step:
@@ -366,7 +366,7 @@ class ModelRunner:
         start = time.perf_counter()
         logits, logits_np = self.compiled_decode.run(rows, starts, self.input_batch)
         self.model_time_s += time.perf_counter() - start
-        keys = int(starts.sum()) + len(rows)
+        keys = int(np.add.reduce(starts)) + len(rows)  # (the ufunc itself: ndarray.sum goes through a Python wrapper)
         self.keys_read += keys
         self.keys_exist += keys
         return logits, logits_np
