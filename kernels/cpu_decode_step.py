@@ -49,10 +49,44 @@ from __future__ import annotations
 
 import math
 
+import llvmlite
 import numpy as np
+from llvmlite import binding, ir
 from minillm.kernels.cpu_decode_attention import paged_decode_f32
 from minillm.kernels.cpu_fused_ops import add_rms_norm, rms_norm, rotary
-from numba import njit
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+# llvm.prefetch's name carries its pointer type: `p0` where pointers are opaque (llvmlite on LLVM 16+, or 0.44
+# with them switched on), `p0i8` where they are typed
+_OPAQUE = getattr(llvmlite, "opaque_pointers_enabled", binding.llvm_version_info[0] >= 16)
+_PREFETCH = "llvm.prefetch.p0" if _OPAQUE else "llvm.prefetch.p0i8"
+
+
+@intrinsic
+def prefetch_row(typingctx, array, row):
+    """Ask the CPU to start loading array[row] (a C-contiguous 2-D float32 array's row) into its caches: one
+    `llvm.prefetch` (read, keep in all levels) per 64-byte line. numba has no prefetch of its own; LLVM lowers
+    this to `prefetcht0` on x86 (and to the matching hint elsewhere, or to nothing). Returns nothing."""
+    def codegen(context, builder, signature, args):
+        array_type = signature.args[0]
+        ary = context.make_array(array_type)(context, builder, args[0])
+        zero = context.get_constant(types.intp, 0)
+        first = cgutils.get_item_pointer(context, builder, array_type, ary, [args[1], zero])
+        byte_ptr = ir.IntType(8).as_pointer()
+        base = builder.bitcast(first, byte_ptr)
+        i32 = ir.IntType(32)
+        signature_ir = ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32])
+        prefetch = cgutils.get_or_insert_function(builder.module, signature_ir, _PREFETCH)
+        row_bytes = builder.mul(builder.extract_value(ary.shape, 1), context.get_constant(types.intp, 4))
+        line = context.get_constant(types.intp, 64)
+        with cgutils.for_range_slice(builder, zero, row_bytes, line) as (offset, _):
+            # (address, 0: a read, 3: keep in every cache level, 1: data, not instructions)
+            builder.call(prefetch, [builder.gep(base, [offset]), ir.Constant(i32, 0), ir.Constant(i32, 3),
+                                    ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return types.void(array, row), codegen
 
 
 @njit(cache=True, fastmath=True, nogil=True)
@@ -100,9 +134,12 @@ def matmul_rows(x, w_t, out):
     AVX2 registers, and twelve independent chains of fused multiply-adds, more than the eight that
     keep both FMA units busy (4 × 2, the old tile, was exactly eight). The outputs go in blocks of
     ~128 KB of weights, which all row tiles read while the block is in L2, so each weight is fetched
-    from memory once per call. Where the rows or outputs do not divide into tiles, the last tile is
-    moved back to end at the last row (output): it recomputes a few sums already written, with the
-    same code, rather than running a second loop."""
+    from memory once per call; while the second row tile reads a block, it prefetches the next one
+    (`prefetch_row`), so that the first tile of the next block finds it in cache rather than waiting
+    on L3 or memory (the weights do not stay in cache between steps: 16 MB of them, with the KV pool).
+    Where the rows or outputs do not divide into tiles, the last tile is moved back to end at the last
+    row (output): it recomputes a few sums already written, with the same code, rather than running a
+    second loop."""
     rows, n_in = x.shape
     n_out = w_t.shape[0]
     if rows < 4 or n_out < 3:  # too small to tile: one dot product per output
@@ -121,6 +158,10 @@ def matmul_rows(x, w_t, out):
             x0, x1, x2, x3 = x[b], x[b + 1], x[b + 2], x[b + 3]
             for o_tile in range(o_start, o_end, 3):
                 o = min(o_tile, n_out - 3)
+                if b_tile == 4 and o_tile + block + 2 < n_out:  # the next block's rows, 3 KB per tile
+                    prefetch_row(w_t, o_tile + block)
+                    prefetch_row(w_t, o_tile + block + 1)
+                    prefetch_row(w_t, o_tile + block + 2)
                 w0, w1, w2 = w_t[o], w_t[o + 1], w_t[o + 2]
                 s00 = s01 = s02 = s10 = s11 = s12 = s20 = s21 = s22 = s30 = s31 = s32 = np.float32(0.0)
                 for i in range(n_in):
