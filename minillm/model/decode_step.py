@@ -71,16 +71,16 @@ import torch
 # lm_head: 7.9 / 7.6 / 8.4 ms (no clear winner among the three: the gain is the op-by-op step's dispatch).
 # The ladder's trace (bench/ladder.py, batch 16, 200 requests): 1.16x less CPU per run (2 interleaved rounds,
 # 1.16-1.16), all 200 outputs identical.
-# Then (2026-12-02, same VM under load, CPU time in one process) the 4 x 3 tile, its prefetch of the next output
-# block, one attention call per layer and a float32-only SIMD exp in the attention: the same captured steps of
-# that run, 7 interleaved rounds, old/new 1.12x [1.09-1.14] at 32 rows, 1.24x [1.20-1.32] at 12, 1.17x at 9, 1.0 at
-# 1 (logits at 9-32 rows bit-identical to the 4 x 2 tile's, before the exp); the whole generate 1.05x [1.03-1.11]
-# (10 interleaved rounds), all 32 outputs identical.
-# TILED_MIN_ROWS not fewer: with the weights in cache the 4 x 3 tile beat the matrix-vector loops from 4 rows on (the bundled
-# target's 17 products, CPU time, 5 interleaved rounds: 4 rows 0.52 vs 0.78 ms, 8 rows 0.98 vs 1.44), but inside
-# a real step of the 32-request run, where the weights come from L3 or memory, the whole step took 1.2-1.5x the
-# CPU time tiled at 4-6 rows (7 interleaved rounds on the same captured step): matvec_rows streams each weight in
-# long contiguous runs, the tiles read three 1 KB rows at a time.
+# Then (2026-12-02, same VM under load, CPU time in one process): the 4 x 3 tile with its prefetch of the next
+# output block and one attention call per layer, on the same captured steps of that run (7 interleaved rounds),
+# old/new 1.12x [1.09-1.14] at 32 rows, 1.24x [1.20-1.32] at 12, 1.17x [1.02-1.26] at 9, 1.0 at 1, logits
+# bit-identical; with the attention's exp kept float32 too, the whole generate 1.05x [1.03-1.11] (10 interleaved
+# rounds), all 32 outputs identical.
+# TILED_MIN_ROWS not fewer: with the weights in cache the 4 x 3 tile beat the matrix-vector loops from 4 rows on
+# (the bundled target's 17 products, CPU time, 5 interleaved rounds: 4 rows 0.52 vs 0.78 ms, 8 rows 0.98 vs
+# 1.44), but inside a real step of the 32-request run, where the weights come from L3 or memory, the whole step
+# took 1.2-1.5x the CPU time tiled at 4-6 rows, prefetch or not (7 interleaved rounds on the same captured step):
+# matvec_rows streams each weight in long contiguous runs, the tiles read three 1 KB rows at a time.
 MAX_ROWS = 32
 MAX_VERIFY_ROWS = 8
 TILED_MIN_ROWS = MAX_VERIFY_ROWS + 1
