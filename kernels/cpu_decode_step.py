@@ -9,9 +9,11 @@ layout is computed inside too, from the input batch's own arrays (each row's pos
 slot and block-table row), so nothing is built in Python for it.
 
 Rows may share a sequence: a speculative verify step passes one request's pending token and its
-guesses as consecutive rows of the same input-batch row at positions L, L+1, …. Within each layer
-the rows are handled in order, each writing its K/V into the pool before its attention reads keys
-0 … its position, so row L+j sees the K/V of rows L … L+j−1 written just before it: causal, with no mask.
+guesses as consecutive rows of the same input-batch row at positions L, L+1, …. Each layer writes
+every row's K/V into the pool first, then runs one attention call over all rows, in which a row
+reads keys 0 … its own position only: row L+j sees the K/V of rows L … L+j−1, and the later rows'
+K/V, already in the pool, lie past its length: causal, with no mask. (One call rather than one per
+row: at 32 rows the per-call work — the kernel's scratch arrays, its setup — was ~4 % of the step.)
 
 Why one call: at batch 1 the bundled model's step reads ~16 MB of weights, about a millisecond of
 memory traffic, while the op-by-op forward dispatches ~480 torch ops and 17 numba calls a step
@@ -47,10 +49,44 @@ from __future__ import annotations
 
 import math
 
+import llvmlite
 import numpy as np
+from llvmlite import binding, ir
 from minillm.kernels.cpu_decode_attention import paged_decode_f32
 from minillm.kernels.cpu_fused_ops import add_rms_norm, rms_norm, rotary
-from numba import njit
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+# llvm.prefetch's name carries its pointer type: `p0` where pointers are opaque (llvmlite on LLVM 16+, or 0.44
+# with them switched on), `p0i8` where they are typed
+_OPAQUE = getattr(llvmlite, "opaque_pointers_enabled", binding.llvm_version_info[0] >= 16)
+_PREFETCH = "llvm.prefetch.p0" if _OPAQUE else "llvm.prefetch.p0i8"
+
+
+@intrinsic
+def prefetch_row(typingctx, array, row):
+    """Ask the CPU to start loading array[row] (a C-contiguous 2-D float32 array's row) into its caches: one
+    `llvm.prefetch` (read, keep in all levels) per 64-byte line. numba has no prefetch of its own; LLVM lowers
+    this to `prefetcht0` on x86 (and to the matching hint elsewhere, or to nothing). Returns nothing."""
+    def codegen(context, builder, signature, args):
+        array_type = signature.args[0]
+        ary = context.make_array(array_type)(context, builder, args[0])
+        zero = context.get_constant(types.intp, 0)
+        first = cgutils.get_item_pointer(context, builder, array_type, ary, [args[1], zero])
+        byte_ptr = ir.IntType(8).as_pointer()
+        base = builder.bitcast(first, byte_ptr)
+        i32 = ir.IntType(32)
+        signature_ir = ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32])
+        prefetch = cgutils.get_or_insert_function(builder.module, signature_ir, _PREFETCH)
+        row_bytes = builder.mul(builder.extract_value(ary.shape, 1), context.get_constant(types.intp, 4))
+        line = context.get_constant(types.intp, 64)
+        with cgutils.for_range_slice(builder, zero, row_bytes, line) as (offset, _):
+            # (address, 0: a read, 3: keep in every cache level, 1: data, not instructions)
+            builder.call(prefetch, [builder.gep(base, [offset]), ir.Constant(i32, 0), ir.Constant(i32, 3),
+                                    ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return types.void(array, row), codegen
 
 
 @njit(cache=True, fastmath=True, nogil=True)
@@ -91,17 +127,22 @@ _TILE_BLOCK_BYTES = 1 << 17  # weights per output block of `matmul_rows`: stays 
 def matmul_rows(x, w_t, out):
     """out = x @ w_t.T for w_t [out, in] C-contiguous (HF's own layout): for many rows.
 
-    A register tile of 4 rows × 2 outputs: eight dot products over `in` run side by side, so each
-    weight element loaded feeds 4 rows and each x element 2 outputs (6 loads per 8 multiply-adds,
+    A register tile of 4 rows × 3 outputs: twelve dot products over `in` run side by side, so each
+    weight element loaded feeds 4 rows and each x element 3 outputs (7 loads per 12 multiply-adds,
     against 10 per 8 in `matvec_rows`, whose every pass also stores `out`). LLVM vectorizes the `i`
-    loop into eight SIMD accumulators. The outputs go in blocks of ~128 KB of weights, which all
-    row tiles read while the block is in L2, so each weight is fetched from memory once per call.
-    Where the rows or outputs do not divide into tiles, the last tile is moved back to end at the
-    last row (output): it recomputes a few sums already written, with the same code, rather than
-    running a second loop."""
+    loop into twelve 8-wide accumulators: with the three weight vectors and one x vector, all sixteen
+    AVX2 registers, and twelve independent chains of fused multiply-adds, more than the eight that
+    keep both FMA units busy (4 × 2, the old tile, was exactly eight). The outputs go in blocks of
+    ~128 KB of weights, which all row tiles read while the block is in L2, so each weight is fetched
+    from memory once per call; while the second row tile reads a block, it prefetches the next one
+    (`prefetch_row`), so that the first tile of the next block finds it in cache rather than waiting
+    on L3 or memory (the weights do not stay in cache between steps: 16 MB of them, with the KV pool).
+    Where the rows or outputs do not divide into tiles, the last tile is moved back to end at the last
+    row (output): it recomputes a few sums already written, with the same code, rather than running a
+    second loop."""
     rows, n_in = x.shape
     n_out = w_t.shape[0]
-    if rows < 4 or n_out < 2:  # too small to tile: one dot product per output
+    if rows < 4 or n_out < 3:  # too small to tile: one dot product per output
         for b in range(rows):
             for o in range(n_out):
                 s = np.float32(0.0)
@@ -109,31 +150,39 @@ def matmul_rows(x, w_t, out):
                     s += x[b, i] * w_t[o, i]
                 out[b, o] = s
         return
-    block = max(2, _TILE_BLOCK_BYTES // (4 * n_in) // 2 * 2)  # (even: only the last block can end on an odd output)
+    block = max(3, _TILE_BLOCK_BYTES // (4 * n_in) // 3 * 3)  # (whole tiles: only the last block ends short)
     for o_start in range(0, n_out, block):
         o_end = min(o_start + block, n_out)
         for b_tile in range(0, rows, 4):
             b = min(b_tile, rows - 4)
             x0, x1, x2, x3 = x[b], x[b + 1], x[b + 2], x[b + 3]
-            for o_tile in range(o_start, o_end, 2):
-                o = min(o_tile, n_out - 2)
-                w0, w1 = w_t[o], w_t[o + 1]
-                s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = np.float32(0.0)
+            for o_tile in range(o_start, o_end, 3):
+                o = min(o_tile, n_out - 3)
+                if b_tile == 4 and o_tile + block + 2 < n_out:  # the next block's rows, 3 KB per tile
+                    prefetch_row(w_t, o_tile + block)
+                    prefetch_row(w_t, o_tile + block + 1)
+                    prefetch_row(w_t, o_tile + block + 2)
+                w0, w1, w2 = w_t[o], w_t[o + 1], w_t[o + 2]
+                s00 = s01 = s02 = s10 = s11 = s12 = s20 = s21 = s22 = s30 = s31 = s32 = np.float32(0.0)
                 for i in range(n_in):
-                    a, c = w0[i], w1[i]
+                    a, c, d = w0[i], w1[i], w2[i]
                     u0, u1, u2, u3 = x0[i], x1[i], x2[i], x3[i]
                     s00 += u0 * a
                     s01 += u0 * c
+                    s02 += u0 * d
                     s10 += u1 * a
                     s11 += u1 * c
+                    s12 += u1 * d
                     s20 += u2 * a
                     s21 += u2 * c
+                    s22 += u2 * d
                     s30 += u3 * a
                     s31 += u3 * c
-                out[b, o], out[b, o + 1] = s00, s01
-                out[b + 1, o], out[b + 1, o + 1] = s10, s11
-                out[b + 2, o], out[b + 2, o + 1] = s20, s21
-                out[b + 3, o], out[b + 3, o + 1] = s30, s31
+                    s32 += u3 * d
+                out[b, o], out[b, o + 1], out[b, o + 2] = s00, s01, s02
+                out[b + 1, o], out[b + 1, o + 1], out[b + 1, o + 2] = s10, s11, s12
+                out[b + 2, o], out[b + 2, o + 1], out[b + 2, o + 2] = s20, s21, s22
+                out[b + 3, o], out[b + 3, o + 1], out[b + 3, o + 2] = s30, s31, s32
 
 
 @njit(cache=True, fastmath=True, nogil=True)
@@ -172,19 +221,20 @@ def decode_forward(batch_rows, starts, batch_tokens, batch_tables, block_size,
     rms_norm(h, input_norms[0], eps, x)
     heads = qkv.reshape(num_rows, num_heads + 2 * num_kv_heads, dim)
     queries = attn.reshape(num_rows, num_heads, dim)
+    tables = batch_tables[batch_rows]  # each row's block-table row, in row order (a small copy, once a step)
     for layer in range(num_layers):
         _matmul(x, qkv_w[layer], qkv_t[layer], tiled, qkv)
         rotary(heads, num_heads + num_kv_heads, positions, cos, sin)  # q and k, in place
         kb, vb = k_blocks[layer], v_blocks[layer]
-        for b in range(num_rows):  # this step's K/V into the pool, then attention over the whole row
-            row, pos = batch_rows[b], positions[b]
-            block, offset = batch_tables[row, pos // block_size], pos % block_size
+        for b in range(num_rows):  # this step's K/V into the pool ...
+            pos = positions[b]
+            block, offset = tables[b, pos // block_size], pos % block_size
             for kvh in range(num_kv_heads):
                 for d in range(dim):
                     kb[block, offset, kvh, d] = heads[b, num_heads + kvh, d]
                     vb[block, offset, kvh, d] = heads[b, num_heads + num_kv_heads + kvh, d]
-            paged_decode_f32(heads[b : b + 1, :num_heads], kb, vb, batch_tables[row : row + 1], seq_lens[b : b + 1],
-                             scale, 0, queries[b : b + 1])
+        # ... then every row's attention in one call (row b reads keys 0 … positions[b] only)
+        paged_decode_f32(heads[:, :num_heads], kb, vb, tables, seq_lens, scale, 0, queries)
         _matmul(attn, o_w[layer], o_t[layer], tiled, delta)
         add_rms_norm(h, delta, post_norms[layer], eps, x)
         _matmul(x, gate_up_w[layer], gate_up_t[layer], tiled, gate_up)

@@ -30,21 +30,21 @@ speculative verify rows, with no static batch or KV connector, and at most `max_
 
 A verify row (chapter 09: a request's pending token at position L and its k guesses) runs as 1+k
 of the kernel's rows, all reading the same block-table row, at positions L … L+k. Causality holds
-without a mask because the kernel handles rows in order within each layer, and each row writes its
-K/V before its attention reads keys 0 … its own position: the row at L+j sees the K/V that rows
-L … L+j−1 wrote just before it, and never a later row's (nor a rejected guess's from an earlier
-step, which lies past its own position). Each row's arithmetic is the same as if it were alone
-in a step (the matrix-vector loops compute every row the same way), so a verify row's logits are
+without a mask because each layer writes every row's K/V before its attention, and a row's
+attention reads keys 0 … its own position only: the row at L+j sees the K/V that rows L … L+j−1
+wrote, and never a later row's (nor a rejected guess's from an earlier step): those lie past its
+length. Each row's arithmetic is the same as if it were alone in a step (the matrix-vector loops
+compute every row the same way), so a verify row's logits are
 those plain decoding computes at the same positions, bit for bit, and greedy speculation emits
 exactly plain decoding's tokens.
 
 Many rows (`tiled_min_rows` or more, decode rows only): the matrix-vector loops redo each weight
 row's arithmetic per row, which is what a lone row needs (it waits on the weights' memory traffic,
 not on the arithmetic) but not what a batch needs, so a large step's matmuls run as register-tiled
-dot products instead (`matmul_rows`: each weight element loaded feeds four rows) — the work oneDNN
-does in the op-by-op forward, without its per-op dispatch. A row's sums then depend on its place in
-a tile, which no test compares bit for bit (a plain decode row of a large step is compared with HF
-and the op-by-op forward by its greedy tokens).
+dot products instead (`matmul_rows`: each weight element loaded feeds four rows, each input element
+three outputs) — the work oneDNN does in the op-by-op forward, without its per-op dispatch. A row's
+sums then come in another order than alone, which no test compares bit for bit (a plain decode row
+of a large step is compared with HF and the op-by-op forward by its greedy tokens).
 
 The weights: the layers' matmul weights are moved into one tensor per kind, [layers, in, out] —
 each layer's weight becomes a view of it, with the same storage order as before (`column_major`
@@ -71,6 +71,16 @@ import torch
 # lm_head: 7.9 / 7.6 / 8.4 ms (no clear winner among the three: the gain is the op-by-op step's dispatch).
 # The ladder's trace (bench/ladder.py, batch 16, 200 requests): 1.16x less CPU per run (2 interleaved rounds,
 # 1.16-1.16), all 200 outputs identical.
+# Then (2026-12-02, same VM under load, CPU time in one process): the 4 x 3 tile with its prefetch of the next
+# output block and one attention call per layer, on the same captured steps of that run (7 interleaved rounds),
+# old/new 1.12x [1.09-1.14] at 32 rows, 1.24x [1.20-1.32] at 12, 1.17x [1.02-1.26] at 9, 1.0 at 1, logits
+# bit-identical; with the attention's exp kept float32 too, the whole generate 1.05x [1.03-1.11] (10 interleaved
+# rounds), all 32 outputs identical.
+# TILED_MIN_ROWS not fewer: with the weights in cache the 4 x 3 tile beat the matrix-vector loops from 4 rows on
+# (the bundled target's 17 products, CPU time, 5 interleaved rounds: 4 rows 0.52 vs 0.78 ms, 8 rows 0.98 vs
+# 1.44), but inside a real step of the 32-request run, where the weights come from L3 or memory, the whole step
+# took 1.2-1.5x the CPU time tiled at 4-6 rows, prefetch or not (7 interleaved rounds on the same captured step):
+# matvec_rows streams each weight in long contiguous runs, the tiles read three 1 KB rows at a time.
 MAX_ROWS = 32
 MAX_VERIFY_ROWS = 8
 TILED_MIN_ROWS = MAX_VERIFY_ROWS + 1
