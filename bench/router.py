@@ -295,6 +295,10 @@ def run_hops(args) -> None:
         stop_replicas([(proc, "launcher")], 60)
     print(f"{'TTFT, ms':<24} {'pairs':>5} {'routed p50':>10} {'direct p50':>10} {'routed - direct, per pair':>37} "
           f"{'hops':>4} {'in router':>9}")
+    for name, _, _, r in rows:
+        if r["paired_ttft_ms"] is None:
+            print(f"{name}: fewer than 2 pairs where both requests succeeded ({len(r['errors'])} failures): no difference")
+    rows = [row for row in rows if row[3]["paired_ttft_ms"] is not None]
     for name, hops, _, r in rows:
         d = r["paired_ttft_ms"]
         interval = f"{d['median_ms']:+.2f} [{d['low_ms']:+.2f}, {d['high_ms']:+.2f}]"
