@@ -16,11 +16,13 @@ tenant's prompt, behind each policy in turn (fresh replicas each time), and read
 own prefix-cache counters (vllm:prefix_cache_hits / queries, tokens) and the router's per-worker
 request counts. Printed: ratios against the named peer (1 replica; round_robin). `hops` measures
 what a hop adds to TTFT: `minillm serve --data-parallel-size 2` and `--pd-disaggregation` (the real
-launchers), each benched through its router and then on its instances directly at the load each saw
-(the two replicas at once; the PD prefill instance alone, its decode partner idle). The client's TTFT less the instances' own (their `vllm:time_to_first_token_seconds`
-over the same run) is HTTP, tokenization and, through the router, the hop(s); the difference between
-the two runs is what the router adds. The router's own histograms (TTFT as its client sees it, the
-worker's as the router sees it) are printed beside it. `stub` isolates the hop: a stub worker (no
+launchers), each with one paired `minillm bench serve --paired-base-url` run (`minillm.benchmark.paired`):
+every prompt goes through the router and directly to an instance (the replicas in turn; the PD prefill
+instance, which streams a plain request itself), the two sends neighbours in one Poisson stream at
+`--rate`, in a seeded order per pair, so both meet the same moment of the machine's load. Printed: the
+median per-pair TTFT difference (routed − direct) with a 95% bootstrap interval, the verdict against
+2 ms per hop in words, the router's own histograms (its TTFT less its worker's TTFT), and the router
+process's CPU time and run-queue wait per routed request. `stub` isolates the hop: a stub worker (no
 model, `minillm.benchmark.stub_server`, 0 ms to its first chunk) and a `minillm router` in front of it,
 sequential streamed requests sent alternately to each, so that a change in the machine's load hits
 both of a pair alike; printed: the paired difference in time to the first chunk (quartiles) and
@@ -47,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx  # noqa: E402
 from _machine import describe_machine, results_path  # noqa: E402
 
+from minillm.benchmark.paired import PairedDifference  # noqa: E402
 from minillm.router.launch import free_port, start_replicas, stop_replicas  # noqa: E402
 from minillm.traces.tenant import make_tenant_trace  # noqa: E402
 
@@ -58,25 +61,16 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def bench(url: str, extra: list[str]) -> dict:
-    return bench_all([(url, extra)])[0]
-
-
-def bench_all(runs: list[tuple[str, list[str]]]) -> list[dict]:
-    """`minillm bench serve` against each (URL, flags) at the same time; their result JSONs."""
-    outs, procs = [], []
-    for i, (url, extra) in enumerate(runs):
-        outs.append(str(results_path(f"bench-serve-{os.getpid()}-{i}.json")))
-        cmd = [sys.executable, "-m", "minillm", "bench", "serve", "--base-url", url, "--model", "minillm",
-               "--disable-tqdm", "--ignore-eos", "--metric-percentiles", "50,99", "--save-result", outs[-1], *extra]
-        print("  $", " ".join(cmd[1:]), flush=True)
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
-    for proc in procs:
-        if proc.wait() != 0:
-            raise RuntimeError(f"minillm bench serve exited with code {proc.returncode}")
-    results = [json.loads(Path(out).read_text()) for out in outs]
-    for out in outs:
-        os.unlink(out)
-    return results
+    """`minillm bench serve` against `url` with `extra` flags; its result JSON."""
+    out = results_path(f"bench-serve-{os.getpid()}.json")
+    cmd = [sys.executable, "-m", "minillm", "bench", "serve", "--base-url", url, "--model", "minillm",
+           "--disable-tqdm", "--ignore-eos", "--metric-percentiles", "50,99", "--save-result", str(out), *extra]
+    print("  $", " ".join(cmd[1:]), flush=True)
+    if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode != 0:
+        raise RuntimeError("minillm bench serve failed")
+    result = json.loads(out.read_text())
+    out.unlink()
+    return result
 
 
 def start_router(workers: list[str], policy: str, flags: list[str] = ()) -> tuple[subprocess.Popen, str]:
@@ -212,9 +206,6 @@ def mean_ms(before: dict, after: dict, name: str, labels: list[str]) -> float:
     return total / count * 1e3 if count else float("nan")
 
 
-SERVER_TTFT = ("vllm:time_to_first_token_seconds", ['model_name="minillm"'])
-
-
 def launch(argv: list[str]) -> tuple[subprocess.Popen, list[str]]:
     """`python -m minillm serve ARGV` (a launcher: replicas or a PD pair behind its router), once its router
     printed its URL; (the process, its output lines so far)."""
@@ -247,49 +238,44 @@ def run_queue(pid: int | None) -> tuple[float, int]:
     return int(wait_ns) / 1e9, int(runs)
 
 
-def hop_run(runs: list[tuple[str, list[str]]], instances: list[str], first_token_from: list[str],
-            router_pid: int | None = None) -> dict:
-    """Benches at the same time (`bench_all`): the clients' mean TTFT, the instances' own, and the router's
-    histograms for the workers that sent the first token (nan where `runs` go to no router); with
-    `router_pid`, the router process's CPU time per request."""
-    before = {u: scrape(u) for u in {*(url for url, _ in runs), *instances}}
-    cpu_before, queue_before = cpu_s(router_pid), run_queue(router_pid)
-    results = bench_all(runs)
-    cpu, queue_after = cpu_s(router_pid) - cpu_before, run_queue(router_pid)
-    after = {u: scrape(u) for u in before}
-    done = sum(r["completed"] for r in results)
-    router = runs[0][0]
+HOP_LIMIT_MS = 2.0  # issue 29: each hop adds at most this to TTFT at 2 req/s
+
+
+def hop_run(router_url: str, direct: list[str], load: list[str], router_pid: int, first_token_from: list[str]) -> dict:
+    """One paired `minillm bench serve` run: every prompt through the router and directly to an instance
+    (`direct`, in turn), neighbours in the arrival order; its result JSON, plus the router process's CPU time
+    and run-queue wait per routed request and its own TTFT histograms for the workers that sent the first
+    token."""
     labels = [f'worker="{w}"' for w in first_token_from]
-    return {"client": sum(r["mean_ttft_ms"] * r["completed"] for r in results) / done, "completed": done,
-            "router_cpu_ms": cpu / done * 1e3 if router_pid is not None else float("nan"),
-            "router_wait_ms": (queue_after[0] - queue_before[0]) / done * 1e3,
-            "router_wait_per_run_us": (queue_after[0] - queue_before[0])
-            / max(1, queue_after[1] - queue_before[1]) * 1e6,
-            "own": {u: mean_ms(before[u], after[u], *SERVER_TTFT) for u in instances},
-            "router_ttft": mean_ms(before[router], after[router], "minillm_router_time_to_first_token_seconds", labels),
-            "router_worker_ttft": mean_ms(before[router], after[router],
-                                          "minillm_router_worker_time_to_first_token_seconds", labels)}
+    before = scrape(router_url)
+    cpu_before, queue_before = cpu_s(router_pid), run_queue(router_pid)
+    paired = [flag for url in direct for flag in ("--paired-base-url", url)]
+    result = bench(router_url, [*load, *paired])
+    cpu, queue_after = cpu_s(router_pid) - cpu_before, run_queue(router_pid)
+    after = scrape(router_url)
+    routed = result["completed"] + 1  # (and the initial test request)
+    return {**result, "router_cpu_ms": cpu / routed * 1e3,
+            "router_wait_ms": (queue_after[0] - queue_before[0]) / routed * 1e3,
+            "router_wait_per_run_us": (queue_after[0] - queue_before[0]) / max(1, queue_after[1] - queue_before[1]) * 1e6,
+            "router_ttft": mean_ms(before, after, "minillm_router_time_to_first_token_seconds", labels),
+            "router_worker_ttft": mean_ms(before, after, "minillm_router_worker_time_to_first_token_seconds", labels)}
 
 
 def run_hops(args) -> None:
     flags = ["--max-model-len", "512", "--max-num-seqs", "16"]
-
-    def load(rate: float) -> list[str]:
-        return ["--num-prompts", str(args.num_prompts), "--request-rate", str(rate), "--random-input-len",
-                str(args.input_len), "--random-output-len", str(args.output_len), "--seed", "0"]
-
+    load = ["--num-prompts", str(args.num_prompts), "--request-rate", str(args.rate), "--random-input-len",
+            str(args.input_len), "--random-output-len", str(args.output_len), "--seed", "0"]
     print(f"load: random dataset, {args.num_prompts} prompts of {args.input_len} tokens -> {args.output_len} tokens, "
-          f"Poisson {args.rate} req/s through each router, then on its instances directly at the load each saw; "
-          f"{describe_machine()}")
+          f"each sent twice, through the router and directly to an instance, neighbours in one Poisson stream of "
+          f"{args.rate:g} req/s (order per pair a seeded coin); {describe_machine()}")
     rows = []
     port = free_port()
     proc, lines = launch(["--data-parallel-size", "2", "--port", str(port), "--policy", "round_robin", *flags])
     try:
         workers = [m.group(1) for line in lines if (m := re.match(r"minillm serve: (http://[\d.:]+)/v1", line))]
-        routed = hop_run([(f"http://127.0.0.1:{port}", load(args.rate))], workers, workers, proc.pid)
-        # the baseline: each replica benched directly at the load it saw, both at once (the same busy machine)
-        direct = hop_run([(w, load(args.rate / len(workers))) for w in workers], workers, workers)
-        rows.append(("--data-parallel-size 2", routed, direct))
+        # the direct half goes to the replicas in turn, as the round-robin router sends its half
+        rows.append(("--data-parallel-size 2", 1, "a replica",
+                     hop_run(f"http://127.0.0.1:{port}", workers, load, proc.pid, workers)))
     finally:
         stop_replicas([(proc, "launcher")], 60)
     import psutil
@@ -302,32 +288,36 @@ def run_hops(args) -> None:
             cmd = child.cmdline()
             role = "prefill" if "kv_producer" in cmd[cmd.index("--kv-transfer-config") + 1] else "decode"
             pair[role] = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
-        routed = hop_run([(f"http://127.0.0.1:{port}", load(args.rate))], [pair["prefill"], pair["decode"]],
-                         [pair["prefill"]], proc.pid)
-        routed["own"] = {pair["prefill"]: routed["own"][pair["prefill"]], "decode": routed["own"][pair["decode"]]}
-        # the baseline: the prefill instance benched directly (it serves plain requests too); the decode idles
-        direct = hop_run([(pair["prefill"], load(args.rate))], [pair["prefill"]], [pair["prefill"]])
-        rows.append(("--pd-disaggregation", routed, direct))
-        print(f"PD instances' own mean TTFT: prefill {routed['own'][pair['prefill']]:.1f} ms (its first token is "
-              f"the client's), decode {routed['own'].pop('decode'):.1f} ms (arrival to token 1, the K/V pulled)")
+        # the direct half: the prefill instance alone (it serves plain requests too, and streams them itself)
+        rows.append(("--pd-disaggregation", 2, "the prefill instance",
+                     hop_run(f"http://127.0.0.1:{port}", [pair["prefill"]], load, proc.pid, [pair["prefill"]])))
     finally:
         stop_replicas([(proc, "launcher")], 60)
-    print(f"{'mean TTFT, ms':<24} {'client':>8} {'own':>8} {'client-own':>10} {'direct c-o':>10} {'router adds':>11} "
-          f"{'router TTFT':>11} {'worker TTFT':>11} {'in router':>9}")
-    for name, r, d in rows:
-        own = sum(r["own"].values()) / len(r["own"])  # (the instances that sent the first token)
-        base = d["client"] - sum(d["own"].values()) / len(d["own"])
-        print(f"{name:<24} {r['client']:>8.1f} {own:>8.1f} {r['client'] - own:>10.1f} {base:>10.1f} "
-              f"{r['client'] - own - base:>11.1f} {r['router_ttft']:>11.1f} {r['router_worker_ttft']:>11.1f} "
-              f"{r['router_ttft'] - r['router_worker_ttft']:>9.1f}")
-    print("client-own: the client's TTFT less the instances' own (HTTP, tokenization, the hop); direct c-o: the same "
-          "on the instances directly, at the same load; router adds: the difference. in router: the router's TTFT histogram "
-          "less its worker-TTFT histogram (both its own clock).")
-    print("router CPU per request (the launcher's process, which runs the router; streamed answers of "
-          f"{args.output_len} tokens): " + ", ".join(f"{name} {r['router_cpu_ms']:.2f} ms" for name, r, _ in rows))
+    print(f"{'TTFT, ms':<24} {'pairs':>5} {'routed p50':>10} {'direct p50':>10} {'routed - direct, per pair':>37} "
+          f"{'hops':>4} {'in router':>9}")
+    for name, _, _, r in rows:
+        if r["paired_ttft_ms"] is None:
+            print(f"{name}: fewer than 2 pairs where both requests succeeded ({len(r['errors'])} failures): no difference")
+    rows = [row for row in rows if row[3]["paired_ttft_ms"] is not None]
+    for name, hops, _, r in rows:
+        d = r["paired_ttft_ms"]
+        interval = f"{d['median_ms']:+.2f} [{d['low_ms']:+.2f}, {d['high_ms']:+.2f}]"
+        print(f"{name:<24} {d['pairs']:>5} {d['median_a_ms']:>10.2f} {d['median_b_ms']:>10.2f} {interval:>37} "
+              f"{hops:>4} {r['router_ttft'] - r['router_worker_ttft']:>9.2f}")
+    print("routed - direct: the median of the per-pair TTFT differences, [95% bootstrap interval of that median]; "
+          "direct: a replica (DP; the two in turn) or the prefill instance streaming the request itself (PD). "
+          "in router: the router's mean TTFT histogram less its worker-TTFT histogram (its own clock).")
+    for name, hops, _, r in rows:
+        limit = HOP_LIMIT_MS * hops
+        print(f"{name}: {hops} hop{'s' if hops > 1 else ''}, limit {limit:g} ms ({HOP_LIMIT_MS:g} ms per hop): "
+              f"{PairedDifference(**r['paired_ttft_ms']).verdict(limit)}")
+    print("(PD: the issue counts two hops, to the prefill and to the decode instance; the first token crosses "
+          "the router once, as the prefill's answer, so the decode hop is off the TTFT path)")
+    print("router CPU per routed request (the launcher's process, which runs the router; streamed answers of "
+          f"{args.output_len} tokens): " + ", ".join(f"{name} {r['router_cpu_ms']:.2f} ms" for name, _, _, r in rows))
     print("router waiting for a core (its main thread runnable, the cores taken; /proc/PID/schedstat): " +
-          ", ".join(f"{name} {r['router_wait_ms']:.2f} ms per request ({r['router_wait_per_run_us']:.0f} µs per turn "
-                    f"on a core)" for name, r, _ in rows))
+          ", ".join(f"{name} {r['router_wait_ms']:.2f} ms per routed request ({r['router_wait_per_run_us']:.0f} µs "
+                    f"per turn on a core)" for name, _, _, r in rows))
 
 
 def run_stub(args) -> None:

@@ -355,6 +355,98 @@ def test_cli_flags_build_the_config(tmp_path) -> None:
         config_from_args(bad)
 
 
+# ----------------------------------------------------------------------------- paired A/B runs
+
+
+def test_paired_difference_is_a_minus_b_pair_by_pair_with_an_interval() -> None:
+    from minillm.benchmark.paired import paired_difference
+
+    # A - B per pair: 1, 2, 3, 4, 10 ms; the third pair's A failed and is left out. The medians of A and
+    # B alone (21 and 10 ms) are not what is asked: the pairs' own median is 3 ms.
+    a = [0.011, 0.022, None, 0.013, 0.034, 0.050, 0.021]
+    b = [0.010, 0.020, 0.005, 0.010, 0.030, 0.040, 0.019]
+    pairs = paired_difference(a, b, seed=0)
+    assert pairs.pairs == 6
+    assert pairs.diffs_ms == pytest.approx([1, 2, 3, 4, 10, 2])
+    assert pairs.median_ms == pytest.approx(2.5) and pairs.mean_ms == pytest.approx(22 / 6)
+    assert 1 <= pairs.low_ms <= pairs.median_ms <= pairs.high_ms <= 10  # medians of resamples stay in range
+    assert (pairs.p25_ms, pairs.p75_ms) == pytest.approx((2.0, 3.75))
+    assert paired_difference(a, b, seed=0) == pairs  # seeded
+    with pytest.raises(ValueError, match="equal lengths"):
+        paired_difference(a, b[:-1])
+    with pytest.raises(ValueError, match="at least 2 pairs"):
+        paired_difference([0.01, None], [0.01, 0.01])
+
+
+def test_paired_verdict_reads_the_interval() -> None:
+    from minillm.benchmark.paired import PairedDifference
+
+    def pairs(low: float, median: float, high: float) -> PairedDifference:
+        return PairedDifference(10, median, low, high, low, high, median, 0.95, 5.0, 4.0, [])
+
+    assert pairs(0.5, 1.0, 1.9).verdict(2).startswith("met: at most 2 ms")
+    assert pairs(2.1, 3.0, 4.0).verdict(2).startswith("missed: above 2 ms")
+    assert pairs(0.5, 1.5, 2.5).verdict(2).startswith("met at the median, not shown at 95%")
+    assert pairs(1.5, 2.5, 3.5).verdict(2).startswith("missed at the median, not shown at 95%")
+
+
+class TwoHostServer:
+    """Streams like FakeServer; host `slow` waits 40 ms more before its first chunk. Notes (host, prompt)
+    in arrival order."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        self.seen.append((request.url.host, body["prompt"]))
+
+        async def stream():
+            await asyncio.sleep(0.040 if request.url.host == "slow" else 0.0)
+            for _ in range(body["max_tokens"]):
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'text': ' x'}]})}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, content=stream())
+
+
+def test_paired_run_sends_each_prompt_to_both_in_a_seeded_order() -> None:
+    from minillm.benchmark.paired import pair_order
+    from minillm.benchmark.serve import paired_sends
+
+    server = TwoHostServer()
+    cfg = _cfg(base_url="http://slow", paired_base_urls=["http://fast1", "http://fast2"], num_prompts=8,
+               request_rate=1000.0)
+    result = run_benchmark(cfg, transport=httpx.MockTransport(server))
+    prompts = [r.prompt for r in result.requests]
+    # The plan: pair k's two sends are neighbours with the same prompt, the B half to fast1 / fast2 in turn,
+    # first where the seeded coin says so.
+    plan = [(side, url.split("/")[2], req.prompt) for side, req, url in paired_sends(cfg, result.requests)]
+    for k, b_first in enumerate(pair_order(8, cfg.seed)):
+        a, b = (0, "slow", prompts[k]), (1, f"fast{k % 2 + 1}", prompts[k])
+        assert plan[2 * k: 2 * k + 2] == ([b, a] if b_first else [a, b])
+    assert len({bool(b) for b in pair_order(8, cfg.seed)}) == 2  # (both orders occur in this run)
+    # What the server saw: every URL once first (the initial test), then each prompt once on each side.
+    initial, sends = server.seen[:3], server.seen[3:]
+    assert sorted(host for host, _ in initial) == ["fast1", "fast2", "slow"]
+    assert sorted(sends) == sorted((host, prompt) for _, host, prompt in plan)
+    assert result.metrics.completed == 8 and len(result.paired_outcomes) == 8
+    assert result.paired.pairs == 8 and result.paired.median_ms > 20  # slow minus fast: the 40 ms wait
+    saved = result.to_dict()
+    assert saved["paired_ttft_ms"]["pairs"] == 8 and len(saved["paired_ttfts"]) == 8
+
+
+def test_paired_flag_builds_the_config() -> None:
+    from minillm.benchmark.serve import config_from_args
+
+    args = build_parser().parse_args(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m",
+                                      "--paired-base-url", "http://127.0.0.1:10", "--paired-base-url",
+                                      "http://127.0.0.1:11"])
+    assert config_from_args(args)[0].paired_base_urls == ["http://127.0.0.1:10", "http://127.0.0.1:11"]
+    with pytest.raises(ValueError, match="--paired-base-url must start with http"):
+        _cfg(paired_base_urls=["127.0.0.1:10"]).validate()
+
+
 # ----------------------------------------------------------------------------- against the real server
 
 

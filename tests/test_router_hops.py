@@ -171,6 +171,31 @@ def test_one_kept_alive_connection_and_a_stream_passed_through_unbuffered_byte_f
             assert router.workers[0].in_flight == 0
 
 
+def test_paired_bench_serve_sends_every_prompt_through_the_router_and_directly():
+    """`bench/router.py hops`'s measure, on a stub: `minillm bench serve --paired-base-url` with the router as
+    --base-url and its worker as the paired URL. Every prompt reaches the worker twice, once through the router;
+    the pairs' TTFT difference is computed over all of them."""
+    from minillm.benchmark.serve import BenchConfig, run_benchmark
+
+    stub = Stub(streaming_worker)
+    with serving(stub) as worker:
+        with running_router([worker], "round_robin", health_check_interval_secs=60) as (url, router):
+            cfg = BenchConfig(base_url=url, model="stub", paired_base_urls=[worker], num_prompts=6,
+                              random_input_len=8, random_output_len=2, request_rate=50.0, disable_tqdm=True)
+            result = run_benchmark(cfg)
+            routed = scrape(url)[f'minillm_router_requests_total{{worker="{worker}"}}']
+            assert router.workers[0].in_flight == 0
+    assert result.metrics.completed == 6 and all(o.success for o in result.paired_outcomes)
+    assert result.paired.pairs == 6 and len(result.paired.diffs_ms) == 6
+    assert routed == 6 + 1  # the routed half and its initial test request
+    prompts = [json.loads(body)["prompt"] for _, path, _, body in stub.seen if path == "/v1/completions"]
+    assert len(prompts) == 2 * (6 + 1)
+    assert sorted(set(prompts)) == sorted({r.prompt for r in result.requests})
+    assert all(prompts.count(p) == 2 for p in set(prompts) - {result.requests[0].prompt})  # (the first: 4, tests)
+    # both halves read the same answer
+    assert [o.generated_text for o in result.outcomes] == [o.generated_text for o in result.paired_outcomes]
+
+
 # ---- the PD router ---------------------------------------------------------------------------------
 def _text_chunk(rid: str, chat: bool, text: str, finish: str | None) -> dict:
     choice = {"index": 0, "logprobs": None, "finish_reason": finish, "stop_reason": None}

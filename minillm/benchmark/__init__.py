@@ -7,7 +7,8 @@ reports the same numbers with the same definitions:
 - `client.py`   one streamed request over HTTP, timed chunk by chunk;
 - `results.py`  the metric math (TTFT, TPOT, ITL, E2EL, throughputs, goodput) and the report;
 - `plot.py`     a PNG of the latency distributions and of the load over time;
-- `serve.py`    the command line and the driver (arrival process, max concurrency, progress bar).
+- `serve.py`    the command line and the driver (arrival process, max concurrency, progress bar);
+- `paired.py`   a paired A/B run's statistic: per-pair TTFT differences, their median and its interval.
 """
 
 from minillm.benchmark.results import BenchmarkMetrics, RequestOutcome, calculate_metrics, parse_goodput

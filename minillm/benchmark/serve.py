@@ -10,6 +10,12 @@ sends everything at once. `--max-concurrency N` additionally caps the requests i
 that waits for a free slot starts its clock only when it is sent. Before the run, one request
 checks that the server answers (as vLLM's initial test run), so a wrong URL fails in a second with
 the server's reason rather than after a whole run of failures.
+
+`--paired-base-url B` makes the run a paired A/B test (`minillm.benchmark.paired`): every prompt
+goes to `--base-url` and to B (several B flags are used in turn), the two halves at neighbouring
+arrival times in a seeded random order, so `--num-prompts N` sends 2N requests at `--request-rate`
+in all. The report's metrics are the `--base-url` half's; a last line gives the per-pair TTFT
+difference (base minus paired) with a bootstrap interval of its median.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from tqdm.auto import tqdm
 
 from minillm.benchmark.client import BACKENDS, RequestSettings, send_request
 from minillm.benchmark.dataset import DATASETS, BenchRequest, load_tokenizer, make_requests
+from minillm.benchmark.paired import PairedDifference, pair_order, paired_difference
 from minillm.benchmark.results import (
     METRIC_NAMES,
     BenchmarkMetrics,
@@ -77,6 +84,7 @@ class BenchConfig:
     initial_test: bool = True
     request_timeout_s: float = 600.0
     disable_tqdm: bool = False
+    paired_base_urls: list[str] = field(default_factory=list)  # a paired A/B run: each prompt also sent here
 
     def validate(self) -> None:
         if self.backend not in BACKENDS:
@@ -93,13 +101,19 @@ class BenchConfig:
             raise ValueError(f"--max-concurrency must be ≥ 1, got {self.max_concurrency}")
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"--base-url must start with http:// or https://, got {self.base_url!r}")
+        for url in self.paired_base_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"--paired-base-url must start with http:// or https://, got {url!r}")
         for p in self.percentiles:
             if not 0 < p < 100:
                 raise ValueError(f"--metric-percentiles: {p} is not strictly between 0 and 100")
 
     @property
     def url(self) -> str:
-        return self.base_url.rstrip("/") + (self.endpoint or DEFAULT_ENDPOINTS[self.backend])
+        return self.url_at(self.base_url)
+
+    def url_at(self, base_url: str) -> str:
+        return base_url.rstrip("/") + (self.endpoint or DEFAULT_ENDPOINTS[self.backend])
 
 
 @dataclass
@@ -108,6 +122,8 @@ class BenchmarkResult:
     metrics: BenchmarkMetrics
     outcomes: list[RequestOutcome]
     requests: list[BenchRequest]
+    paired_outcomes: list[RequestOutcome] | None = None  # prompt by prompt, the --paired-base-url half
+    paired: PairedDifference | None = None
 
     def to_dict(self) -> dict:
         """vLLM's result JSON: the run's settings, the metrics, then per-request lists."""
@@ -129,6 +145,9 @@ class BenchmarkResult:
             "itls": [o.itl_s for o in ok],
             "start_times": [o.start_time_s for o in ok],
             "errors": [o.error for o in self.outcomes if not o.success],
+            **({} if self.paired_outcomes is None else {
+                "paired_ttft_ms": None if self.paired is None else self.paired.to_dict(),
+                "paired_ttfts": [o.ttft_s if o.success else None for o in self.paired_outcomes]}),
         }
 
     def save_json(self, path: str | Path) -> None:
@@ -141,40 +160,57 @@ def arrival_offsets(num_requests: int, request_rate: float, burstiness: float, s
     return gamma_arrivals(num_requests, request_rate, burstiness, np.random.default_rng([seed, 1]))
 
 
+def paired_sends(cfg: BenchConfig, requests: list[BenchRequest]) -> list[tuple[int, BenchRequest, str]]:
+    """The run's sends in arrival order, as (side, request, URL): side 0 is --base-url, 1 a --paired-base-url
+    (pair k's B half goes to the k-th in turn). Without paired URLs, every request once to --base-url."""
+    if not cfg.paired_base_urls:
+        return [(0, req, cfg.url) for req in requests]
+    sends = []
+    for k, (req, b_first) in enumerate(zip(requests, pair_order(len(requests), cfg.seed))):
+        halves = [(0, req, cfg.url), (1, req, cfg.url_at(cfg.paired_base_urls[k % len(cfg.paired_base_urls)]))]
+        sends += halves[::-1] if b_first else halves
+    return sends
+
+
 async def _run(cfg: BenchConfig, requests: list[BenchRequest], tokenizer,
-               transport: httpx.AsyncBaseTransport | None) -> tuple[list[RequestOutcome], float]:
+               transport: httpx.AsyncBaseTransport | None) -> tuple[list[list[RequestOutcome]], float]:
+    """The outcomes per side (--base-url's, then the paired URLs' if any, each in prompt order), and the
+    run's duration."""
     settings = RequestSettings(cfg.model, cfg.backend, cfg.prompt_format, cfg.temperature, cfg.ignore_eos,
                                cfg.extra_body)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
-    limits = httpx.Limits(max_connections=cfg.max_concurrency or len(requests) + 1, max_keepalive_connections=None)
+    sends = paired_sends(cfg, requests)
+    limits = httpx.Limits(max_connections=cfg.max_concurrency or len(sends) + 1, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s), limits=limits,
                                  transport=transport) as client:
         if cfg.initial_test:
-            test = await send_request(client, cfg.url, requests[0], settings, run_start=time.perf_counter(),
-                                      tokenizer=tokenizer, headers=headers)
-            if not test.success:
-                raise ValueError(f"the initial test request to {cfg.url} failed: {test.error}")
-        offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
+            for url in dict.fromkeys(url for _, _, url in sends):  # each URL once, in order
+                test = await send_request(client, url, requests[0], settings, run_start=time.perf_counter(),
+                                          tokenizer=tokenizer, headers=headers)
+                if not test.success:
+                    raise ValueError(f"the initial test request to {url} failed: {test.error}")
+        offsets = arrival_offsets(len(sends), cfg.request_rate, cfg.burstiness, cfg.seed)
         limiter = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
-        bar = tqdm(total=len(requests), disable=cfg.disable_tqdm, desc="bench serve", unit="req")
+        bar = tqdm(total=len(sends), disable=cfg.disable_tqdm, desc="bench serve", unit="req")
         run_start = time.perf_counter()
 
-        async def one(req: BenchRequest, offset_s: float) -> RequestOutcome:
+        async def one(req: BenchRequest, url: str, offset_s: float) -> RequestOutcome:
             await asyncio.sleep(max(0.0, run_start + offset_s - time.perf_counter()))
             if limiter is None:
-                outcome = await send_request(client, cfg.url, req, settings, run_start=run_start,
+                outcome = await send_request(client, url, req, settings, run_start=run_start,
                                              tokenizer=tokenizer, headers=headers)
             else:
                 async with limiter:
-                    outcome = await send_request(client, cfg.url, req, settings, run_start=run_start,
+                    outcome = await send_request(client, url, req, settings, run_start=run_start,
                                                  tokenizer=tokenizer, headers=headers)
             bar.update(1)
             return outcome
 
-        outcomes = await asyncio.gather(*(one(r, float(t)) for r, t in zip(requests, offsets)))
+        outcomes = await asyncio.gather(*(one(req, url, float(t)) for (_, req, url), t in zip(sends, offsets)))
         duration_s = time.perf_counter() - run_start
         bar.close()
-    return list(outcomes), duration_s
+    sides = [[o for (side, _, _), o in zip(sends, outcomes) if side == s] for s in (0, 1)]
+    return sides if cfg.paired_base_urls else sides[:1], duration_s
 
 
 def run_benchmark(cfg: BenchConfig, requests: list[BenchRequest] | None = None, *,
@@ -193,7 +229,7 @@ def run_benchmark(cfg: BenchConfig, requests: list[BenchRequest] | None = None, 
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        outcomes, duration_s = asyncio.run(_run(cfg, requests, tokenizer, transport))
+        sides, duration_s = asyncio.run(_run(cfg, requests, tokenizer, transport))
     else:
         box: dict[str, Any] = {}
 
@@ -208,9 +244,15 @@ def run_benchmark(cfg: BenchConfig, requests: list[BenchRequest] | None = None, 
         thread.join()
         if "error" in box:
             raise box["error"]
-        outcomes, duration_s = box["value"]
+        sides, duration_s = box["value"]
+    outcomes = sides[0]
     metrics = calculate_metrics(outcomes, duration_s, goodput_slos_ms=cfg.goodput, percentiles=cfg.percentiles)
-    return BenchmarkResult(cfg, metrics, outcomes, requests)
+    if len(sides) == 1:
+        return BenchmarkResult(cfg, metrics, outcomes, requests)
+    ttfts = [[o.ttft_s if o.success else None for o in side] for side in sides]
+    both_ok = sum(a is not None and b is not None for a, b in zip(*ttfts))
+    paired = paired_difference(*ttfts, seed=cfg.seed) if both_ok >= 2 else None  # (else: failures, reported)
+    return BenchmarkResult(cfg, metrics, outcomes, requests, sides[1], paired)
 
 
 # --------------------------------------------------------------------------- command line
@@ -258,6 +300,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--save-result", default=None, metavar="FILE.json", help="write vLLM-style result JSON")
     add("--plot", default=None, metavar="FILE.png", help="write latency distributions and load over time")
     add("--plot-title", default=None, help="title above the plot (say what was measured where)")
+    add("--paired-base-url", action="append", default=None, metavar="URL",
+        help="a paired A/B run: every prompt is sent to --base-url and to this URL (repeat the flag for several, "
+             "used in turn), at neighbouring arrival times in a seeded order; the report adds the per-pair TTFT "
+             "difference, --base-url minus this, with a bootstrap interval of its median")
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, list[str]]:
@@ -287,7 +333,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, list[str]]:
         max_concurrency=args.max_concurrency, seed=args.seed, prompt_format=args.prompt_format,
         temperature=args.temperature, ignore_eos=args.ignore_eos, extra_body=extra,
         goodput=parse_goodput(args.goodput), percentiles=percentiles, request_timeout_s=args.request_timeout,
-        disable_tqdm=args.disable_tqdm)
+        disable_tqdm=args.disable_tqdm, paired_base_urls=args.paired_base_url or [])
     return cfg, shown
 
 
@@ -295,10 +341,13 @@ def main(args: argparse.Namespace) -> int:
     """Run from parsed arguments, print the report, write the JSON and the plot if asked."""
     cfg, shown = config_from_args(args)
     rate = "inf" if math.isinf(cfg.request_rate) else f"{cfg.request_rate:g}"
+    paired = f", each also to {', '.join(cfg.paired_base_urls)} (paired)" if cfg.paired_base_urls else ""
     print(f"Traffic request rate: {rate} req/s, burstiness {cfg.burstiness:g}, "
-          f"max concurrency {cfg.max_concurrency or 'unlimited'}; {cfg.num_prompts} prompts to {cfg.url}")
+          f"max concurrency {cfg.max_concurrency or 'unlimited'}; {cfg.num_prompts} prompts to {cfg.url}{paired}")
     result = run_benchmark(cfg)
     print(result.metrics.table(cfg.max_concurrency, shown))
+    if result.paired is not None:
+        print(f"Paired TTFT, --base-url minus --paired-base-url, {result.paired.line()}")
     failures = [o.error for o in result.outcomes if not o.success]
     if failures:
         print(f"first failure: {failures[0]}")
