@@ -12,8 +12,9 @@ tensors (norm weights, the RoPE table) are made once, on first use.
 The matmuls go to oneDNN with each weight packed into its blocked layout
 (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`, the ops torch's compiler
 uses for oneDNN linears; vLLM's CPU backend runs its linears on oneDNN too) instead of `F.linear`'s
-MKL sgemm. On this AMD CPU oneDNN runs AVX-512 kernels (ONEDNN_VERBOSE=1 says so; MKL does not say
-which it picks) and measured faster (one-off timings, scratch script). One thread, best of 5, µs per
+MKL sgemm. oneDNN picks its kernels by the CPU's instruction set (ONEDNN_VERBOSE=1 names them: AVX-512
+on the AMD host these timings come from, `brg_matmul:avx2` on a Zen 3 host without AVX-512; MKL does not
+say which it picks) and measured faster (one-off timings, scratch script). One thread, best of 5, µs per
 call (F.linear → oneDNN), rows
 1 / 2 / 16 / 200: q|k|v 11 → 22 / 20 → 22 / 61 → 54 / 547 → 476, gate|up 27 → 37 / 51 → 39 /
 147 → 120 / 1404 → 1259, lm_head 72 → 78 / 140 → 86 / 536 → 324 / 4576 → 3882 (o and down within
