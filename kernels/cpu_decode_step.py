@@ -186,12 +186,119 @@ def matmul_rows(x, w_t, out):
 
 
 @njit(cache=True, fastmath=True, nogil=True)
-def _matmul(x, w, w_t, tiled, out):
-    """out = x @ w: `matmul_rows` on w_t (w's transpose, contiguous) if tiled, else `matvec_rows` on w."""
-    if tiled:
+def dot_1x12(x, w_t, out):
+    """One row, twelve outputs at a time: out[0] = x[0] @ w_t.T, each output a dot product over `in`
+    summed exactly as `matmul_rows`' 4 x 3 tile sums it (LLVM vectorizes each along `in`, 8 lanes)."""
+    n_in = x.shape[1]
+    n_out = w_t.shape[0]
+    xb = x[0]
+    for o_tile in range(0, n_out, 12):
+        o = min(o_tile, n_out - 12)
+        w0, w1, w2, w3, w4, w5 = w_t[o], w_t[o + 1], w_t[o + 2], w_t[o + 3], w_t[o + 4], w_t[o + 5]
+        w6, w7, w8, w9, w10, w11 = w_t[o + 6], w_t[o + 7], w_t[o + 8], w_t[o + 9], w_t[o + 10], w_t[o + 11]
+        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = s8 = s9 = s10 = s11 = np.float32(0.0)
+        for i in range(n_in):
+            u = xb[i]
+            s0 += u * w0[i]
+            s1 += u * w1[i]
+            s2 += u * w2[i]
+            s3 += u * w3[i]
+            s4 += u * w4[i]
+            s5 += u * w5[i]
+            s6 += u * w6[i]
+            s7 += u * w7[i]
+            s8 += u * w8[i]
+            s9 += u * w9[i]
+            s10 += u * w10[i]
+            s11 += u * w11[i]
+        out[0, o], out[0, o + 1], out[0, o + 2], out[0, o + 3] = s0, s1, s2, s3
+        out[0, o + 4], out[0, o + 5], out[0, o + 6], out[0, o + 7] = s4, s5, s6, s7
+        out[0, o + 8], out[0, o + 9], out[0, o + 10], out[0, o + 11] = s8, s9, s10, s11
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def dot_2x6(x, w_t, out):
+    """Two rows at a time (the last pair moved back to end at the last row), six outputs."""
+    rows, n_in = x.shape
+    n_out = w_t.shape[0]
+    for b_tile in range(0, rows, 2):
+        b = min(b_tile, rows - 2)
+        x0, x1 = x[b], x[b + 1]
+        for o_tile in range(0, n_out, 6):
+            o = min(o_tile, n_out - 6)
+            w0, w1, w2, w3, w4, w5 = w_t[o], w_t[o + 1], w_t[o + 2], w_t[o + 3], w_t[o + 4], w_t[o + 5]
+            a0 = a1 = a2 = a3 = a4 = a5 = c0 = c1 = c2 = c3 = c4 = c5 = np.float32(0.0)
+            for i in range(n_in):
+                u, v = x0[i], x1[i]
+                p0, p1, p2, p3, p4, p5 = w0[i], w1[i], w2[i], w3[i], w4[i], w5[i]
+                a0 += u * p0
+                a1 += u * p1
+                a2 += u * p2
+                a3 += u * p3
+                a4 += u * p4
+                a5 += u * p5
+                c0 += v * p0
+                c1 += v * p1
+                c2 += v * p2
+                c3 += v * p3
+                c4 += v * p4
+                c5 += v * p5
+            out[b, o], out[b, o + 1], out[b, o + 2], out[b, o + 3], out[b, o + 4], out[b, o + 5] = a0, a1, a2, a3, a4, a5
+            out[b + 1, o], out[b + 1, o + 1], out[b + 1, o + 2] = c0, c1, c2
+            out[b + 1, o + 3], out[b + 1, o + 4], out[b + 1, o + 5] = c3, c4, c5
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def dot_5x2(x, w_t, out):
+    """Exactly five rows (a k = 4 verify of one request): each weight element loaded once for all five."""
+    n_in = x.shape[1]
+    n_out = w_t.shape[0]
+    x0, x1, x2, x3, x4 = x[0], x[1], x[2], x[3], x[4]
+    for o_tile in range(0, n_out, 2):
+        o = min(o_tile, n_out - 2)
+        w0, w1 = w_t[o], w_t[o + 1]
+        a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = np.float32(0.0)
+        for i in range(n_in):
+            p, q = w0[i], w1[i]
+            u0, u1, u2, u3, u4 = x0[i], x1[i], x2[i], x3[i], x4[i]
+            a0 += u0 * p
+            a1 += u0 * q
+            b0 += u1 * p
+            b1 += u1 * q
+            c0 += u2 * p
+            c1 += u2 * q
+            d0 += u3 * p
+            d1 += u3 * q
+            e0 += u4 * p
+            e1 += u4 * q
+        out[0, o], out[0, o + 1] = a0, a1
+        out[1, o], out[1, o + 1] = b0, b1
+        out[2, o], out[2, o + 1] = c0, c1
+        out[3, o], out[3, o + 1] = d0, d1
+        out[4, o], out[4, o + 1] = e0, e1
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def dot_rows(x, w_t, out):
+    """out = x @ w_t.T for any number of rows, every output summed in the same order whatever the rows
+    (tiles 1 x 12, 2 x 6, 5 x 2 and `matmul_rows`' 4 x 3: twelve or ten dot products side by side)."""
+    rows = x.shape[0]
+    if w_t.shape[0] < 12:  # too few outputs for the tiles (no model layer has so few)
         matmul_rows(x, w_t, out)
+    elif rows == 1:
+        dot_1x12(x, w_t, out)
+    elif rows < 4:
+        dot_2x6(x, w_t, out)
+    elif rows == 5:
+        dot_5x2(x, w_t, out)
     else:
-        matvec_rows(x, w, out)
+        matmul_rows(x, w_t, out)
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def _matmul(x, w, w_t, tiled, out):
+    """out = x @ w: `dot_rows` on w_t (w's transpose, contiguous), whatever `tiled` says (experiment)."""
+    dot_rows(x, w_t, out)
 
 
 @njit(cache=True, fastmath=True, nogil=True)

@@ -110,6 +110,25 @@ def test_matmul_rows_equals_a_float64_matmul(rows, n_in, n_out):
     torch.testing.assert_close(out.double(), x.double() @ w_t.double().T, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize(("n_in", "n_out"), [(256, 301), (688, 256), (256, 12), (64, 13)])
+def test_dot_rows_gives_every_row_the_same_bits_whatever_the_rows(n_in, n_out):
+    """The tiles (1 x 12, 2 x 6, 5 x 2, 4 x 3) sum every output in one order: a row computed alone has the
+    bits it has among 2 ... 12 rows (12 outputs or more), which is what lets a verify step's rows equal plain
+    decoding's."""
+    from minillm.kernels.cpu_decode_step import dot_rows
+
+    g = torch.Generator().manual_seed(n_out)
+    x, w_t = torch.randn(12, n_in, generator=g), torch.randn(n_out, n_in, generator=g)
+    lone = torch.empty(12, n_out)
+    for b in range(12):
+        dot_rows(x[b : b + 1].numpy(), w_t.numpy(), lone[b : b + 1].numpy())
+    torch.testing.assert_close(lone.double(), x.double() @ w_t.double().T, rtol=1e-5, atol=1e-4)
+    for rows in range(2, 13):
+        out = torch.full((rows, n_out), float("nan"))
+        dot_rows(x[:rows].numpy(), w_t.numpy(), out.numpy())
+        assert torch.equal(out, lone[:rows]), f"{rows} rows: a row's bits differ from the same row alone"
+
+
 def test_compiled_logits_equal_the_op_by_op_forward_to_float32_rounding(llm):
     """Sampled-token logprobs (log_softmax of the logits) at every step, both ways."""
     worker = llm.engine.executor.worker
