@@ -274,7 +274,7 @@ def run_hops(args) -> None:
     try:
         workers = [m.group(1) for line in lines if (m := re.match(r"minillm serve: (http://[\d.:]+)/v1", line))]
         # the direct half goes to the replicas in turn, as the round-robin router sends its half
-        rows.append(("--data-parallel-size 2", 1, "a replica",
+        rows.append(("--data-parallel-size 2", 1,
                      hop_run(f"http://127.0.0.1:{port}", workers, load, proc.pid, workers)))
     finally:
         stop_replicas([(proc, "launcher")], 60)
@@ -289,17 +289,17 @@ def run_hops(args) -> None:
             role = "prefill" if "kv_producer" in cmd[cmd.index("--kv-transfer-config") + 1] else "decode"
             pair[role] = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
         # the direct half: the prefill instance alone (it serves plain requests too, and streams them itself)
-        rows.append(("--pd-disaggregation", 2, "the prefill instance",
+        rows.append(("--pd-disaggregation", 2,
                      hop_run(f"http://127.0.0.1:{port}", [pair["prefill"]], load, proc.pid, [pair["prefill"]])))
     finally:
         stop_replicas([(proc, "launcher")], 60)
     print(f"{'TTFT, ms':<24} {'pairs':>5} {'routed p50':>10} {'direct p50':>10} {'routed - direct, per pair':>37} "
           f"{'hops':>4} {'in router':>9}")
-    for name, _, _, r in rows:
+    for name, _, r in rows:
         if r["paired_ttft_ms"] is None:
             print(f"{name}: fewer than 2 pairs where both requests succeeded ({len(r['errors'])} failures): no difference")
-    rows = [row for row in rows if row[3]["paired_ttft_ms"] is not None]
-    for name, hops, _, r in rows:
+    rows = [row for row in rows if row[2]["paired_ttft_ms"] is not None]
+    for name, hops, r in rows:
         d = r["paired_ttft_ms"]
         interval = f"{d['median_ms']:+.2f} [{d['low_ms']:+.2f}, {d['high_ms']:+.2f}]"
         print(f"{name:<24} {d['pairs']:>5} {d['median_a_ms']:>10.2f} {d['median_b_ms']:>10.2f} {interval:>37} "
@@ -307,17 +307,17 @@ def run_hops(args) -> None:
     print("routed - direct: the median of the per-pair TTFT differences, [95% bootstrap interval of that median]; "
           "direct: a replica (DP; the two in turn) or the prefill instance streaming the request itself (PD). "
           "in router: the router's mean TTFT histogram less its worker-TTFT histogram (its own clock).")
-    for name, hops, _, r in rows:
+    for name, hops, r in rows:
         limit = HOP_LIMIT_MS * hops
         print(f"{name}: {hops} hop{'s' if hops > 1 else ''}, limit {limit:g} ms ({HOP_LIMIT_MS:g} ms per hop): "
               f"{PairedDifference(**r['paired_ttft_ms']).verdict(limit)}")
     print("(PD: the issue counts two hops, to the prefill and to the decode instance; the first token crosses "
           "the router once, as the prefill's answer, so the decode hop is off the TTFT path)")
     print("router CPU per routed request (the launcher's process, which runs the router; streamed answers of "
-          f"{args.output_len} tokens): " + ", ".join(f"{name} {r['router_cpu_ms']:.2f} ms" for name, _, _, r in rows))
+          f"{args.output_len} tokens): " + ", ".join(f"{name} {r['router_cpu_ms']:.2f} ms" for name, _, r in rows))
     print("router waiting for a core (its main thread runnable, the cores taken; /proc/PID/schedstat): " +
           ", ".join(f"{name} {r['router_wait_ms']:.2f} ms per routed request ({r['router_wait_per_run_us']:.0f} µs "
-                    f"per turn on a core)" for name, _, _, r in rows))
+                    f"per turn on a core)" for name, _, r in rows))
 
 
 def run_stub(args) -> None:

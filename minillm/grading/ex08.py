@@ -369,6 +369,8 @@ DRAWN_KNOBS = [dict(ENGINE_KNOBS, block_size=block_size, max_num_seqs=seqs, max_
                for block_size in (4, 8, 16) for seqs in (2, 3, 4) for budget in (16, 24, 32) if budget >= block_size
                for cap in (0, max(block_size, 12))]
 
+DRAWN_KNOB_NAMES = ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold")
+
 
 def _engine_run(llm: LLM):
     rng = random.Random(8)
@@ -411,6 +413,11 @@ def check_task_3(make_llm, fill_budget) -> list[str]:
             tokens, steps = _engine_run(llm)
         same = "?" if ref_steps is None else steps == ref_steps
         if case.number != 0:  # knobs drawn as the check runs: an engine that ignores **knobs fails here
+            built = {name: getattr(llm.engine.config, name) for name in DRAWN_KNOB_NAMES}
+            drawn = {name: knobs[name] for name in DRAWN_KNOB_NAMES}
+            if built != drawn:  # (some draws schedule exactly as the seeded knobs: the steps alone cannot tell)
+                raise Fail(f"make_learner_llm(**knobs) with knobs drawn as the check ran built an engine with {built}, "
+                           f"not {drawn}: pass every knob on to LLM")
             if tokens != plain_tokens or same is False:
                 raise Fail(f"with knobs drawn as the check ran ({knobs}): greedy outputs identical to unchunked "
                            f"decoding: {tokens == plain_tokens}; every step identical to the rule's engine: {same} "
