@@ -89,37 +89,6 @@ def prefetch_row(typingctx, array, row):
     return types.void(array, row), codegen
 
 
-@njit(cache=True, fastmath=True, nogil=True)
-def matvec_rows(x, w, out):
-    """out[b] = x[b] @ w for w [in, out] C-contiguous: eight weight rows per pass over out[b]."""
-    rows, n_in = x.shape
-    n_out = w.shape[1]
-    for b in range(rows):
-        ob = out[b]
-        for o in range(n_out):
-            ob[o] = 0.0
-    i = 0
-    while i + 8 <= n_in:
-        w0, w1, w2, w3 = w[i], w[i + 1], w[i + 2], w[i + 3]
-        w4, w5, w6, w7 = w[i + 4], w[i + 5], w[i + 6], w[i + 7]
-        for b in range(rows):
-            x0, x1, x2, x3 = x[b, i], x[b, i + 1], x[b, i + 2], x[b, i + 3]
-            x4, x5, x6, x7 = x[b, i + 4], x[b, i + 5], x[b, i + 6], x[b, i + 7]
-            ob = out[b]
-            for o in range(n_out):
-                ob[o] += ((x0 * w0[o] + x1 * w1[o]) + (x2 * w2[o] + x3 * w3[o])) + (
-                    (x4 * w4[o] + x5 * w5[o]) + (x6 * w6[o] + x7 * w7[o]))
-        i += 8
-    while i < n_in:
-        wi = w[i]
-        for b in range(rows):
-            xi = x[b, i]
-            ob = out[b]
-            for o in range(n_out):
-                ob[o] += xi * wi[o]
-        i += 1
-
-
 _TILE_BLOCK_BYTES = 1 << 17  # weights per output block of `matmul_rows`: stays in L2 while every row tile reads it
 
 
@@ -185,18 +154,27 @@ def matmul_rows(x, w_t, out):
                 out[b + 3, o], out[b + 3, o + 1], out[b + 3, o + 2] = s30, s31, s32
 
 
+@njit(fastmath=True, nogil=True, inline="always")
+def _prefetch_tile(w_t, o, width):
+    """Prefetch the weight rows of the tile after the one at output `o` (`width` outputs), if there is one."""
+    if o + 2 * width <= w_t.shape[0]:
+        for j in range(width):
+            prefetch_row(w_t, o + width + j)
+
+
 @njit(cache=True, fastmath=True, nogil=True)
-def dot_1x12(x, w_t, out):
-    """One row, twelve outputs at a time: out[0] = x[0] @ w_t.T, each output a dot product over `in`
-    summed exactly as `matmul_rows`' 4 x 3 tile sums it (LLVM vectorizes each along `in`, 8 lanes)."""
+def dot_1x8(x, w_t, out):
+    """One row, eight outputs at a time: eight dot products over `in` side by side (LLVM vectorizes each
+    along `in`, 8 lanes, as in every tile here), the next eight weight rows prefetched."""
     n_in = x.shape[1]
     n_out = w_t.shape[0]
     xb = x[0]
-    for o_tile in range(0, n_out, 12):
-        o = min(o_tile, n_out - 12)
-        w0, w1, w2, w3, w4, w5 = w_t[o], w_t[o + 1], w_t[o + 2], w_t[o + 3], w_t[o + 4], w_t[o + 5]
-        w6, w7, w8, w9, w10, w11 = w_t[o + 6], w_t[o + 7], w_t[o + 8], w_t[o + 9], w_t[o + 10], w_t[o + 11]
-        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = s8 = s9 = s10 = s11 = np.float32(0.0)
+    for o_tile in range(0, n_out, 8):
+        o = min(o_tile, n_out - 8)
+        _prefetch_tile(w_t, o, 8)
+        w0, w1, w2, w3 = w_t[o], w_t[o + 1], w_t[o + 2], w_t[o + 3]
+        w4, w5, w6, w7 = w_t[o + 4], w_t[o + 5], w_t[o + 6], w_t[o + 7]
+        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
         for i in range(n_in):
             u = xb[i]
             s0 += u * w0[i]
@@ -207,55 +185,106 @@ def dot_1x12(x, w_t, out):
             s5 += u * w5[i]
             s6 += u * w6[i]
             s7 += u * w7[i]
-            s8 += u * w8[i]
-            s9 += u * w9[i]
-            s10 += u * w10[i]
-            s11 += u * w11[i]
         out[0, o], out[0, o + 1], out[0, o + 2], out[0, o + 3] = s0, s1, s2, s3
         out[0, o + 4], out[0, o + 5], out[0, o + 6], out[0, o + 7] = s4, s5, s6, s7
-        out[0, o + 8], out[0, o + 9], out[0, o + 10], out[0, o + 11] = s8, s9, s10, s11
 
 
 @njit(cache=True, fastmath=True, nogil=True)
-def dot_2x6(x, w_t, out):
-    """Two rows at a time (the last pair moved back to end at the last row), six outputs."""
-    rows, n_in = x.shape
+def dot_2x4(x, w_t, out):
+    """Exactly two rows (a k = 1 verify), four outputs: each weight element loaded once for both rows."""
+    n_in = x.shape[1]
     n_out = w_t.shape[0]
-    for b_tile in range(0, rows, 2):
-        b = min(b_tile, rows - 2)
-        x0, x1 = x[b], x[b + 1]
-        for o_tile in range(0, n_out, 6):
-            o = min(o_tile, n_out - 6)
-            w0, w1, w2, w3, w4, w5 = w_t[o], w_t[o + 1], w_t[o + 2], w_t[o + 3], w_t[o + 4], w_t[o + 5]
-            a0 = a1 = a2 = a3 = a4 = a5 = c0 = c1 = c2 = c3 = c4 = c5 = np.float32(0.0)
-            for i in range(n_in):
-                u, v = x0[i], x1[i]
-                p0, p1, p2, p3, p4, p5 = w0[i], w1[i], w2[i], w3[i], w4[i], w5[i]
-                a0 += u * p0
-                a1 += u * p1
-                a2 += u * p2
-                a3 += u * p3
-                a4 += u * p4
-                a5 += u * p5
-                c0 += v * p0
-                c1 += v * p1
-                c2 += v * p2
-                c3 += v * p3
-                c4 += v * p4
-                c5 += v * p5
-            out[b, o], out[b, o + 1], out[b, o + 2], out[b, o + 3], out[b, o + 4], out[b, o + 5] = a0, a1, a2, a3, a4, a5
-            out[b + 1, o], out[b + 1, o + 1], out[b + 1, o + 2] = c0, c1, c2
-            out[b + 1, o + 3], out[b + 1, o + 4], out[b + 1, o + 5] = c3, c4, c5
+    x0, x1 = x[0], x[1]
+    for o_tile in range(0, n_out, 4):
+        o = min(o_tile, n_out - 4)
+        _prefetch_tile(w_t, o, 4)
+        w0, w1, w2, w3 = w_t[o], w_t[o + 1], w_t[o + 2], w_t[o + 3]
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
+        for i in range(n_in):
+            p0, p1, p2, p3 = w0[i], w1[i], w2[i], w3[i]
+            u0, u1 = x0[i], x1[i]
+            a0 += u0 * p0
+            a1 += u0 * p1
+            a2 += u0 * p2
+            a3 += u0 * p3
+            b0 += u1 * p0
+            b1 += u1 * p1
+            b2 += u1 * p2
+            b3 += u1 * p3
+        out[0, o], out[0, o + 1], out[0, o + 2], out[0, o + 3] = a0, a1, a2, a3
+        out[1, o], out[1, o + 1], out[1, o + 2], out[1, o + 3] = b0, b1, b2, b3
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def dot_3x3(x, w_t, out):
+    """Exactly three rows (a k = 2 verify), three outputs."""
+    n_in = x.shape[1]
+    n_out = w_t.shape[0]
+    x0, x1, x2 = x[0], x[1], x[2]
+    for o_tile in range(0, n_out, 3):
+        o = min(o_tile, n_out - 3)
+        _prefetch_tile(w_t, o, 3)
+        w0, w1, w2 = w_t[o], w_t[o + 1], w_t[o + 2]
+        a0 = a1 = a2 = b0 = b1 = b2 = c0 = c1 = c2 = np.float32(0.0)
+        for i in range(n_in):
+            p0, p1, p2 = w0[i], w1[i], w2[i]
+            u0, u1, u2 = x0[i], x1[i], x2[i]
+            a0 += u0 * p0
+            a1 += u0 * p1
+            a2 += u0 * p2
+            b0 += u1 * p0
+            b1 += u1 * p1
+            b2 += u1 * p2
+            c0 += u2 * p0
+            c1 += u2 * p1
+            c2 += u2 * p2
+        out[0, o], out[0, o + 1], out[0, o + 2] = a0, a1, a2
+        out[1, o], out[1, o + 1], out[1, o + 2] = b0, b1, b2
+        out[2, o], out[2, o + 1], out[2, o + 2] = c0, c1, c2
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def dot_4x3(x, w_t, out):
+    """Exactly four rows (a k = 3 verify, or four decode rows): `matmul_rows`' tile over one row tile,
+    the next tile's weights prefetched (`matmul_rows` prefetches a block ahead, from its second row tile on)."""
+    n_in = x.shape[1]
+    n_out = w_t.shape[0]
+    x0, x1, x2, x3 = x[0], x[1], x[2], x[3]
+    for o_tile in range(0, n_out, 3):
+        o = min(o_tile, n_out - 3)
+        _prefetch_tile(w_t, o, 3)
+        w0, w1, w2 = w_t[o], w_t[o + 1], w_t[o + 2]
+        s00 = s01 = s02 = s10 = s11 = s12 = s20 = s21 = s22 = s30 = s31 = s32 = np.float32(0.0)
+        for i in range(n_in):
+            a, c, d = w0[i], w1[i], w2[i]
+            u0, u1, u2, u3 = x0[i], x1[i], x2[i], x3[i]
+            s00 += u0 * a
+            s01 += u0 * c
+            s02 += u0 * d
+            s10 += u1 * a
+            s11 += u1 * c
+            s12 += u1 * d
+            s20 += u2 * a
+            s21 += u2 * c
+            s22 += u2 * d
+            s30 += u3 * a
+            s31 += u3 * c
+            s32 += u3 * d
+        out[0, o], out[0, o + 1], out[0, o + 2] = s00, s01, s02
+        out[1, o], out[1, o + 1], out[1, o + 2] = s10, s11, s12
+        out[2, o], out[2, o + 1], out[2, o + 2] = s20, s21, s22
+        out[3, o], out[3, o + 1], out[3, o + 2] = s30, s31, s32
 
 
 @njit(cache=True, fastmath=True, nogil=True)
 def dot_5x2(x, w_t, out):
-    """Exactly five rows (a k = 4 verify of one request): each weight element loaded once for all five."""
+    """Exactly five rows (a k = 4 verify), two outputs."""
     n_in = x.shape[1]
     n_out = w_t.shape[0]
     x0, x1, x2, x3, x4 = x[0], x[1], x[2], x[3], x[4]
     for o_tile in range(0, n_out, 2):
         o = min(o_tile, n_out - 2)
+        _prefetch_tile(w_t, o, 2)
         w0, w1 = w_t[o], w_t[o + 1]
         a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = np.float32(0.0)
         for i in range(n_in):
@@ -280,15 +309,19 @@ def dot_5x2(x, w_t, out):
 
 @njit(cache=True, fastmath=True, nogil=True)
 def dot_rows(x, w_t, out):
-    """out = x @ w_t.T for any number of rows, every output summed in the same order whatever the rows
-    (tiles 1 x 12, 2 x 6, 5 x 2 and `matmul_rows`' 4 x 3: twelve or ten dot products side by side)."""
+    """out = x @ w_t.T for any number of rows, every output summed in the same order whatever the rows:
+    a tile made for 1 … 5 rows, `matmul_rows` (4 x 3, in blocks) for more."""
     rows = x.shape[0]
-    if w_t.shape[0] < 12:  # too few outputs for the tiles (no model layer has so few)
+    if w_t.shape[0] < 8:  # too few outputs for the tiles (no model layer has so few)
         matmul_rows(x, w_t, out)
     elif rows == 1:
-        dot_1x12(x, w_t, out)
-    elif rows < 4:
-        dot_2x6(x, w_t, out)
+        dot_1x8(x, w_t, out)
+    elif rows == 2:
+        dot_2x4(x, w_t, out)
+    elif rows == 3:
+        dot_3x3(x, w_t, out)
+    elif rows == 4:
+        dot_4x3(x, w_t, out)
     elif rows == 5:
         dot_5x2(x, w_t, out)
     else:
@@ -296,25 +329,17 @@ def dot_rows(x, w_t, out):
 
 
 @njit(cache=True, fastmath=True, nogil=True)
-def _matmul(x, w, w_t, tiled, out):
-    """out = x @ w: `dot_rows` on w_t (w's transpose, contiguous), whatever `tiled` says (experiment)."""
-    dot_rows(x, w_t, out)
-
-
-@njit(cache=True, fastmath=True, nogil=True)
 def decode_forward(batch_rows, starts, batch_tokens, batch_tables, block_size,
-                   embed, input_norms, post_norms, final_norm, qkv_w, o_w, gate_up_w, down_w, lm_head_w,
-                   tiled, qkv_t, o_t, gate_up_t, down_t, lm_head_t,
+                   embed, input_norms, post_norms, final_norm, qkv_t, o_t, gate_up_t, down_t, lm_head_t,
                    cos, sin, k_blocks, v_blocks, num_heads, num_kv_heads, eps,
                    positions, seq_lens, h, x, qkv, attn, delta, gate_up, act, logits):
     """One decode step for rows b = 0 … B-1 (input-batch row `batch_rows[b]`, its new token at
-    position `starts[b]`). Weights: per layer stacked [L, in, out]; norms [L, hidden]; with `tiled`,
-    the matmuls run `matmul_rows` on the `*_t` weights ([L, out, in], lm_head [vocab, hidden]), else
-    `matvec_rows` on the others; the pools [L, num_blocks, block_size, H_kv, D]. The last ten arguments
+    position `starts[b]`). Weights: the matmuls' per layer stacked [L, out, in] (lm_head [vocab, hidden]),
+    all run by `dot_rows`; norms [L, hidden]; the pools [L, num_blocks, block_size, H_kv, D]. The last ten arguments
     are the caller's buffers (`positions` int64 [B], `seq_lens` int32 [B], then float32 [B, ·]);
     `logits` [B, vocab] is the output."""
     num_rows = batch_rows.shape[0]
-    num_layers = qkv_w.shape[0]
+    num_layers = qkv_t.shape[0]
     dim = cos.shape[1]
     intermediate = act.shape[1]
     scale = np.float32(1.0 / math.sqrt(dim))
@@ -330,7 +355,7 @@ def decode_forward(batch_rows, starts, batch_tokens, batch_tables, block_size,
     queries = attn.reshape(num_rows, num_heads, dim)
     tables = batch_tables[batch_rows]  # each row's block-table row, in row order (a small copy, once a step)
     for layer in range(num_layers):
-        _matmul(x, qkv_w[layer], qkv_t[layer], tiled, qkv)
+        dot_rows(x, qkv_t[layer], qkv)
         rotary(heads, num_heads + num_kv_heads, positions, cos, sin)  # q and k, in place
         kb, vb = k_blocks[layer], v_blocks[layer]
         for b in range(num_rows):  # this step's K/V into the pool ...
@@ -342,13 +367,13 @@ def decode_forward(batch_rows, starts, batch_tokens, batch_tables, block_size,
                     vb[block, offset, kvh, d] = heads[b, num_heads + num_kv_heads + kvh, d]
         # ... then every row's attention in one call (row b reads keys 0 … positions[b] only)
         paged_decode_f32(heads[:, :num_heads], kb, vb, tables, seq_lens, scale, 0, queries)
-        _matmul(attn, o_w[layer], o_t[layer], tiled, delta)
+        dot_rows(attn, o_t[layer], delta)
         add_rms_norm(h, delta, post_norms[layer], eps, x)
-        _matmul(x, gate_up_w[layer], gate_up_t[layer], tiled, gate_up)
+        dot_rows(x, gate_up_t[layer], gate_up)
         for b in range(num_rows):  # SiLU(gate) · up
             for j in range(intermediate):
                 g = gate_up[b, j]
                 act[b, j] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[b, intermediate + j]
-        _matmul(act, down_w[layer], down_t[layer], tiled, delta)
+        dot_rows(act, down_t[layer], delta)
         add_rms_norm(h, delta, input_norms[layer + 1] if layer + 1 < num_layers else final_norm, eps, x)
-    _matmul(x, lm_head_w, lm_head_t, tiled, logits)
+    dot_rows(x, lm_head_t, logits)

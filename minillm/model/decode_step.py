@@ -158,15 +158,13 @@ class CompiledDecode:
         self.model, self.block_size = model, block_size
         c = model.config
         stacked = stack_layer_weights(model)
+        # the kernel's tiles read each weight as [out, in] rows (HF's layout): a copy of each, made once
         self.weights = (model.embed_tokens.weight.numpy(),
                         np.ascontiguousarray(np.stack([layer.input_norm.numpy() for layer in model.layers])),
                         np.ascontiguousarray(np.stack([layer.post_attention_norm.numpy() for layer in model.layers])),
                         model.final_norm.contiguous().numpy(),
-                        stacked["qkv"], stacked["o"], stacked["gate_up"], stacked["down"],
-                        model.lm_head.weight.t().numpy())  # (column-major [vocab, hidden]: [hidden, vocab] rows)
-        # `matmul_rows` reads each weight as [out, in] rows (HF's layout): a copy of each, made once
-        self.weights_t = (*(np.ascontiguousarray(stacked[kind].transpose(0, 2, 1)) for kind in _KINDS),
-                          model.lm_head.weight.contiguous().numpy())
+                        *(np.ascontiguousarray(stacked[kind].transpose(0, 2, 1)) for kind in _KINDS),
+                        model.lm_head.weight.contiguous().numpy())
         self.rope = (model.rope.cos.numpy(), model.rope.sin.numpy())
         shape = (k_pool.shape[0], -1, block_size, *k_pool.shape[2:])
         self.pools = (k_pool.numpy().reshape(shape), v_pool.numpy().reshape(shape))
@@ -216,8 +214,8 @@ class CompiledDecode:
         if buffers is None:
             if self._full is None or len(self._full.h) < rows:  # (max_rows raised since: made again, larger)
                 size, c, f32 = max(rows, self.max_rows), self.model.config, np.float32
-                inter = self.weights[7].shape[1]
-                logits = np.empty((size, self.weights[8].shape[1]), f32)
+                inter = self.weights[7].shape[2]
+                logits = np.empty((size, self.weights[8].shape[0]), f32)
                 self._full = _Buffers(
                     np.empty(size, np.int64), np.empty(size, np.int32), np.empty((size, c.hidden_size), f32),
                     np.empty((size, c.hidden_size), f32),
@@ -235,9 +233,8 @@ class CompiledDecode:
         the numpy array it shares memory with. Both are views of the steps' buffer: read them before
         the next step. A step of `tiled_min_rows` rows or more runs `matmul_rows`, a smaller one `matvec_rows`."""
         b = self._buffers(len(batch_rows))
-        tiled = len(batch_rows) >= self.tiled_min_rows
         self.kernel(batch_rows, starts, batch.token_ids, batch.block_table.table, self.block_size, *self.weights,
-                    tiled, *self.weights_t, *self.rope, *self.pools, *self.heads, b.positions, b.seq_lens, b.h, b.x,
+                    *self.rope, *self.pools, *self.heads, b.positions, b.seq_lens, b.h, b.x,
                     b.qkv, b.attn, b.delta, b.gate_up, b.act, b.logits)
         return b.logits_tensor, b.logits
 
