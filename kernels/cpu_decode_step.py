@@ -17,28 +17,34 @@ row: at 32 rows the per-call work — the kernel's scratch arrays, its setup —
 
 Why one call: at batch 1 the bundled model's step reads ~16 MB of weights, about a millisecond of
 memory traffic, while the op-by-op forward dispatches ~480 torch ops and 17 numba calls a step
-(counted: `python bench/step_profile.py --batch-sizes 1`), each a few µs of framework work. Here
-every matmul is a matrix-vector product per row, written as `out[b] += x[b, i] · W[i]` over the
-weight's rows (`W` stored [in, out]: the storage the model already keeps, `column_major` in
-llama.py), so each weight is streamed once per step whatever B is, and the inner loop is a plain
-vectorizable multiply-add over `out` with no horizontal sums. Steps of many rows run `matmul_rows`
-instead (register-tiled dot products on the weights' [out, in] copy; minillm/model/decode_step.py says when). The norms, RoPE and attention are
-the same compiled functions the op-by-op path calls (`cpu_fused_ops`, `cpu_decode_attention`).
+(counted: `python bench/step_profile.py --batch-sizes 1`), each a few µs of framework work. The norms,
+RoPE and attention are the same compiled functions the op-by-op path calls (`cpu_fused_ops`,
+`cpu_decode_attention`).
 
-What the loop costs, measured on the course's 2-core EPYC VM (CPU time per call, 7 interleaved
-rounds in one process, old and new side by side; the machine was shared, load average 5-7, so read
-the ratios, not the µs): a step's 17 matrix-vector products stream 15.8 MB of weights, and at one
-row they take 1.1-1.5 ms, close to what a plain sum over a 16 MB array took in the same session
-(0.97 ms): the arithmetic is not what a lone row waits for. Each pass reads eight weight rows (four
-before): one load and one store of `out` per eight multiply-adds instead of four, 1.11× [0.73-1.32]
-at 1 row and 1.12× [0.91-1.22] at 5 rows on the 17 products, with no output differing in any bit.
-LLVM turns the `o` loop into 8-wide AVX2 FMAs (`matvec_rows.inspect_asm()`) when it runs from 0
-over a whole row: a variant that went through the outputs in chunks with `range(o0, o1)`, to keep
-every row's chunk in L1, compiled to scalar code and ran 1.7-3.8× slower; with slices, so that the
-loop starts at 0 again, it vectorized but was no faster than whole rows at 1-8 rows (0.86-1.05×:
-the weights, read in short strided runs, stream worse), and neither was a variant that carries two
-rows through each pass (0.82-1.02×). More rows still cost more: the whole step, 5 rows of one
-sequence (a verify row of 1+4) against 1 row, is about 1.6×.
+The matmuls (`dot_rows`): every output is a dot product over one weight row (weights stored [out, in],
+HF's layout, a copy made once by minillm/model/decode_step.py), which LLVM vectorizes along `in` in
+8-wide lanes and ends with one horizontal sum. A step of R rows runs a register tile made for R: R rows
+× W outputs side by side (1 × 8, 2 × 4, 3 × 3, 4 × 3, 5 × 2; `matmul_rows`' 4 × 3 in blocks past five),
+so that each weight element loaded feeds all R rows and the R·W sums plus the W weight vectors fit in
+AVX2's sixteen registers. Every tile sums an output in the same order, so a row's logits have the same
+bits whether it runs alone or among other rows (tests/test_decode_step.py): a speculative verify row's
+logits are exactly what plain decoding computes at that position, which is what makes greedy
+speculation emit plain decoding's tokens.
+
+That is what a verify step needs on a machine whose last-level cache holds the weights (the course's
+EPYC VM: 32 MiB of L3, 15.8 MB of fp32 weights). There a lone row waits on L3 (~35-45 GB/s for one
+core) and its arithmetic is nearly free, but five rows (a k = 4 verify) bring five times the
+multiply-adds, and the step turns compute-bound unless each weight load feeds every row. The earlier
+loop (`matvec_rows`, this file before 2026-12-03: `out[b] += x[b, i] · W[i]` over [in, out] rows,
+eight weight rows per pass) streamed each weight in long runs but redid every row's loads and stores
+of `out`; the tiles read three to eight 1 KB rows at a time, so each tile asks for the next tile's rows
+ahead (`prefetch_row`): without it, five rows out of L3 ran ~2.7× slower (10-11 against 29-31 GFMA/s,
+one 16 MB weight, three runs). The bundled target's 17 products per step, on its shapes, 5 interleaved
+rounds (scratch timing, 2026-12-03, quiet VM; µs): 1 row 419 with `matvec_rows` / 389 with the tiles,
+2 rows 576 / 461, 3 rows 771 / 469, 4 rows 1,008 / 538, 5 rows 1,156 / 632, each row's outputs bit for
+bit the same in every shape. Inside the engine (a captured n-gram verify step, re-run in place, 5
+rounds), the whole step of 1 … 5 rows took 503, 602, 678, 771 and 926 µs, the matmuls 449 … 713 of it:
+a k = 4 verify costs 1.8 plain steps (with `matvec_rows`, 3.0-3.6).
 
 float32 only: the sums run in another order than MKL's or oneDNN's, so the logits differ from the
 op-by-op forward in the last bits, as `FusedOps`' already do; the engine's test is greedy tokens
@@ -98,7 +104,7 @@ def matmul_rows(x, w_t, out):
 
     A register tile of 4 rows × 3 outputs: twelve dot products over `in` run side by side, so each
     weight element loaded feeds 4 rows and each x element 3 outputs (7 loads per 12 multiply-adds,
-    against 10 per 8 in `matvec_rows`, whose every pass also stores `out`). LLVM vectorizes the `i`
+    against 10 per 8 in the matrix-vector loop this file had before, whose every pass also stored `out`). LLVM vectorizes the `i`
     loop into twelve 8-wide accumulators: with the three weight vectors and one x vector, all sixteen
     AVX2 registers, and twelve independent chains of fused multiply-adds, more than the eight that
     keep both FMA units busy (4 × 2, the old tile, was exactly eight). The outputs go in blocks of
