@@ -58,7 +58,7 @@ import math
 import llvmlite
 import numpy as np
 from llvmlite import binding, ir
-from minillm.kernels.cpu_decode_attention import paged_decode_f32
+from minillm.kernels.cpu_decode_attention import _exp_in_place, paged_decode_f32
 from minillm.kernels.cpu_fused_ops import add_rms_norm, rms_norm, rotary
 from numba import njit, types
 from numba.core import cgutils
@@ -95,6 +95,8 @@ def prefetch_row(typingctx, array, row):
     return types.void(array, row), codegen
 
 
+# exp(88) = 1.7e38 is still a float32 (its max is 3.4e38); SiLU(g) for g below -88 is 0 to float32 anyway
+_EXP_CEILING = np.float32(88.0)
 _TILE_BLOCK_BYTES = 1 << 17  # weights per output block of `matmul_rows`: stays in L2 while every row tile reads it
 
 
@@ -360,6 +362,7 @@ def decode_forward(batch_rows, starts, batch_tokens, batch_tables, block_size,
     heads = qkv.reshape(num_rows, num_heads + 2 * num_kv_heads, dim)
     queries = attn.reshape(num_rows, num_heads, dim)
     tables = batch_tables[batch_rows]  # each row's block-table row, in row order (a small copy, once a step)
+    bits = np.empty(intermediate, np.int32)  # the SIMD exp's scratch
     for layer in range(num_layers):
         dot_rows(x, qkv_t[layer], qkv)
         rotary(heads, num_heads + num_kv_heads, positions, cos, sin)  # q and k, in place
@@ -376,10 +379,14 @@ def decode_forward(batch_rows, starts, batch_tokens, batch_tables, block_size,
         dot_rows(attn, o_t[layer], delta)
         add_rms_norm(h, delta, post_norms[layer], eps, x)
         dot_rows(x, gate_up_t[layer], gate_up)
-        for b in range(num_rows):  # SiLU(gate) · up
+        for b in range(num_rows):  # SiLU(gate) · up, exp(-gate) by the attention's SIMD polynomial
+            e = act[b]
+            for j in range(intermediate):
+                e[j] = min(-gate_up[b, j], _EXP_CEILING)
+            _exp_in_place(e, bits, intermediate, True)
             for j in range(intermediate):
                 g = gate_up[b, j]
-                act[b, j] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[b, intermediate + j]
+                e[j] = g / (np.float32(1.0) + e[j]) * gate_up[b, intermediate + j]
         dot_rows(act, down_t[layer], delta)
         add_rms_norm(h, delta, input_norms[layer + 1] if layer + 1 < num_layers else final_norm, eps, x)
     dot_rows(x, lm_head_t, logits)
