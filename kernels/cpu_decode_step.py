@@ -24,7 +24,7 @@ RoPE and attention are the same compiled functions the op-by-op path calls (`cpu
 The matmuls (`dot_rows`): every output is a dot product over one weight row (weights stored [out, in],
 HF's layout, a copy made once by minillm/model/decode_step.py), which LLVM vectorizes along `in` in
 8-wide lanes and ends with one horizontal sum. A step of R rows runs a register tile made for R: R rows
-× W outputs side by side (1 × 8, 2 × 4, 3 × 3, 4 × 3, 5 × 2; `matmul_rows`' 4 × 3 in blocks past five),
+× W outputs side by side (1 × 8, 2 × 4, 3 × 3, 5 × 2; `matmul_rows`' 4 × 3, in blocks, for four rows and past five),
 so that each weight element loaded feeds all R rows and the R·W sums plus the W weight vectors fit in
 AVX2's sixteen registers. Every tile sums an output in the same order, so a row's logits have the same
 bits whether it runs alone or among other rows (tests/test_decode_step.py): a speculative verify row's
@@ -100,6 +100,14 @@ _EXP_CEILING = np.float32(88.0)
 _TILE_BLOCK_BYTES = 1 << 17  # weights per output block of `matmul_rows`: stays in L2 while every row tile reads it
 
 
+@njit(fastmath=True, nogil=True, inline="always")
+def _prefetch_tile(w_t, o, width):
+    """Prefetch the weight rows of the tile after the one at output `o` (`width` outputs), if there is one."""
+    if o + 2 * width <= w_t.shape[0]:
+        for j in range(width):
+            prefetch_row(w_t, o + width + j)
+
+
 @njit(cache=True, fastmath=True, nogil=True)
 def matmul_rows(x, w_t, out):
     """out = x @ w_t.T for w_t [out, in] C-contiguous (HF's own layout): for many rows.
@@ -139,6 +147,8 @@ def matmul_rows(x, w_t, out):
                     prefetch_row(w_t, o_tile + block)
                     prefetch_row(w_t, o_tile + block + 1)
                     prefetch_row(w_t, o_tile + block + 2)
+                elif rows == 4:  # one row tile (a k = 3 verify): the next tile's rows, as the small tiles do
+                    _prefetch_tile(w_t, o, 3)
                 w0, w1, w2 = w_t[o], w_t[o + 1], w_t[o + 2]
                 s00 = s01 = s02 = s10 = s11 = s12 = s20 = s21 = s22 = s30 = s31 = s32 = np.float32(0.0)
                 for i in range(n_in):
@@ -160,14 +170,6 @@ def matmul_rows(x, w_t, out):
                 out[b + 1, o], out[b + 1, o + 1], out[b + 1, o + 2] = s10, s11, s12
                 out[b + 2, o], out[b + 2, o + 1], out[b + 2, o + 2] = s20, s21, s22
                 out[b + 3, o], out[b + 3, o + 1], out[b + 3, o + 2] = s30, s31, s32
-
-
-@njit(fastmath=True, nogil=True, inline="always")
-def _prefetch_tile(w_t, o, width):
-    """Prefetch the weight rows of the tile after the one at output `o` (`width` outputs), if there is one."""
-    if o + 2 * width <= w_t.shape[0]:
-        for j in range(width):
-            prefetch_row(w_t, o + width + j)
 
 
 @njit(cache=True, fastmath=True, nogil=True)
@@ -252,39 +254,6 @@ def dot_3x3(x, w_t, out):
 
 
 @njit(cache=True, fastmath=True, nogil=True)
-def dot_4x3(x, w_t, out):
-    """Exactly four rows (a k = 3 verify, or four decode rows): `matmul_rows`' tile over one row tile,
-    the next tile's weights prefetched (`matmul_rows` prefetches a block ahead, from its second row tile on)."""
-    n_in = x.shape[1]
-    n_out = w_t.shape[0]
-    x0, x1, x2, x3 = x[0], x[1], x[2], x[3]
-    for o_tile in range(0, n_out, 3):
-        o = min(o_tile, n_out - 3)
-        _prefetch_tile(w_t, o, 3)
-        w0, w1, w2 = w_t[o], w_t[o + 1], w_t[o + 2]
-        s00 = s01 = s02 = s10 = s11 = s12 = s20 = s21 = s22 = s30 = s31 = s32 = np.float32(0.0)
-        for i in range(n_in):
-            a, c, d = w0[i], w1[i], w2[i]
-            u0, u1, u2, u3 = x0[i], x1[i], x2[i], x3[i]
-            s00 += u0 * a
-            s01 += u0 * c
-            s02 += u0 * d
-            s10 += u1 * a
-            s11 += u1 * c
-            s12 += u1 * d
-            s20 += u2 * a
-            s21 += u2 * c
-            s22 += u2 * d
-            s30 += u3 * a
-            s31 += u3 * c
-            s32 += u3 * d
-        out[0, o], out[0, o + 1], out[0, o + 2] = s00, s01, s02
-        out[1, o], out[1, o + 1], out[1, o + 2] = s10, s11, s12
-        out[2, o], out[2, o + 1], out[2, o + 2] = s20, s21, s22
-        out[3, o], out[3, o + 1], out[3, o + 2] = s30, s31, s32
-
-
-@njit(cache=True, fastmath=True, nogil=True)
 def dot_5x2(x, w_t, out):
     """Exactly five rows (a k = 4 verify), two outputs."""
     n_in = x.shape[1]
@@ -318,7 +287,7 @@ def dot_5x2(x, w_t, out):
 @njit(cache=True, fastmath=True, nogil=True)
 def dot_rows(x, w_t, out):
     """out = x @ w_t.T for any number of rows, every output summed in the same order whatever the rows:
-    a tile made for 1 … 5 rows, `matmul_rows` (4 x 3, in blocks) for more."""
+    a tile made for 1, 2, 3 or 5 rows, `matmul_rows` (4 x 3, in blocks) for 4 and more."""
     rows = x.shape[0]
     if w_t.shape[0] < 8:  # too few outputs for the tiles (no model layer has so few)
         matmul_rows(x, w_t, out)
@@ -328,8 +297,6 @@ def dot_rows(x, w_t, out):
         dot_2x4(x, w_t, out)
     elif rows == 3:
         dot_3x3(x, w_t, out)
-    elif rows == 4:
-        dot_4x3(x, w_t, out)
     elif rows == 5:
         dot_5x2(x, w_t, out)
     else:

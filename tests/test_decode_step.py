@@ -116,7 +116,7 @@ def test_matmul_rows_equals_a_float64_matmul(rows, n_in, n_out):
 
 @pytest.mark.parametrize(("n_in", "n_out"), [(256, 301), (688, 256), (256, 12), (64, 13), (256, 9)])
 def test_dot_rows_gives_every_row_the_same_bits_whatever_the_rows(n_in, n_out):
-    """The tiles (1 x 8, 2 x 4, 3 x 3, 4 x 3, 5 x 2, and `matmul_rows` past five rows) sum every output in
+    """The tiles (1 x 8, 2 x 4, 3 x 3, 5 x 2, and `matmul_rows` for four rows and past five) sum every output in
     one order: a row computed alone has the bits it has among 2 ... 33 rows (8 outputs or more), which is
     what lets a verify step's rows equal plain decoding's."""
     from minillm.kernels.cpu_decode_step import dot_rows
