@@ -157,7 +157,8 @@ def _firing_case(rng: np.random.Generator) -> tuple[float, list[tuple[float, flo
     return max(now, max(arrivals, default=0.0)), list(zip(arrivals, waits)), int(rng.integers(1, 6))
 
 
-def _shaped_firing_case(rng: np.random.Generator, full: bool, due: bool) -> tuple[float, list[tuple[float, float]], int]:
+def _shaped_firing_case(rng: np.random.Generator, full: bool,
+                        due: bool) -> tuple[float, list[tuple[float, float]], int]:
     """A case of a chosen shape: someone waits, max_batch_size reached (`full`) or not, and `now` at or after
     a request's deadline (`due`: one of them drawn, or the last arrival if later) or between the last arrival
     and the earliest deadline. The reference still judges it."""
