@@ -1,6 +1,6 @@
 """Known-wrong answers to exercise 12 (tensor parallelism): see tests/known_wrong/__init__.py.
 
-Task 2's mutants run on 2 forked gloo ranks, as the grader runs every answer to task 2."""
+Task 2's mutants run on forked gloo ranks (2, 4, 3 and 6 of them), as the grader runs every answer to task 2."""
 
 from known_wrong import Mutant
 
