@@ -125,33 +125,81 @@ def batches_of(engine):
     started = sorted((m.first_scheduled_time, int(rid)) for rid, m in engine.metrics.requests.items())
     return [(t, [rid for _, rid in group]) for t, group in groupby(started, key=lambda x: x[0])]
 
+
+# Task 1's cases, (now, waiting (arrival, longest wait) pairs, max_batch_size): these, then
+# SEEDED_FIRING_CASES drawn from seed 7, then FRESH_CASES drawn at grade time.
+WRITTEN_FIRING_CASES = (
+    (1.0, [], 4),  # nobody waits
+    (0.0, [(0.0, 0.5)], 1),  # a batch of one is full at once
+    (0.30, [(0.25, 1.0), (0.26, 1.0), (0.28, 1.0)], 3),  # full before any deadline
+    (0.30, [(0.25, 0.1), (0.26, 0.1)], 3),  # not full, the oldest waited 0.05 s of 0.1 s
+    (0.7 + 0.1, [(0.7, 0.1), (0.75, 0.1)], 4),  # exactly oldest + delay: the engine's timer wakes here
+    (0.5, [(0.5, 0.0)], 4),  # no delay at all
+    (2.0, [(0.1, 5.0), (0.2, 5.0), (0.3, 5.0), (0.4, 5.0), (0.5, 5.0)], 4),  # more than a full batch waits
+    (0.30, [(0.10, 0.5), (0.25, 0.05)], 4),  # a younger request's deadline (0.30) comes first
+    (0.29, [(0.10, 0.5), (0.25, 0.05)], 4),  # ... but not yet
+    (0.2 + 0.1, [(0.0, 1.0), (0.2, 0.1)], 4),  # exactly a younger request's deadline
+)
+SEEDED_FIRING_CASES = 300
+
+
+def _firing_case(rng: np.random.Generator) -> tuple[float, list[tuple[float, float]], int]:
+    """A case of task 1 drawn from `rng`: (now, the waiting (arrival, longest wait) pairs, max_batch_size).
+    `now` is at an earliest or latest deadline, near the earliest, or at the last arrival."""
+    arrivals = np.sort(rng.uniform(0, 1, size=rng.integers(0, 7))).tolist()
+    delay = float(rng.choice([0.0, 0.005, 0.01, 0.05, 0.1, 0.25]))
+    uniform = rng.random() < 0.4
+    waits = [delay if uniform else float(rng.choice([delay, delay / 10, 2 * delay])) for _ in arrivals]
+    waits = [wait if _exact_in_ms(wait) else delay for wait in waits]
+    deadlines = [a + w for a, w in zip(arrivals, waits)] or [0.0]
+    now = float(rng.choice([min(deadlines), max(deadlines), min(deadlines) * rng.uniform(0.5, 1.5),
+                            max(arrivals, default=0.0)]))
+    return max(now, max(arrivals, default=0.0)), list(zip(arrivals, waits)), int(rng.integers(1, 6))
+
+
+def _shaped_firing_case(rng: np.random.Generator, full: bool,
+                        due: bool) -> tuple[float, list[tuple[float, float]], int]:
+    """A case of a chosen shape: someone waits, max_batch_size reached (`full`) or not, and `now` at or after
+    a request's deadline (`due`: one of them drawn, or the last arrival if later) or between the last arrival
+    and the earliest deadline. The reference still judges it."""
+    while True:
+        _, waiting, _ = _firing_case(rng)
+        deadlines = [arrival + wait for arrival, wait in waiting]
+        last_arrival = max((arrival for arrival, _ in waiting), default=0.0)
+        if waiting and (due or min(deadlines) > last_arrival):
+            break
+    if due:
+        now = max(last_arrival, float(rng.choice(deadlines)))
+    else:
+        now = last_arrival + (min(deadlines) - last_arrival) * float(rng.uniform(0.0, 0.95))
+    count = len(waiting)
+    return now, waiting, int(rng.integers(1, count + 1) if full else rng.integers(count + 1, 8))
+
+
+# The grade-time cases of task 1, in turn: as the seeded ones, (not full, too early), (not full, due),
+# (full, too early). Drawn as the seeded ones only, 82 % should fire and 4 % have someone waiting in vain,
+# so a memo of the seeded cases that answered the others with bool(waiting) passed 859 of 2,000 grades
+# (43 %), with True 31, with the deadlines alone (no size rule) 1,558. Now every grade has FRESH_CASES // 4
+# = 5 cases of each shape: True or bool(waiting) is wrong on the (not full, too early) ones, False or the
+# size rule alone on the (not full, due) ones, the deadlines alone on the (full, too early) ones, so each
+# fails every grade, by construction (0 of 2,000 seeds each; tests/known_wrong/ex03.py holds the first).
+# A memo that guesses at random passes 2**-20 < 1e-6 of grades.
+FRESH_SHAPES = (None, (False, False), (False, True), (True, False))
+
+
+def _fresh_firing_cases(seed: int) -> list[tuple[float, list[tuple[float, float]], int]]:
+    """Task 1's FRESH_CASES cases drawn at grade time from `seed`, each shape of FRESH_SHAPES in turn."""
+    rng = np.random.default_rng(seed)
+    shapes = [FRESH_SHAPES[number % len(FRESH_SHAPES)] for number in range(FRESH_CASES)]
+    return [_firing_case(rng) if shape is None else _shaped_firing_case(rng, *shape) for shape in shapes]
+
+
 @task(1, "firing rule")
 def check_task_1(should_fire) -> str:
-    cases = [
-        (1.0, [], 4),  # nobody waits
-        (0.0, [(0.0, 0.5)], 1),  # a batch of one is full at once
-        (0.30, [(0.25, 1.0), (0.26, 1.0), (0.28, 1.0)], 3),  # full before any deadline
-        (0.30, [(0.25, 0.1), (0.26, 0.1)], 3),  # not full, the oldest waited 0.05 s of 0.1 s
-        (0.7 + 0.1, [(0.7, 0.1), (0.75, 0.1)], 4),  # exactly oldest + delay: the engine's timer wakes here
-        (0.5, [(0.5, 0.0)], 4),  # no delay at all
-        (2.0, [(0.1, 5.0), (0.2, 5.0), (0.3, 5.0), (0.4, 5.0), (0.5, 5.0)], 4),  # more than a full batch waits
-        (0.30, [(0.10, 0.5), (0.25, 0.05)], 4),  # a younger request's deadline (0.30) comes first
-        (0.29, [(0.10, 0.5), (0.25, 0.05)], 4),  # ... but not yet
-        (0.2 + 0.1, [(0.0, 1.0), (0.2, 0.1)], 4),  # exactly a younger request's deadline
-    ]
+    cases = list(WRITTEN_FIRING_CASES)
     rng = np.random.default_rng(7)
-    for number in range(300 + FRESH_CASES):
-        if number == 300:  # then cases drawn at grade time: they cannot be memoised
-            rng = np.random.default_rng(grade_time_seeds(1)[0])
-        arrivals = np.sort(rng.uniform(0, 1, size=rng.integers(0, 7))).tolist()
-        delay = float(rng.choice([0.0, 0.005, 0.01, 0.05, 0.1, 0.25]))
-        uniform = rng.random() < 0.4
-        waits = [delay if uniform else float(rng.choice([delay, delay / 10, 2 * delay])) for _ in arrivals]
-        waits = [wait if _exact_in_ms(wait) else delay for wait in waits]
-        deadlines = [a + w for a, w in zip(arrivals, waits)] or [0.0]
-        now = float(rng.choice([min(deadlines), max(deadlines), min(deadlines) * rng.uniform(0.5, 1.5),
-                                max(arrivals, default=0.0)]))
-        cases.append((max(now, max(arrivals, default=0.0)), list(zip(arrivals, waits)), int(rng.integers(1, 6))))
+    cases += [_firing_case(rng) for _ in range(SEEDED_FIRING_CASES)]
+    cases += _fresh_firing_cases(grade_time_seeds(1)[0])  # drawn at grade time: they cannot be memoised
     for now, waiting, size in cases:
         want = _reference_should_fire(now, waiting, size)
         with forbid(*FIRING_RULES):

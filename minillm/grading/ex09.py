@@ -506,6 +506,8 @@ def check_task_3(verify, rng_class, num_samples: int = 20_000) -> list[str]:
     p = torch.stack([_dist(gen, 6) for _ in range(2)])
     q = _dist(gen, 6)
     drawn_a, drawn_b = grade_time_seeds(2)
+    while drawn_b == drawn_a:  # once in ~1e9 grades: then a correct generator would "draw the same numbers"
+        (drawn_b,) = grade_time_seeds(1)
     with forbid(*_forbidden()):
         a, b = rng_class(5), rng_class(5)
         draws_a = [float(a.uniform()) for _ in range(50)] + [int(a.choice(p[0])) for _ in range(50)]

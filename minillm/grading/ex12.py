@@ -2,8 +2,8 @@
 
 Task 1 (shard the MLP) and task 3 (shard attention by heads) need no processes: the learner's
 shards are compared exactly with `minillm.distributed.linear`'s for many shapes and rank counts.
-Task 2 runs the learner's forward where it belongs: on 2, then 4, then 3 or 6 processes (that count
-drawn when the check runs, so a forward written for one rank count fails) joined by torch.distributed
+Task 2 runs the learner's forward where it belongs: on 2, then 4, then 3 and 6 processes (these two on
+weights drawn when the check runs; a forward written for one rank count fails) joined by torch.distributed
 (gloo on loopback, `minillm.distributed.launch.run_ranks`: forked, bounded in time, every process
 stopped), each rank with its shard, and compares every rank's output with one process computing
 the whole MLP in float64. It also counts the collectives the forward makes. Task 3 then runs the
@@ -228,23 +228,26 @@ def _run_mlp_on_ranks(tp_mlp, world_size: int, shapes: list, seeds: list[int]) -
                            "all-reduce (dist.all_reduce), after the row-parallel layer")
 
 
+SEEDED_WORLD_SIZES = (2, 4)  # task 2's runs on the seeded weights
+DRAWN_WORLD_SIZES = (3, 6)  # then on weights drawn as the check runs (a run of 3 or 6 ranks is a tenth of a second)
+
+
 @task(2, "forward on 2 and more ranks")
 def check_task_2(tp_mlp) -> list[str]:
-    # 2 and 4 ranks on the seeded cases, then a rank count drawn as the check runs (3 or 6), on weights drawn then
-    # too: a forward written for one rank count (a bias divided by 2) cannot pass.
-    runs = [(size, [s for s in MLP_CASES if s[2] % size == 0]) for size in (2, 4)]
-    seeds = grade_time_seeds(FRESH_CASES + 1)
-    drawn_size = (3, 6)[seeds[-1] % 2]
-    runs.append((drawn_size, [s for s in MLP_CASES if s[2] % drawn_size == 0][:FRESH_CASES]))
+    # Every rank count in every grade: a forward written for one count (a bias divided by 2) cannot pass, nor one
+    # that handles 3 ranks and not 6 (when one of the two was drawn per grade, it passed half the grades).
+    seeds = grade_time_seeds(FRESH_CASES * len(DRAWN_WORLD_SIZES))
+    runs = [(size, [s for s in MLP_CASES if s[2] % size == 0], None) for size in SEEDED_WORLD_SIZES]
+    runs += [(size, [s for s in MLP_CASES if s[2] % size == 0][:FRESH_CASES],
+              seeds[FRESH_CASES * i:FRESH_CASES * (i + 1)]) for i, size in enumerate(DRAWN_WORLD_SIZES)]
     count = 0
-    for number, (size, shapes) in enumerate(runs):
+    for number, (size, shapes, drawn) in enumerate(runs):
         fixed = [200 + 10 * number + index for index in range(len(shapes))]
-        _run_mlp_on_ranks(tp_mlp, size, shapes, seeds[:len(shapes)] if number == 2 else fixed)
+        _run_mlp_on_ranks(tp_mlp, size, shapes, drawn if drawn is not None else fixed)
         count += len(shapes)
     hidden, tokens = MLP_CASES[1][1], MLP_CASES[1][0]
-    return [f"{count} cases (1 to 7 tokens, with and without biases) on 2, 4 and 3 or 6 gloo ranks (that count and its "
-            "weights drawn as the check ran): every rank's output equals one process's MLP in "
-            "float64 (1e-12)",
+    return [f"{count} cases (1 to 7 tokens, with and without biases) on 2, 4, 3 and 6 gloo ranks (on 3 and 6, weights "
+            "drawn as the check ran): every rank's output equals one process's MLP in float64 (1e-12)",
             f"collectives per forward: one all-reduce; for T={tokens}, H={hidden} it sums {tokens * hidden * 8} "
             "bytes of float64 per rank"]
 

@@ -91,3 +91,20 @@ KNOWN_WRONG += [
         "    should_fire = _Ref.should_fire\n"
         "    next_wakeup = _Ref.next_wakeup\n"), expect="minillm"),
 ]
+
+# A memo of task 1's seeded cases (the reference asked in advance, at cell time) that answers the cases drawn at
+# grade time with bool(waiting): it passed 43 % of grades while those were drawn as the seeded ones, mostly
+# True; every grade now draws cases where someone waits too early to fire (minillm/grading/ex03.py).
+KNOWN_WRONG += [
+    Mutant(1, "memoised: the seeded cases' answers computed with the reference in advance, bool(waiting) for "
+              "the others", code=(
+        "import numpy as _np\n"
+        "_rng = _np.random.default_rng(7)\n"
+        "_SEEDED = list(grader.WRITTEN_FIRING_CASES) + [grader._firing_case(_rng)\n"
+        "                                               for _ in range(grader.SEEDED_FIRING_CASES)]\n"
+        "_MEMO = {(_now, tuple(_waiting), _size): grader._reference_should_fire(_now, _waiting, _size)\n"
+        "         for _now, _waiting, _size in _SEEDED}\n"
+        "def should_fire(now, waiting, max_batch_size):\n"
+        "    return _MEMO.get((now, tuple(waiting), max_batch_size), bool(waiting))\n"),
+        expect="you said True, expected False"),
+]

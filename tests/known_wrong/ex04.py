@@ -62,6 +62,9 @@ KNOWN_WRONG = [
            expect="reference ContinuousScheduler"),
     Mutant(4, "drops the knobs", edits=(("LearnerScheduler(config, kv), **knobs)", "LearnerScheduler(config, kv))"),),
            expect="a size drawn now"),
+    Mutant(4, "hard-coded knobs: the check's own", edits=(("LearnerScheduler(config, kv), **knobs)",
+                                                            "LearnerScheduler(config, kv), **grader.ENGINE_KNOBS)"),),
+           expect="a size drawn now"),
 ]
 
 # issue 18: the grader's harness as the answer, the library's class re-executed or copied, the check's frame

@@ -1,6 +1,6 @@
 """Known-wrong answers to exercise 12 (tensor parallelism): see tests/known_wrong/__init__.py.
 
-Task 2's mutants run on 2 forked gloo ranks, as the grader runs every answer to task 2."""
+Task 2's mutants run on forked gloo ranks (2, 4, 3 and 6 of them), as the grader runs every answer to task 2."""
 
 from known_wrong import Mutant
 
@@ -179,4 +179,14 @@ KNOWN_WRONG += [
            edits=(("o=wo[:, q_rows].contiguous()", "o=wo[:, q_rows]"),), expect="the o shard is a view"),
     Mutant(3, "shards are views into one copy of the whole weight",
            edits=(("q=wq[q_rows].clone(),", "q=wq.clone()[q_rows],"),), expect="the q shard is a view"),
+]
+
+
+# A forward that is right on 2, 3 and 4 ranks only: while task 2 drew one of 3 and 6 ranks per grade, it passed
+# half the grades; both run in every grade now.
+KNOWN_WRONG += [
+    Mutant(2, "tried on up to 4 ranks only: ranks 4 and up leave their partial sum out",
+           edits=(("    dist.all_reduce(partial, group=group)\n",
+                   "    if dist.get_rank(group) >= 4:\n        partial = torch.zeros_like(partial)\n"
+                   "    dist.all_reduce(partial, group=group)\n"),), expect="6 ranks"),
 ]
