@@ -427,7 +427,7 @@ def main() -> None:
                          "source into its own venv, minutes) or pass --llamacpp-python PATH")
 
     import torch
-    from _machine import describe_machine
+    from _machine import describe_machine, describe_memory
 
     import minillm
 
@@ -436,6 +436,7 @@ def main() -> None:
     ggufs = convert_models(python)
     engines = {"target": Minillm(MODELS["target"], max_num_seqs=args.num_requests),
                "draft": Minillm(MODELS["draft"], max_num_seqs=args.num_requests)}
+    print(f"memory: {describe_memory(engines['target'].llm.engine.executor.worker.model.weight_bytes)}")
     tokenizer = engines["target"].llm.tokenizer
     bos = tokenizer.bos_token_id
     prompts, max_tokens = heavy_tailed_requests(tokenizer, bos, args.num_requests, args.seed)

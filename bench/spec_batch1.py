@@ -16,6 +16,8 @@ The systems run interleaved (`minillm.spec.measure`): every repetition serves th
 system in turn, the order rotating; what is kept is plain decoding's time ÷ the system's within a
 repetition, printed as the median over `--repeats` and its min–max. The same ratio on this process's
 CPU time is printed beside it (a neighbour's load inflates wall time, much less CPU time). Printed
+before and after the table: where the target's weights come from right now (reads of a buffer their size
+against a 256 MiB one), which decides what a verify step costs next to a plain one. Printed
 with it, deterministic whatever the load: target forward passes, acceptance rate, tokens per verify
 step. Every system's greedy tokens are checked equal to plain decoding's. Several `--k` values run
 each proposer once per k, in the same interleaved repetitions: which k pays is read off one table.
@@ -34,7 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from _machine import describe_machine  # noqa: E402
+from _machine import describe_machine, describe_memory  # noqa: E402
 from spec import VERSES, prompts_from_verses  # noqa: E402
 
 from minillm import LLM, SamplingParams  # noqa: E402
@@ -76,6 +78,8 @@ def main() -> None:
     print(f"bundled target + draft, fp32, 1 thread, batch 1 (max_num_seqs=1), greedy, k = {', '.join(map(str, args.k))}; "
           f"{args.num_prompts} prompts per workload, {args.repeats} interleaved repetitions\n")
     llms = {"plain": LLM(max_num_seqs=1)}
+    weights_bytes = llms["plain"].engine.executor.worker.model.weight_bytes  # what one decode step reads
+    print(f"memory at the start: {describe_memory(weights_bytes)}")
     for k in args.k:
         suffix = f" k={k}" if len(args.k) > 1 else ""
         llms["n-gram" + suffix] = LLM(max_num_seqs=1, speculative_config={"method": "ngram", "num_speculative_tokens": k})
@@ -99,6 +103,7 @@ def main() -> None:
             wall, cpu = Speedup.of(plain, run), Speedup.of(plain, run, clock="cpu")
             print(f"{'':<19} {system:<16} {str(wall):>32} {str(cpu):>30} {run.target_passes:>7} "
                   f"{run.acceptance_rate:>7.2f} {run.tokens_per_verify:>10.2f}  {same}; {wall.verdict}", flush=True)
+    print(f"memory at the end: {describe_memory(weights_bytes)}")
 
 
 if __name__ == "__main__":

@@ -17,28 +17,34 @@ row: at 32 rows the per-call work — the kernel's scratch arrays, its setup —
 
 Why one call: at batch 1 the bundled model's step reads ~16 MB of weights, about a millisecond of
 memory traffic, while the op-by-op forward dispatches ~480 torch ops and 17 numba calls a step
-(counted: `python bench/step_profile.py --batch-sizes 1`), each a few µs of framework work. Here
-every matmul is a matrix-vector product per row, written as `out[b] += x[b, i] · W[i]` over the
-weight's rows (`W` stored [in, out]: the storage the model already keeps, `column_major` in
-llama.py), so each weight is streamed once per step whatever B is, and the inner loop is a plain
-vectorizable multiply-add over `out` with no horizontal sums. Steps of many rows run `matmul_rows`
-instead (register-tiled dot products on the weights' [out, in] copy; minillm/model/decode_step.py says when). The norms, RoPE and attention are
-the same compiled functions the op-by-op path calls (`cpu_fused_ops`, `cpu_decode_attention`).
+(counted: `python bench/step_profile.py --batch-sizes 1`), each a few µs of framework work. The norms,
+RoPE and attention are the same compiled functions the op-by-op path calls (`cpu_fused_ops`,
+`cpu_decode_attention`).
 
-What the loop costs, measured on the course's 2-core EPYC VM (CPU time per call, 7 interleaved
-rounds in one process, old and new side by side; the machine was shared, load average 5-7, so read
-the ratios, not the µs): a step's 17 matrix-vector products stream 15.8 MB of weights, and at one
-row they take 1.1-1.5 ms, close to what a plain sum over a 16 MB array took in the same session
-(0.97 ms): the arithmetic is not what a lone row waits for. Each pass reads eight weight rows (four
-before): one load and one store of `out` per eight multiply-adds instead of four, 1.11× [0.73-1.32]
-at 1 row and 1.12× [0.91-1.22] at 5 rows on the 17 products, with no output differing in any bit.
-LLVM turns the `o` loop into 8-wide AVX2 FMAs (`matvec_rows.inspect_asm()`) when it runs from 0
-over a whole row: a variant that went through the outputs in chunks with `range(o0, o1)`, to keep
-every row's chunk in L1, compiled to scalar code and ran 1.7-3.8× slower; with slices, so that the
-loop starts at 0 again, it vectorized but was no faster than whole rows at 1-8 rows (0.86-1.05×:
-the weights, read in short strided runs, stream worse), and neither was a variant that carries two
-rows through each pass (0.82-1.02×). More rows still cost more: the whole step, 5 rows of one
-sequence (a verify row of 1+4) against 1 row, is about 1.6×.
+The matmuls (`dot_rows`): every output is a dot product over one weight row (weights stored [out, in],
+HF's layout, a copy made once by minillm/model/decode_step.py), which LLVM vectorizes along `in` in
+8-wide lanes and ends with one horizontal sum. A step of R rows runs a register tile made for R: R rows
+× W outputs side by side (1 × 8, 2 × 4, 3 × 3, 5 × 2; `matmul_rows`' 4 × 3, in blocks, for four rows and past five),
+so that each weight element loaded feeds all R rows and the R·W sums plus the W weight vectors fit in
+AVX2's sixteen registers. Every tile sums an output in the same order, so a row's logits have the same
+bits whether it runs alone or among other rows (tests/test_decode_step.py): a speculative verify row's
+logits are exactly what plain decoding computes at that position, which is what makes greedy
+speculation emit plain decoding's tokens.
+
+That is what a verify step needs on a machine whose last-level cache holds the weights (the course's
+EPYC VM: 32 MiB of L3, 15.8 MB of fp32 weights). There a lone row waits on L3 (~35-45 GB/s for one
+core) and its arithmetic is nearly free, but five rows (a k = 4 verify) bring five times the
+multiply-adds, and the step turns compute-bound unless each weight load feeds every row. The earlier
+loop (`matvec_rows`, this file before 2026-12-03: `out[b] += x[b, i] · W[i]` over [in, out] rows,
+eight weight rows per pass) streamed each weight in long runs but redid every row's loads and stores
+of `out`; the tiles read three to eight 1 KB rows at a time, so each tile asks for the next tile's rows
+ahead (`prefetch_row`): without it, five rows out of L3 ran ~2.7× slower (10-11 against 29-31 GFMA/s,
+one 16 MB weight, three runs). The bundled target's 17 products per step, on its shapes, 5 interleaved
+rounds (scratch timing, 2026-12-03, quiet VM; µs): 1 row 419 with `matvec_rows` / 389 with the tiles,
+2 rows 576 / 461, 3 rows 771 / 469, 4 rows 1,008 / 538, 5 rows 1,156 / 632, each row's outputs bit for
+bit the same in every shape. Inside the engine (a captured n-gram verify step, re-run in place, 5
+rounds), the whole step of 1 … 5 rows took 503, 602, 678, 771 and 926 µs, the matmuls 449 … 713 of it:
+a k = 4 verify costs 1.8 plain steps (with `matvec_rows`, 3.0-3.6).
 
 float32 only: the sums run in another order than MKL's or oneDNN's, so the logits differ from the
 op-by-op forward in the last bits, as `FusedOps`' already do; the engine's test is greedy tokens
@@ -52,7 +58,7 @@ import math
 import llvmlite
 import numpy as np
 from llvmlite import binding, ir
-from minillm.kernels.cpu_decode_attention import paged_decode_f32
+from minillm.kernels.cpu_decode_attention import _exp_in_place, paged_decode_f32
 from minillm.kernels.cpu_fused_ops import add_rms_norm, rms_norm, rotary
 from numba import njit, types
 from numba.core import cgutils
@@ -89,38 +95,17 @@ def prefetch_row(typingctx, array, row):
     return types.void(array, row), codegen
 
 
-@njit(cache=True, fastmath=True, nogil=True)
-def matvec_rows(x, w, out):
-    """out[b] = x[b] @ w for w [in, out] C-contiguous: eight weight rows per pass over out[b]."""
-    rows, n_in = x.shape
-    n_out = w.shape[1]
-    for b in range(rows):
-        ob = out[b]
-        for o in range(n_out):
-            ob[o] = 0.0
-    i = 0
-    while i + 8 <= n_in:
-        w0, w1, w2, w3 = w[i], w[i + 1], w[i + 2], w[i + 3]
-        w4, w5, w6, w7 = w[i + 4], w[i + 5], w[i + 6], w[i + 7]
-        for b in range(rows):
-            x0, x1, x2, x3 = x[b, i], x[b, i + 1], x[b, i + 2], x[b, i + 3]
-            x4, x5, x6, x7 = x[b, i + 4], x[b, i + 5], x[b, i + 6], x[b, i + 7]
-            ob = out[b]
-            for o in range(n_out):
-                ob[o] += ((x0 * w0[o] + x1 * w1[o]) + (x2 * w2[o] + x3 * w3[o])) + (
-                    (x4 * w4[o] + x5 * w5[o]) + (x6 * w6[o] + x7 * w7[o]))
-        i += 8
-    while i < n_in:
-        wi = w[i]
-        for b in range(rows):
-            xi = x[b, i]
-            ob = out[b]
-            for o in range(n_out):
-                ob[o] += xi * wi[o]
-        i += 1
-
-
+# exp(88) = 1.7e38 is still a float32 (its max is 3.4e38); SiLU(g) for g below -88 is 0 to float32 anyway
+_EXP_CEILING = np.float32(88.0)
 _TILE_BLOCK_BYTES = 1 << 17  # weights per output block of `matmul_rows`: stays in L2 while every row tile reads it
+
+
+@njit(fastmath=True, nogil=True, inline="always")
+def _prefetch_tile(w_t, o, width):
+    """Prefetch the weight rows of the tile after the one at output `o` (`width` outputs), if there is one."""
+    if o + 2 * width <= w_t.shape[0]:
+        for j in range(width):
+            prefetch_row(w_t, o + width + j)
 
 
 @njit(cache=True, fastmath=True, nogil=True)
@@ -129,7 +114,7 @@ def matmul_rows(x, w_t, out):
 
     A register tile of 4 rows × 3 outputs: twelve dot products over `in` run side by side, so each
     weight element loaded feeds 4 rows and each x element 3 outputs (7 loads per 12 multiply-adds,
-    against 10 per 8 in `matvec_rows`, whose every pass also stores `out`). LLVM vectorizes the `i`
+    against 10 per 8 in the matrix-vector loop this file had before, whose every pass also stored `out`). LLVM vectorizes the `i`
     loop into twelve 8-wide accumulators: with the three weight vectors and one x vector, all sixteen
     AVX2 registers, and twelve independent chains of fused multiply-adds, more than the eight that
     keep both FMA units busy (4 × 2, the old tile, was exactly eight). The outputs go in blocks of
@@ -162,6 +147,8 @@ def matmul_rows(x, w_t, out):
                     prefetch_row(w_t, o_tile + block)
                     prefetch_row(w_t, o_tile + block + 1)
                     prefetch_row(w_t, o_tile + block + 2)
+                elif rows == 4:  # one row tile (a k = 3 verify): the next tile's rows, as the small tiles do
+                    _prefetch_tile(w_t, o, 3)
                 w0, w1, w2 = w_t[o], w_t[o + 1], w_t[o + 2]
                 s00 = s01 = s02 = s10 = s11 = s12 = s20 = s21 = s22 = s30 = s31 = s32 = np.float32(0.0)
                 for i in range(n_in):
@@ -186,28 +173,148 @@ def matmul_rows(x, w_t, out):
 
 
 @njit(cache=True, fastmath=True, nogil=True)
-def _matmul(x, w, w_t, tiled, out):
-    """out = x @ w: `matmul_rows` on w_t (w's transpose, contiguous) if tiled, else `matvec_rows` on w."""
-    if tiled:
+def dot_1x8(x, w_t, out):
+    """One row, eight outputs at a time: eight dot products over `in` side by side (LLVM vectorizes each
+    along `in`, 8 lanes, as in every tile here), the next eight weight rows prefetched."""
+    n_in = x.shape[1]
+    n_out = w_t.shape[0]
+    xb = x[0]
+    for o_tile in range(0, n_out, 8):
+        o = min(o_tile, n_out - 8)
+        _prefetch_tile(w_t, o, 8)
+        w0, w1, w2, w3 = w_t[o], w_t[o + 1], w_t[o + 2], w_t[o + 3]
+        w4, w5, w6, w7 = w_t[o + 4], w_t[o + 5], w_t[o + 6], w_t[o + 7]
+        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+        for i in range(n_in):
+            u = xb[i]
+            s0 += u * w0[i]
+            s1 += u * w1[i]
+            s2 += u * w2[i]
+            s3 += u * w3[i]
+            s4 += u * w4[i]
+            s5 += u * w5[i]
+            s6 += u * w6[i]
+            s7 += u * w7[i]
+        out[0, o], out[0, o + 1], out[0, o + 2], out[0, o + 3] = s0, s1, s2, s3
+        out[0, o + 4], out[0, o + 5], out[0, o + 6], out[0, o + 7] = s4, s5, s6, s7
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def dot_2x4(x, w_t, out):
+    """Exactly two rows (a k = 1 verify), four outputs: each weight element loaded once for both rows."""
+    n_in = x.shape[1]
+    n_out = w_t.shape[0]
+    x0, x1 = x[0], x[1]
+    for o_tile in range(0, n_out, 4):
+        o = min(o_tile, n_out - 4)
+        _prefetch_tile(w_t, o, 4)
+        w0, w1, w2, w3 = w_t[o], w_t[o + 1], w_t[o + 2], w_t[o + 3]
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
+        for i in range(n_in):
+            p0, p1, p2, p3 = w0[i], w1[i], w2[i], w3[i]
+            u0, u1 = x0[i], x1[i]
+            a0 += u0 * p0
+            a1 += u0 * p1
+            a2 += u0 * p2
+            a3 += u0 * p3
+            b0 += u1 * p0
+            b1 += u1 * p1
+            b2 += u1 * p2
+            b3 += u1 * p3
+        out[0, o], out[0, o + 1], out[0, o + 2], out[0, o + 3] = a0, a1, a2, a3
+        out[1, o], out[1, o + 1], out[1, o + 2], out[1, o + 3] = b0, b1, b2, b3
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def dot_3x3(x, w_t, out):
+    """Exactly three rows (a k = 2 verify), three outputs."""
+    n_in = x.shape[1]
+    n_out = w_t.shape[0]
+    x0, x1, x2 = x[0], x[1], x[2]
+    for o_tile in range(0, n_out, 3):
+        o = min(o_tile, n_out - 3)
+        _prefetch_tile(w_t, o, 3)
+        w0, w1, w2 = w_t[o], w_t[o + 1], w_t[o + 2]
+        a0 = a1 = a2 = b0 = b1 = b2 = c0 = c1 = c2 = np.float32(0.0)
+        for i in range(n_in):
+            p0, p1, p2 = w0[i], w1[i], w2[i]
+            u0, u1, u2 = x0[i], x1[i], x2[i]
+            a0 += u0 * p0
+            a1 += u0 * p1
+            a2 += u0 * p2
+            b0 += u1 * p0
+            b1 += u1 * p1
+            b2 += u1 * p2
+            c0 += u2 * p0
+            c1 += u2 * p1
+            c2 += u2 * p2
+        out[0, o], out[0, o + 1], out[0, o + 2] = a0, a1, a2
+        out[1, o], out[1, o + 1], out[1, o + 2] = b0, b1, b2
+        out[2, o], out[2, o + 1], out[2, o + 2] = c0, c1, c2
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def dot_5x2(x, w_t, out):
+    """Exactly five rows (a k = 4 verify), two outputs."""
+    n_in = x.shape[1]
+    n_out = w_t.shape[0]
+    x0, x1, x2, x3, x4 = x[0], x[1], x[2], x[3], x[4]
+    for o_tile in range(0, n_out, 2):
+        o = min(o_tile, n_out - 2)
+        _prefetch_tile(w_t, o, 2)
+        w0, w1 = w_t[o], w_t[o + 1]
+        a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = np.float32(0.0)
+        for i in range(n_in):
+            p, q = w0[i], w1[i]
+            u0, u1, u2, u3, u4 = x0[i], x1[i], x2[i], x3[i], x4[i]
+            a0 += u0 * p
+            a1 += u0 * q
+            b0 += u1 * p
+            b1 += u1 * q
+            c0 += u2 * p
+            c1 += u2 * q
+            d0 += u3 * p
+            d1 += u3 * q
+            e0 += u4 * p
+            e1 += u4 * q
+        out[0, o], out[0, o + 1] = a0, a1
+        out[1, o], out[1, o + 1] = b0, b1
+        out[2, o], out[2, o + 1] = c0, c1
+        out[3, o], out[3, o + 1] = d0, d1
+        out[4, o], out[4, o + 1] = e0, e1
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def dot_rows(x, w_t, out):
+    """out = x @ w_t.T for any number of rows, every output summed in the same order whatever the rows:
+    a tile made for 1, 2, 3 or 5 rows, `matmul_rows` (4 x 3, in blocks) for 4 and more."""
+    rows = x.shape[0]
+    if w_t.shape[0] < 8:  # too few outputs for the tiles (no model layer has so few)
         matmul_rows(x, w_t, out)
+    elif rows == 1:
+        dot_1x8(x, w_t, out)
+    elif rows == 2:
+        dot_2x4(x, w_t, out)
+    elif rows == 3:
+        dot_3x3(x, w_t, out)
+    elif rows == 5:
+        dot_5x2(x, w_t, out)
     else:
-        matvec_rows(x, w, out)
+        matmul_rows(x, w_t, out)
 
 
 @njit(cache=True, fastmath=True, nogil=True)
 def decode_forward(batch_rows, starts, batch_tokens, batch_tables, block_size,
-                   embed, input_norms, post_norms, final_norm, qkv_w, o_w, gate_up_w, down_w, lm_head_w,
-                   tiled, qkv_t, o_t, gate_up_t, down_t, lm_head_t,
+                   embed, input_norms, post_norms, final_norm, qkv_t, o_t, gate_up_t, down_t, lm_head_t,
                    cos, sin, k_blocks, v_blocks, num_heads, num_kv_heads, eps,
                    positions, seq_lens, h, x, qkv, attn, delta, gate_up, act, logits):
     """One decode step for rows b = 0 … B-1 (input-batch row `batch_rows[b]`, its new token at
-    position `starts[b]`). Weights: per layer stacked [L, in, out]; norms [L, hidden]; with `tiled`,
-    the matmuls run `matmul_rows` on the `*_t` weights ([L, out, in], lm_head [vocab, hidden]), else
-    `matvec_rows` on the others; the pools [L, num_blocks, block_size, H_kv, D]. The last ten arguments
+    position `starts[b]`). Weights: the matmuls' per layer stacked [L, out, in] (lm_head [vocab, hidden]),
+    all run by `dot_rows`; norms [L, hidden]; the pools [L, num_blocks, block_size, H_kv, D]. The last ten arguments
     are the caller's buffers (`positions` int64 [B], `seq_lens` int32 [B], then float32 [B, ·]);
     `logits` [B, vocab] is the output."""
     num_rows = batch_rows.shape[0]
-    num_layers = qkv_w.shape[0]
+    num_layers = qkv_t.shape[0]
     dim = cos.shape[1]
     intermediate = act.shape[1]
     scale = np.float32(1.0 / math.sqrt(dim))
@@ -222,8 +329,9 @@ def decode_forward(batch_rows, starts, batch_tokens, batch_tables, block_size,
     heads = qkv.reshape(num_rows, num_heads + 2 * num_kv_heads, dim)
     queries = attn.reshape(num_rows, num_heads, dim)
     tables = batch_tables[batch_rows]  # each row's block-table row, in row order (a small copy, once a step)
+    bits = np.empty(intermediate, np.int32)  # the SIMD exp's scratch
     for layer in range(num_layers):
-        _matmul(x, qkv_w[layer], qkv_t[layer], tiled, qkv)
+        dot_rows(x, qkv_t[layer], qkv)
         rotary(heads, num_heads + num_kv_heads, positions, cos, sin)  # q and k, in place
         kb, vb = k_blocks[layer], v_blocks[layer]
         for b in range(num_rows):  # this step's K/V into the pool ...
@@ -235,13 +343,17 @@ def decode_forward(batch_rows, starts, batch_tokens, batch_tables, block_size,
                     vb[block, offset, kvh, d] = heads[b, num_heads + num_kv_heads + kvh, d]
         # ... then every row's attention in one call (row b reads keys 0 … positions[b] only)
         paged_decode_f32(heads[:, :num_heads], kb, vb, tables, seq_lens, scale, 0, queries)
-        _matmul(attn, o_w[layer], o_t[layer], tiled, delta)
+        dot_rows(attn, o_t[layer], delta)
         add_rms_norm(h, delta, post_norms[layer], eps, x)
-        _matmul(x, gate_up_w[layer], gate_up_t[layer], tiled, gate_up)
-        for b in range(num_rows):  # SiLU(gate) · up
+        dot_rows(x, gate_up_t[layer], gate_up)
+        for b in range(num_rows):  # SiLU(gate) · up, exp(-gate) by the attention's SIMD polynomial
+            e = act[b]
+            for j in range(intermediate):
+                e[j] = min(-gate_up[b, j], _EXP_CEILING)
+            _exp_in_place(e, bits, intermediate, True)
             for j in range(intermediate):
                 g = gate_up[b, j]
-                act[b, j] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[b, intermediate + j]
-        _matmul(act, down_w[layer], down_t[layer], tiled, delta)
+                e[j] = g / (np.float32(1.0) + e[j]) * gate_up[b, intermediate + j]
+        dot_rows(act, down_t[layer], delta)
         add_rms_norm(h, delta, input_norms[layer + 1] if layer + 1 < num_layers else final_norm, eps, x)
-    _matmul(x, lm_head_w, lm_head_t, tiled, logits)
+    dot_rows(x, lm_head_t, logits)

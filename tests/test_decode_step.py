@@ -1,7 +1,8 @@
 """The compiled decode step (minillm/model/decode_step.py, kernels/cpu_decode_step.py): the same greedy
 tokens as HF transformers and as the op-by-op forward, logits equal to float32 rounding, taken only
 where it is supported, with the layers' weights shared rather than copied and its buffers reused;
-its register-tiled matmul (many rows) equal to a float64 matmul to float32 rounding."""
+its register-tiled matmuls equal to a float64 matmul to float32 rounding, and each row's outputs the
+same bits whatever the rows beside it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from conftest import hf_greedy
 
 from minillm import LLM, SamplingParams
 from minillm.llm import BUNDLED_TARGET
-from minillm.model.decode_step import MAX_ROWS, MAX_VERIFY_ROWS, TILED_MIN_ROWS, CompiledDecode
+from minillm.model.decode_step import MAX_ROWS, MAX_VERIFY_ROWS, CompiledDecode
 
 TEXTS = ["In the beginning God created", "And the king said unto",
          "Blessed are they that mourn: for they shall be comforted. Blessed are the meek", "Thus"]
@@ -67,21 +68,24 @@ def many_texts(n: int) -> list[str]:
     return [" ".join(words[i : i + 5 + i % 4]) for i in range(n)]
 
 
+MANY_ROWS = 12  # past the small tiles (1-5 rows): `matmul_rows`' 4 x 3 tiles, in blocks
+
+
 def test_a_step_of_many_rows_runs_the_tiled_matmuls_with_hfs_greedy_tokens(llm):
-    """TILED_MIN_ROWS + 3 requests: their decode steps run compiled with `matmul_rows` (then fewer rows,
-    with `matvec_rows`, as they finish); every request's greedy tokens are HF's and the op-by-op
-    forward's, and its logprobs the op-by-op forward's to float32 rounding."""
+    """MANY_ROWS requests: their decode steps run compiled with `matmul_rows` (then fewer rows, with the
+    smaller tiles, as they finish); every request's greedy tokens are HF's and the op-by-op forward's,
+    and its logprobs the op-by-op forward's to float32 rounding."""
     from transformers import AutoModelForCausalLM
 
     worker = llm.engine.executor.worker
-    texts = many_texts(TILED_MIN_ROWS + 3)
+    texts = many_texts(MANY_ROWS)
     sizes = count_compiled_calls(llm)
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
     try:
         compiled_out = llm.generate(texts, params, use_tqdm=False)
     finally:
         del worker.compiled_decode.run  # (count_compiled_calls' wrapper)
-    assert sizes.count(len(texts)) == NUM_TOKENS - 1 and len(texts) >= worker.compiled_decode.tiled_min_rows
+    assert sizes.count(len(texts)) == NUM_TOKENS - 1
     compiled, worker.compiled_decode = worker.compiled_decode, None
     try:
         plain_out = llm.generate(texts, params, use_tqdm=False)
@@ -108,6 +112,25 @@ def test_matmul_rows_equals_a_float64_matmul(rows, n_in, n_out):
     out = torch.full((rows, n_out), float("nan"))
     matmul_rows(x.numpy(), w_t.numpy(), out.numpy())
     torch.testing.assert_close(out.double(), x.double() @ w_t.double().T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(("n_in", "n_out"), [(256, 301), (688, 256), (256, 12), (64, 13), (256, 9)])
+def test_dot_rows_gives_every_row_the_same_bits_whatever_the_rows(n_in, n_out):
+    """The tiles (1 x 8, 2 x 4, 3 x 3, 5 x 2, and `matmul_rows` for four rows and past five) sum every output in
+    one order: a row computed alone has the bits it has among 2 ... 33 rows (8 outputs or more), which is
+    what lets a verify step's rows equal plain decoding's."""
+    from minillm.kernels.cpu_decode_step import dot_rows
+
+    g = torch.Generator().manual_seed(n_out)
+    x, w_t = torch.randn(33, n_in, generator=g), torch.randn(n_out, n_in, generator=g)
+    lone = torch.empty(33, n_out)
+    for b in range(33):
+        dot_rows(x[b : b + 1].numpy(), w_t.numpy(), lone[b : b + 1].numpy())
+    torch.testing.assert_close(lone.double(), x.double() @ w_t.double().T, rtol=1e-5, atol=1e-4)
+    for rows in [*range(2, 13), 16, 31, 33]:
+        out = torch.full((rows, n_out), float("nan"))
+        dot_rows(x[:rows].numpy(), w_t.numpy(), out.numpy())
+        assert torch.equal(out, lone[:rows]), f"{rows} rows: a row's bits differ from the same row alone"
 
 
 def test_compiled_logits_equal_the_op_by_op_forward_to_float32_rounding(llm):

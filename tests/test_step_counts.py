@@ -74,7 +74,7 @@ def test_a_batched_decode_step_does_not_grow():
 
 
 def test_a_batch_16_decode_step_runs_compiled_and_dispatches_no_torch_op():
-    """Up to MAX_ROWS (32) decode rows run compiled (the tiled matmuls from TILED_MIN_ROWS): no torch op."""
+    """Up to MAX_ROWS (32) decode rows run compiled: no torch op."""
     counts = count_steps(decoding_engine(16), num_steps=3)
     assert total(counts).torch_ops == 0, {p: c.torch_ops for p, c in counts.items()}
     assert counts["forward, lm_head"].python_calls <= 8

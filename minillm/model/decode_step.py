@@ -33,22 +33,15 @@ of the kernel's rows, all reading the same block-table row, at positions L … L
 without a mask because each layer writes every row's K/V before its attention, and a row's
 attention reads keys 0 … its own position only: the row at L+j sees the K/V that rows L … L+j−1
 wrote, and never a later row's (nor a rejected guess's from an earlier step): those lie past its
-length. Each row's arithmetic is the same as if it were alone in a step (the matrix-vector loops
-compute every row the same way), so a verify row's logits are
-those plain decoding computes at the same positions, bit for bit, and greedy speculation emits
-exactly plain decoding's tokens.
-
-Many rows (`tiled_min_rows` or more, decode rows only): the matrix-vector loops redo each weight
-row's arithmetic per row, which is what a lone row needs (it waits on the weights' memory traffic,
-not on the arithmetic) but not what a batch needs, so a large step's matmuls run as register-tiled
-dot products instead (`matmul_rows`: each weight element loaded feeds four rows, each input element
-three outputs) — the work oneDNN does in the op-by-op forward, without its per-op dispatch. A row's
-sums then come in another order than alone, which no test compares bit for bit (a plain decode row
-of a large step is compared with HF and the op-by-op forward by its greedy tokens).
+length. Each row's arithmetic is the same as if it were alone in a step (the kernel's register tiles,
+one shape per number of rows, sum every output in one order: kernels/cpu_decode_step.py), so a verify
+row's logits are those plain decoding computes at the same position, bit for bit, and greedy
+speculation emits exactly plain decoding's tokens. The same holds for a large decode step's rows: each
+row's logits are those it would get alone.
 
 The weights: the layers' matmul weights are moved into one tensor per kind, [layers, in, out] —
 each layer's weight becomes a view of it, with the same storage order as before (`column_major`
-in llama.py), so the op-by-op forward reads the very same memory. `matmul_rows` reads them as
+in llama.py), so the op-by-op forward reads the very same memory. The compiled step reads them as
 [out, in] rows (HF's own layout), a copy made once: for the bundled target, 15.8 MB more.
 """
 
@@ -59,31 +52,22 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-# Decode steps of this many rows or fewer run compiled. Steps of TILED_MIN_ROWS rows or more run their matmuls
-# as register-tiled dot products (`matmul_rows`) on a transposed copy of the weights; smaller ones, and every
-# step with speculative rows, as matrix-vector products (`matvec_rows`) on the stacked weights, whose rows each
-# compute alone, in the same order whatever the step's size: a verify row's logits are plain decoding's.
-# A verify row counts as 1+k rows, and such steps run compiled up to MAX_VERIFY_ROWS rows (batch 1, k ≤ 7).
-# Measured under load (2-core VM shared, load average 5-6; CPU time, scratch scripts, one process): on
-# bench/llamacpp.py section 3's 32 requests, decode steps of 9-32 rows went from 998 ms op by op to 686 ms
-# compiled (60 steps; two runs a minute apart), the whole run's step CPU 2198 -> 1869 ms; old/new per generate
-# 0.97-1.17x in 3 interleaved rounds. Per call at 32 rows, matvec / tiled / oneDNN over one layer's four matmuls x4 and the
-# lm_head: 7.9 / 7.6 / 8.4 ms (no clear winner among the three: the gain is the op-by-op step's dispatch).
-# The ladder's trace (bench/ladder.py, batch 16, 200 requests): 1.16x less CPU per run (2 interleaved rounds,
-# 1.16-1.16), all 200 outputs identical.
+# Decode steps of this many rows or fewer run compiled. A verify row counts as 1+k rows, and such steps run
+# compiled up to MAX_VERIFY_ROWS rows (batch 1, k ≤ 7). Measured under load (2-core VM shared, load average
+# 5-6; CPU time, scratch scripts, one process): on bench/llamacpp.py section 3's 32 requests, decode steps of
+# 9-32 rows went from 998 ms op by op to 686 ms compiled (60 steps; two runs a minute apart), the whole run's
+# step CPU 2198 -> 1869 ms; old/new per generate 0.97-1.17x in 3 interleaved rounds. Per call at 32 rows, the
+# kernel's matmuls / oneDNN's over one layer's four matmuls x4 and the lm_head: 7.6 / 8.4 ms (the gain is
+# the op-by-op step's dispatch). The ladder's trace (bench/ladder.py, batch 16, 200 requests): 1.16x less CPU
+# per run (2 interleaved rounds, 1.16-1.16), all 200 outputs identical.
 # Then (2026-12-02, same VM under load, CPU time in one process): the 4 x 3 tile with its prefetch of the next
 # output block and one attention call per layer, on the same captured steps of that run (7 interleaved rounds),
-# old/new 1.12x [1.09-1.14] at 32 rows, 1.24x [1.20-1.32] at 12, 1.17x [1.02-1.26] at 9, 1.0 at 1, logits
+# old/new 1.12x [1.09-1.14] at 32 rows, 1.24x [1.20-1.32] at 12, 1.17x [1.02-1.26] at 9, logits
 # bit-identical; with the attention's exp kept float32 too, the whole generate 1.05x [1.03-1.11] (10 interleaved
-# rounds), all 32 outputs identical.
-# TILED_MIN_ROWS not fewer: with the weights in cache the 4 x 3 tile beat the matrix-vector loops from 4 rows on
-# (the bundled target's 17 products, CPU time, 5 interleaved rounds: 4 rows 0.52 vs 0.78 ms, 8 rows 0.98 vs
-# 1.44), but inside a real step of the 32-request run, where the weights come from L3 or memory, the whole step
-# took 1.2-1.5x the CPU time tiled at 4-6 rows, prefetch or not (7 interleaved rounds on the same captured step):
-# matvec_rows streams each weight in long contiguous runs, the tiles read three 1 KB rows at a time.
+# rounds), all 32 outputs identical. Steps of 1-5 rows run tiles made for their size (2026-12-03: the
+# kernel's docstring has the measurements).
 MAX_ROWS = 32
 MAX_VERIFY_ROWS = 8
-TILED_MIN_ROWS = MAX_VERIFY_ROWS + 1
 _KINDS = ("qkv", "o", "gate_up", "down")
 
 
@@ -154,19 +138,17 @@ class CompiledDecode:
         from minillm.kernels.cpu_decode_step import decode_forward
 
         self.kernel = decode_forward
-        self.max_rows, self.max_verify_rows, self.tiled_min_rows = max_rows, MAX_VERIFY_ROWS, TILED_MIN_ROWS
+        self.max_rows, self.max_verify_rows = max_rows, MAX_VERIFY_ROWS
         self.model, self.block_size = model, block_size
         c = model.config
         stacked = stack_layer_weights(model)
+        # the kernel's tiles read each weight as [out, in] rows (HF's layout): a copy of each, made once
         self.weights = (model.embed_tokens.weight.numpy(),
                         np.ascontiguousarray(np.stack([layer.input_norm.numpy() for layer in model.layers])),
                         np.ascontiguousarray(np.stack([layer.post_attention_norm.numpy() for layer in model.layers])),
                         model.final_norm.contiguous().numpy(),
-                        stacked["qkv"], stacked["o"], stacked["gate_up"], stacked["down"],
-                        model.lm_head.weight.t().numpy())  # (column-major [vocab, hidden]: [hidden, vocab] rows)
-        # `matmul_rows` reads each weight as [out, in] rows (HF's layout): a copy of each, made once
-        self.weights_t = (*(np.ascontiguousarray(stacked[kind].transpose(0, 2, 1)) for kind in _KINDS),
-                          model.lm_head.weight.contiguous().numpy())
+                        *(np.ascontiguousarray(stacked[kind].transpose(0, 2, 1)) for kind in _KINDS),
+                        model.lm_head.weight.contiguous().numpy())
         self.rope = (model.rope.cos.numpy(), model.rope.sin.numpy())
         shape = (k_pool.shape[0], -1, block_size, *k_pool.shape[2:])
         self.pools = (k_pool.numpy().reshape(shape), v_pool.numpy().reshape(shape))
@@ -216,8 +198,8 @@ class CompiledDecode:
         if buffers is None:
             if self._full is None or len(self._full.h) < rows:  # (max_rows raised since: made again, larger)
                 size, c, f32 = max(rows, self.max_rows), self.model.config, np.float32
-                inter = self.weights[7].shape[1]
-                logits = np.empty((size, self.weights[8].shape[1]), f32)
+                inter = self.weights[7].shape[2]
+                logits = np.empty((size, self.weights[8].shape[0]), f32)
                 self._full = _Buffers(
                     np.empty(size, np.int64), np.empty(size, np.int32), np.empty((size, c.hidden_size), f32),
                     np.empty((size, c.hidden_size), f32),
@@ -233,11 +215,10 @@ class CompiledDecode:
         """Logits [rows, vocab] of one decode step (row b: input-batch row `batch_rows[b]`, its new token
         at position `starts[b]`), which also writes the step's K/V into the pool; as a tensor and as
         the numpy array it shares memory with. Both are views of the steps' buffer: read them before
-        the next step. A step of `tiled_min_rows` rows or more runs `matmul_rows`, a smaller one `matvec_rows`."""
+        the next step."""
         b = self._buffers(len(batch_rows))
-        tiled = len(batch_rows) >= self.tiled_min_rows
         self.kernel(batch_rows, starts, batch.token_ids, batch.block_table.table, self.block_size, *self.weights,
-                    tiled, *self.weights_t, *self.rope, *self.pools, *self.heads, b.positions, b.seq_lens, b.h, b.x,
+                    *self.rope, *self.pools, *self.heads, b.positions, b.seq_lens, b.h, b.x,
                     b.qkv, b.attn, b.delta, b.gate_up, b.act, b.logits)
         return b.logits_tensor, b.logits
 
