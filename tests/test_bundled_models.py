@@ -1,8 +1,9 @@
-"""The bundled models in models/ (built by tools/train_bundled.py, used from chapter 00 on).
+"""The bundled models in models/ (built by tools/train_bundled.py, the draft then distilled by
+tools/distill_draft.py; used from chapter 00 on).
 
 These tests only load what is committed; they never train. They check what the course relies on:
-both models load offline with plain transformers, the draft is an order of magnitude smaller and
-speaks the same tokenizer, and the target writes English.
+both models load offline with plain transformers, the draft is an order of magnitude smaller,
+speaks the same tokenizer and mostly guesses the target's greedy token, and the target writes English.
 """
 
 from __future__ import annotations
@@ -135,6 +136,26 @@ def test_target_beats_draft_beats_uniform_on_known_text(target, draft) -> None:
             losses.append(model(input_ids=ids, labels=ids).loss.item())
     uniform = torch.log(torch.tensor(4096.0)).item()
     assert losses[0] < losses[1] < uniform - 2
+
+
+def test_the_draft_guesses_the_targets_greedy_tokens(target, draft) -> None:
+    """What greedy speculation accepts (chapter 09): on the target's own greedy continuations of four
+    verses, the draft's greedy next token is the target's at most positions. The draft as
+    tools/train_bundled.py trained it (on the text alone) agreed at 79 of 145 (0.54); distilled from
+    the target by tools/distill_draft.py it agrees far more often."""
+    model, tokenizer = target
+    same = total = 0
+    with torch.no_grad():
+        for prompt in ("In the beginning God created the heaven and the earth.", "And the LORD spake unto Moses, saying,",
+                       "The LORD is my shepherd; I shall not want.", "And it came to pass in those days, that"):
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            sequence = model.generate(ids, max_new_tokens=48, do_sample=False)
+            at = slice(ids.shape[1] - 1, -1)  # the positions whose next token the target generated
+            target_tokens = model(input_ids=sequence).logits.argmax(-1)[0, at]
+            draft_tokens = draft[0](input_ids=sequence).logits.argmax(-1)[0, at]
+            same += int((target_tokens == draft_tokens).sum())
+            total += len(target_tokens)
+    assert same / total >= 0.65, f"the draft guesses the target's greedy token at {same} of {total} positions"
 
 
 def test_target_greedy_continuation_is_english(target) -> None:

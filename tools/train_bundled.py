@@ -6,7 +6,8 @@ The course runs offline, so it cannot download a model; it ships two it trained 
     models/minillm-draft/    ~0.4 M parameters, same tokenizer: the proposer for speculative decoding
 
 (The third, models/minillm-moe/, a tiny Mixtral for expert parallelism, is built by
-tools/train_bundled_moe.py from this script's helpers.)
+tools/train_bundled_moe.py from this script's helpers. The committed draft went on from this script's
+to imitate the target: tools/distill_draft.py, run after this one.)
 
 This script does the whole job end to end, seeded, on a laptop-class CPU in about half an hour:
 fetch the public-domain corpus (tools/corpus.py), train a byte-level BPE tokenizer, train each model

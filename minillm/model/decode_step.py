@@ -172,26 +172,27 @@ class CompiledDecode:
         if (not 0 < n <= self.max_rows or not self.model.fused_ops or plan.padded is not None
                 or plan.kv_connector_metadata is not None or not all(plan.samples)):
             return None
-        starts = np.asarray(plan.num_computed_tokens, dtype=np.int64)
         spec = plan.spec_token_ids
         if not spec:
             if not all(plan.is_decode):
                 return None
             rows = batch.rows_of(plan.req_ids)
             self._replayed = (plan, rows)
-            return rows, starts
-        widths = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
-        total = int(widths.sum())
-        if total > self.max_verify_rows:
+            return rows, np.asarray(plan.num_computed_tokens, dtype=np.int64)
+        if sum(plan.num_scheduled_tokens) > self.max_verify_rows:
             return None
+        rows: list[int] = []
+        positions: list[int] = []
+        requests = batch.requests
         for rid, start, width, decode in zip(plan.req_ids, plan.num_computed_tokens, plan.num_scheduled_tokens,
                                              plan.is_decode):
             guesses = spec.get(rid)
             if not ((width == 1 + len(guesses) and start > 0) if guesses else decode):
                 return None  # (a prefill chunk, or more than one pending token before the guesses)
-        rows = np.repeat(batch.rows_of(plan.req_ids), widths)
-        firsts = np.cumsum(widths) - widths  # each plan row's first kernel row
-        return rows, np.repeat(starts - firsts, widths) + np.arange(total)
+            rows += [requests[rid].row] * width
+            positions += range(start, start + width)
+        # (lists, then two arrays: a handful of rows, where each numpy call costs more than the work)
+        return np.array(rows, dtype=np.int64), np.array(positions, dtype=np.int64)
 
     def _buffers(self, rows: int) -> _Buffers:
         buffers = self.buffers.get(rows)
