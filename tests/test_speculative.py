@@ -68,7 +68,7 @@ def test_draft_model_greedy_equals_hf(models, draft, k, runner, monkeypatch):
     assert not proposer.states if runner == "compiled" else proposer.kv.allocator.num_in_use == 0
 
 
-def test_compiled_draft_loop_computes_the_models_logits(models):
+def test_compiled_draft_loop_computes_the_models_logits(models, monkeypatch):
     """`draft_decode` against HF transformers in float64: the logits after a prompt, and a greedy
     continuation fed back token by token, in one call and over several calls (catch-up, then guesses)."""
     import numpy as np
@@ -89,8 +89,11 @@ def test_compiled_draft_loop_computes_the_models_logits(models):
     weights.decode(k_cache, v_cache, np.array(prompt[-1:]), len(prompt) - 1, 5, guesses, logits)  # re-feed the last
     assert guesses.tolist() == hf_greedy(hf, prompt, 5)
     # The proposer: a long prompt's K/V from the batched forward, the last token and the guesses from the loop.
-    from minillm.spec.draft_compiled import BATCHED_CATCH_UP, CompiledDraftProposer
+    from minillm.spec import draft_compiled
+    from minillm.spec.draft_compiled import CompiledDraftProposer
 
+    BATCHED_CATCH_UP = 16  # (the tiny test model's positions end at 128: a short threshold keeps both paths in)
+    monkeypatch.setattr(draft_compiled, "BATCHED_CATCH_UP", BATCHED_CATCH_UP)
     proposer = CompiledDraftProposer(load_model_dir(dirs["other"], torch.float64, "cpu", 128), 4, 128)
     long_prompt = (prompt * 4)[: BATCHED_CATCH_UP + 9]
     req = Request("long", long_prompt, SamplingParams(temperature=0.0), 0.0)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from minillm.kernels.cpu_decode_attention import _decode
+from minillm.kernels.cpu_decode_attention import _decode, _exp_in_place
 from minillm.model.llama import LlamaModel
 
 
@@ -181,6 +181,9 @@ def draft_decode(embed, input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, fi
     proj = np.empty(hidden, dt)
     gu = np.empty(2 * inter, dt)
     act = np.empty(inter, dt)
+    bits = np.empty(inter, np.int32)  # the SIMD exp's scratch
+    one = zero + 1.0
+    ceiling = zero + 88.0  # exp(88) is still a float32; past it the SiLU is 0 either way
     block_shape = (1,) + k_cache.shape[1:]  # one sequence's cache seen as a single block of the kernel's pool
     table = np.zeros((1, 1), np.int64)
     seq_len = np.zeros(1, np.int64)
@@ -215,9 +218,11 @@ def draft_decode(embed, input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, fi
                 h[i] += proj[i]
             _rms_norm(h, post_norm[layer], eps, x, zero)
             _matvec(gate_up_w[layer], x, gu, zero)
+            for i in range(inter):  # SiLU(gate) · up, exp(-gate) by the attention kernel's exp (SIMD in float32)
+                act[i] = min(-gu[i], ceiling)
+            _exp_in_place(act, bits, inter, simd_exp)
             for i in range(inter):
-                g = gu[i]
-                act[i] = g / (1.0 + math.exp(-g)) * gu[inter + i]
+                act[i] = gu[i] / (one + act[i]) * gu[inter + i]
             _matvec(down_w[layer], act, proj, zero)
             for i in range(hidden):
                 h[i] += proj[i]
