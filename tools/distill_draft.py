@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -43,7 +42,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see train_bundled.py: spi
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -184,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     info = {"steps": step, "wall_s": wall_s, "kl": sum(recent) / len(recent), "before": before, "after": after,
             "total_min": (time.perf_counter() - script_start) / 60,
             "command": " ".join(["python", "tools/distill_draft.py", *(argv if argv is not None else sys.argv[1:])])}
-    write_section(args.out / "README.md", readme_section(args, info, samples))
+    section = readme_section(args, info, samples)  # (before the MoE's; rerunning train_bundled.py drops it)
+    tb.write_readme_section(args.out / "README.md", SECTION_BEGIN, SECTION_END, section, before=tb.MOE_SECTION_MARKER)
     tb.log(f"done in {info['total_min']:.1f} min; wrote {draft_dir} and its section of {args.out / 'README.md'}")
 
 
@@ -220,30 +219,9 @@ def readme_section(args, info: dict, samples: dict[str, str]) -> str:
         "Greedy samples of the distilled draft (40 new tokens):",
         "",
     ]
-    lines += [f"- **{prompt}**{text}".replace("\n", " ") for prompt, text in samples.items()]
-    lines += [
-        "",
-        f"Build: `{info['command']}`, whole script {info['total_min']:.1f} min on {tb.cpu_name()},"
-        f" {torch.get_num_threads()} thread(s); Python {platform.python_version()}, torch {torch.__version__},"
-        f" transformers {transformers.__version__}.",
-        SECTION_END,
-        "",
-    ]
+    lines += tb.samples_and_build(samples, info["command"], info["total_min"], args.threads)
+    lines += [SECTION_END, ""]
     return "\n".join(lines)
-
-
-def write_section(readme: Path, section: str) -> None:
-    """Replace this script's section, or put it before the MoE model's section (or at the end)."""
-    text = readme.read_text() if readme.exists() else ""
-    if SECTION_BEGIN in text:
-        head, rest = text.split(SECTION_BEGIN, 1)
-        text = head + section + rest.split(SECTION_END, 1)[1].lstrip("\n")
-    elif tb.MOE_SECTION_MARKER in text:
-        head, rest = text.split(tb.MOE_SECTION_MARKER, 1)
-        text = head + section + "\n" + tb.MOE_SECTION_MARKER + rest
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    readme.write_text(text)
 
 
 if __name__ == "__main__":

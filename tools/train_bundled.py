@@ -264,6 +264,33 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def samples_and_build(samples: dict[str, str], command: str, total_min: float, threads: int) -> list[str]:
+    """The end of a model's section of models/README.md (the MoE's, the distilled draft's): its greedy
+    samples as a list, then the command that built it and on what."""
+    lines = [f"- **{prompt}**{text}".replace("\n", " ") for prompt, text in samples.items()]
+    return lines + [
+        "",
+        f"Build: `{command}`, whole script {total_min:.1f} min on {cpu_name()}, {threads} thread(s);"
+        f" Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}.",
+    ]
+
+
+def write_readme_section(readme: Path, begin: str, end: str, section: str, before: str | None = None) -> None:
+    """Put `section` (which starts with `begin` and ends with `end`) into models/README.md: in place of
+    the old one if there is one, else just before the marker `before` if given and present, else at the end."""
+    text = readme.read_text() if readme.exists() else ""
+    if begin in text:
+        head, rest = text.split(begin, 1)
+        after = rest.split(end, 1)[1].lstrip("\n") if end in rest else ""
+        text = head + section + ("\n" + after if after else "")
+    elif before is not None and before in text:
+        head, rest = text.split(before, 1)
+        text = head + section + "\n" + before + rest
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    readme.write_text(text)
+
+
 def write_readme(out: Path, specs: list[ModelSpec], results: list[TrainResult], info: dict, args) -> None:
     lines = [
         "# Bundled models",

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 import random
 import sys
 import time
@@ -28,7 +27,6 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see train_bundled.py: spinning OpenMP waits
 
 import torch  # noqa: E402
-import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig, MixtralForCausalLM  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -167,28 +165,9 @@ def readme_section(config: MixtralConfig, result: dict, samples: dict, histogram
         "Greedy samples (40 new tokens):",
         "",
     ]
-    lines += [f"- **{prompt}**{text}".replace("\n", " ") for prompt, text in samples.items()]
-    lines += [
-        "",
-        f"Build: `{info['command']}`, whole script {info['total_min']:.1f} min on {tb.cpu_name()},"
-        f" {torch.get_num_threads()} thread(s); Python {platform.python_version()}, torch {torch.__version__},"
-        f" transformers {transformers.__version__}.",
-        SECTION_END,
-        "",
-    ]
+    lines += tb.samples_and_build(samples, info["command"], info["total_min"], torch.get_num_threads())
+    lines += [SECTION_END, ""]
     return "\n".join(lines)
-
-
-def write_section(readme: Path, section: str) -> None:
-    """Replace (or append) this script's section; the rest of models/README.md is train_bundled.py's."""
-    text = readme.read_text() if readme.exists() else ""
-    if SECTION_BEGIN in text:
-        before, rest = text.split(SECTION_BEGIN, 1)
-        after = rest.split(SECTION_END, 1)[1].lstrip("\n") if SECTION_END in rest else ""
-        text = before + section + after
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    readme.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -239,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
             ["python", "tools/train_bundled_moe.py", *(argv if argv is not None else sys.argv[1:])]
         ),
     }
-    write_section(args.out / "README.md", readme_section(config, result, samples, histogram, args, info))
+    section = readme_section(config, result, samples, histogram, args, info)
+    tb.write_readme_section(args.out / "README.md", SECTION_BEGIN, SECTION_END, section)
     tb.log(f"done in {info['total_min']:.1f} min; wrote {out_dir} and {args.out / 'README.md'}")
 
 
