@@ -15,7 +15,7 @@ the loss is KL(target ‖ draft) of the two next-token distributions, the target
 - windows of the training text, `--repeat-fraction` of them repeating their own beginning
   (t0 … t(L-1) t0 t1 …), text that quotes itself as chapter 09's quote trace does.
 
-    python tools/distill_draft.py [--out models] [--minutes 20] [--steps N] [--continuations 2048]
+    python tools/distill_draft.py [--out models] [--minutes 22] [--steps N] [--continuations 1024] [--threads 2]
 
 The draft keeps its shape (hidden 64, 2 layers: the same cost per guess); only its weights change.
 Before and after, the script measures the *agreement* — the share of positions where the draft's
@@ -107,12 +107,12 @@ def agreement(target, draft, batch: torch.Tensor) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("models"))
-    parser.add_argument("--minutes", type=float, default=20.0)
+    parser.add_argument("--minutes", type=float, default=22.0)
     parser.add_argument("--steps", type=int, default=None, help="run this many steps instead of a time budget")
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=1.5e-3)
     parser.add_argument("--repeat-fraction", type=float, default=0.5,
                         help="of the windows cut from the training text, the share that repeats its beginning")
-    parser.add_argument("--continuations", type=int, default=2048,
+    parser.add_argument("--continuations", type=int, default=1024,
                         help="target continuations to generate (0: train on the text alone)")
     parser.add_argument("--continuation-fraction", type=float, default=0.5,
                         help="the share of each batch drawn from the target's continuations")
