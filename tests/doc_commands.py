@@ -260,6 +260,8 @@ INLINE_DECISIONS: list[tuple[str, str, object]] = [
     ("python bench/pd.py", SKIP, "starts a PD pair and a colocated server and loads them for minutes; tests/test_pd.py"),
     ("python bench/llamacpp.py", SKIP, "builds llama-cpp-python from source into its own venv (minutes) and "
                                        "times it: a peer never installed by CI; tests/test_bench_llamacpp.py"),
+    ("python tools/distill_draft.py", SKIP, "trains the committed draft for 22 minutes and rewrites models/; "
+                                            "tests/test_bundled_models.py checks the draft it made"),
     ("python bench/gpu_smoke.py", SKIP, "needs a GPU (on a CPU it compares the CPU with itself)"),
     ("python bench/gpu.py", SKIP, "needs a GPU; its CPU check (NUMBA_ENABLE_CUDASIM=1 ... --dry-run) runs"),
     ("python -m minillm.benchmark.stub_server --host A", SKIP, "A is a placeholder for a host's address"),
