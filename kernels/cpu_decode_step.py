@@ -58,8 +58,8 @@ import math
 import llvmlite
 import numpy as np
 from llvmlite import binding, ir
-from minillm.kernels.cpu_decode_attention import _exp_in_place, paged_decode_f32
-from minillm.kernels.cpu_fused_ops import add_rms_norm, rms_norm, rotary
+from minillm.kernels.cpu_decode_attention import paged_decode_f32
+from minillm.kernels.cpu_fused_ops import add_rms_norm, rms_norm, rotary, silu_mul
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -347,13 +347,7 @@ def decode_forward(batch_rows, starts, batch_tokens, batch_tables, block_size,
         add_rms_norm(h, delta, post_norms[layer], eps, x)
         dot_rows(x, gate_up_t[layer], gate_up)
         for b in range(num_rows):  # SiLU(gate) · up, exp(-gate) by the attention's SIMD polynomial
-            e = act[b]
-            for j in range(intermediate):
-                e[j] = min(-gate_up[b, j], _EXP_CEILING)
-            _exp_in_place(e, bits, intermediate, True)
-            for j in range(intermediate):
-                g = gate_up[b, j]
-                e[j] = g / (np.float32(1.0) + e[j]) * gate_up[b, intermediate + j]
+            silu_mul(gate_up[b], act[b], bits, np.float32(1.0), _EXP_CEILING, True)
         dot_rows(act, down_t[layer], delta)
         add_rms_norm(h, delta, input_norms[layer + 1] if layer + 1 < num_layers else final_norm, eps, x)
     dot_rows(x, lm_head_t, logits)

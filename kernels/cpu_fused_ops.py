@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from minillm.kernels.cpu_decode_attention import _exp_in_place
 from numba import njit
 
 
@@ -73,3 +74,17 @@ def rotary(x, num_heads, positions, cos, sin):
                 a, b = row[i], row[i + half]
                 row[i] = a * c[i] - b * s[i]
                 row[i + half] = b * c[i + half] + a * s[i + half]
+
+
+@njit(fastmath=True, nogil=True, inline="always")
+def silu_mul(gate_up, out, bits, one, ceiling, simd):
+    """out = SiLU(gate) · up for one row, gate_up = [gate | up]: exp(−gate) by the attention kernel's
+    exp (its SIMD polynomial when `simd`, float32), clamped at `ceiling` (88 in float32: exp(88) is still
+    finite, and past it SiLU(gate) is 0 either way); `one` (1 in out's dtype) keeps the arithmetic in it;
+    `bits` is the exp's int32 scratch. The compiled decode step and the draft loop both call it."""
+    n = out.shape[0]
+    for j in range(n):
+        out[j] = min(-gate_up[j], ceiling)
+    _exp_in_place(out, bits, n, simd)
+    for j in range(n):
+        out[j] = gate_up[j] / (one + out[j]) * gate_up[n + j]

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from minillm.kernels.cpu_decode_attention import _decode, _exp_in_place
+from minillm.kernels.cpu_decode_attention import _decode
+from minillm.kernels.cpu_fused_ops import silu_mul
 from minillm.model.llama import LlamaModel
 
 
@@ -183,7 +184,7 @@ def draft_decode(embed, input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, fi
     act = np.empty(inter, dt)
     bits = np.empty(inter, np.int32)  # the SIMD exp's scratch
     one = zero + 1.0
-    ceiling = zero + 88.0  # exp(88) is still a float32; past it the SiLU is 0 either way
+    ceiling = zero + 88.0  # (see silu_mul)
     block_shape = (1,) + k_cache.shape[1:]  # one sequence's cache seen as a single block of the kernel's pool
     table = np.zeros((1, 1), np.int64)
     seq_len = np.zeros(1, np.int64)
@@ -218,11 +219,7 @@ def draft_decode(embed, input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, fi
                 h[i] += proj[i]
             _rms_norm(h, post_norm[layer], eps, x, zero)
             _matvec(gate_up_w[layer], x, gu, zero)
-            for i in range(inter):  # SiLU(gate) · up, exp(-gate) by the attention kernel's exp (SIMD in float32)
-                act[i] = min(-gu[i], ceiling)
-            _exp_in_place(act, bits, inter, simd_exp)
-            for i in range(inter):
-                act[i] = gu[i] / (one + act[i]) * gu[inter + i]
+            silu_mul(gu, act, bits, one, ceiling, simd_exp)  # (the compiled decode step's, as its exp)
             _matvec(down_w[layer], act, proj, zero)
             for i in range(hidden):
                 h[i] += proj[i]
